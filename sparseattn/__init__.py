@@ -1,0 +1,50 @@
+"""sparseattn: composable sparse attention for fast, training-free long-context decoding.
+
+Radar (Hao et al., ICLR 2025) and its relatives are assembled from parts:
+
+>>> import torch
+>>> from sparseattn import Radar
+>>> state = Radar(top_k=4, n_features=64).new_state(batch=1, kv_heads=2, head_dim=16)
+>>> state.prefill(torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16))
+>>> out, info = state.step(torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16))
+>>> tuple(out.shape), int(info.attended.max()) <= 4 * 10 + 2 * 10
+((1, 4, 16), True)
+"""
+
+from sparseattn.methods import DecodeState, Radar, SegmentSearch, SegmentSearchState, SegmentSelection, SparseMethod, StepInfo
+from sparseattn.ops import SegmentLayout, attention_ref, segment_attention, segment_attention_ref, segment_mask
+from sparseattn.schedules import DoublingSchedule, FixedSchedule, Schedule, SegmentGrid, SqrtSchedule
+from sparseattn.selectors import Lowest, Random, Recent, Selector, TopK
+from sparseattn.summaries import Centroid, ExactScore, MinMaxBound, PerformerFeatures, Summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Centroid",
+    "DecodeState",
+    "DoublingSchedule",
+    "ExactScore",
+    "FixedSchedule",
+    "Lowest",
+    "MinMaxBound",
+    "PerformerFeatures",
+    "Radar",
+    "Random",
+    "Recent",
+    "Schedule",
+    "SegmentGrid",
+    "SegmentLayout",
+    "SegmentSearch",
+    "SegmentSearchState",
+    "SegmentSelection",
+    "Selector",
+    "SparseMethod",
+    "SqrtSchedule",
+    "StepInfo",
+    "Summary",
+    "TopK",
+    "attention_ref",
+    "segment_attention",
+    "segment_attention_ref",
+    "segment_mask",
+]

@@ -1,0 +1,132 @@
+"""Decode attention over a segment selection, and its dense-mask reference.
+
+Shapes: queries are grouped by KV head, ``q: [B, H_kv, G, D]`` (query head ``h`` uses KV head
+``h // G``, as transformers' ``repeat_kv`` does); ``keys, values: [B, H_kv, t, D]``;
+``segments: [B, H_kv, G', k]`` with ``G' = G`` (one selection per query head) or ``G' = 1``
+(one selection shared by the KV group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseattn.ops.layout import SegmentLayout
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax run in float32 (float64 when the inputs are float64): fp16/bf16 never overflow."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def segment_positions(layout: SegmentLayout, segments: torch.Tensor) -> torch.Tensor:
+    """Token positions of the selected segments: ``[..., k] -> [..., k, segment_size]``."""
+    offsets = torch.arange(layout.segment_size, device=segments.device)
+    return layout.sink_end + segments.unsqueeze(-1) * layout.segment_size + offsets
+
+
+def segment_mask(layout: SegmentLayout, segments: torch.Tensor, group: int) -> torch.Tensor:
+    """The attended set as a dense boolean mask ``[B, H_kv, G, t]`` (for tests and pictures)."""
+    B, H, _, _ = segments.shape
+    pos = torch.arange(layout.length, device=segments.device)
+    selected = torch.zeros(B, H, segments.shape[2], layout.length, dtype=torch.bool, device=segments.device)
+    if segments.shape[-1] > 0:
+        selected.scatter_(-1, segment_positions(layout, segments).flatten(-2), True)
+    always = (pos < layout.sink_end) | (pos >= layout.tail_start)
+    return (always | (selected & (pos < layout.tail_start))).expand(B, H, group, layout.length)
+
+
+def attention_ref(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """Naive softmax attention in float64 over the tokens where ``mask`` is True.
+
+    Args:
+        q: ``[B, H_kv, G, D]``; keys, values: ``[B, H_kv, t, D]``; mask: ``[B, H_kv, G, t]`` bool or None.
+    Returns:
+        ``[B, H_kv, G, D]`` float64.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhgt,bhtd->bhgd", torch.softmax(logits, dim=-1), values.double())
+
+
+def segment_attention_ref(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: SegmentLayout,
+    segments: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`segment_attention`: materialise the mask, then run dense float64 attention."""
+    mask = segment_mask(layout, segments, q.shape[2])
+    return attention_ref(q, keys[:, :, : layout.length], values[:, :, : layout.length], mask, scale)
+
+
+def segment_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: SegmentLayout,
+    segments: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of one decode query over sinks, the selected segments and the tail.
+
+    Reads only the attended tokens: O(sinks + k * segment_size + tail) work, whatever ``t`` is.
+    The selected segments' keys and values are gathered (a copy of the selected tokens only);
+    logits of the three parts are softmaxed jointly, so no partial-state merge is needed.
+
+    Returns ``[B, H_kv, G, D]`` in the compute dtype (float32, or float64 for float64 inputs).
+
+    Example (full selection equals dense attention):
+        >>> from sparseattn.ops.layout import SegmentLayout
+        >>> q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
+        >>> lay = SegmentLayout(length=10, sinks=1, segment_size=3, n_segments=3)
+        >>> out = segment_attention(q, k, v, lay, torch.arange(3).view(1, 1, 1, 3))
+        >>> torch.allclose(out.double(), attention_ref(q, k, v), atol=1e-6)
+        True
+    """
+    B, H, G, D = q.shape
+    cd = compute_dtype(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    qs = (q.to(cd) * scale).unsqueeze(-2)  # [B, H, G, 1, D]
+    logits: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
+
+    def dense_part(start: int, end: int) -> None:
+        if end > start:
+            k_part = keys[:, :, start:end].to(cd).unsqueeze(2)  # [B, H, 1, L, D]
+            logits.append((qs @ k_part.transpose(-1, -2)).squeeze(-2))  # [B, H, G, L]
+            vals.append(values[:, :, start:end].to(cd).unsqueeze(2))
+
+    dense_part(0, layout.sink_end)
+    n_sel = segments.shape[-1]
+    if n_sel > 0 and layout.n_segments > 0:
+        c = layout.segment_size
+        shared = segments.shape[2]
+        seg_k = keys[:, :, layout.sink_end : layout.segment_end].view(B, H, layout.n_segments, c, D)
+        seg_v = values[:, :, layout.sink_end : layout.segment_end].view(B, H, layout.n_segments, c, D)
+        b_idx = torch.arange(B, device=q.device).view(B, 1, 1)
+        h_idx = torch.arange(H, device=q.device).view(1, H, 1)
+        flat = segments.reshape(B, H, shared * n_sel)
+        k_sel = seg_k[b_idx, h_idx, flat].view(B, H, shared, n_sel * c, D).to(cd)
+        v_sel = seg_v[b_idx, h_idx, flat].view(B, H, shared, n_sel * c, D).to(cd)
+        sel_logits = (qs @ k_sel.transpose(-1, -2)).squeeze(-2)  # [B, H, G, k*c]
+        beyond = segment_positions(layout, segments).flatten(-2) >= layout.tail_start
+        logits.append(sel_logits.masked_fill(beyond, float("-inf")))
+        vals.append(v_sel)
+    dense_part(layout.tail_start, layout.length)
+    if not logits:
+        raise ValueError(f"nothing to attend: the layout {layout} holds no token")
+
+    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    out = torch.zeros(B, H, G, D, dtype=cd, device=q.device)
+    start = 0
+    for part_logits, part_values in zip(logits, vals):
+        n = part_logits.shape[-1]
+        out = out + (weights[..., start : start + n].unsqueeze(-2) @ part_values).squeeze(-2)
+        start += n
+    return out

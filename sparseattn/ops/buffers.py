@@ -1,0 +1,87 @@
+"""Storage that grows by capacity doubling, so appending one token is amortised O(1)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GrowableBuffer:
+    """A tensor that grows along one dimension by capacity doubling.
+
+    ``transformers``' ``DynamicLayer`` concatenates the whole cache on every token (O(t) per step);
+    here an append copies only the new block, except when the capacity doubles, which happens
+    O(log t) times, so the total copy work for t tokens is O(t).
+
+    Example:
+        >>> buf = GrowableBuffer(dim=2)
+        >>> buf.append(torch.zeros(1, 2, 3, 4))
+        >>> buf.append(torch.ones(1, 2, 1, 4))
+        >>> tuple(buf.view().shape), len(buf)
+        ((1, 2, 4, 4), 4)
+    """
+
+    def __init__(self, dim: int = 2, min_capacity: int = 16) -> None:
+        self.dim = dim
+        self.min_capacity = min_capacity
+        self._data: torch.Tensor | None = None
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._data is None else self._data.shape[self.dim]
+
+    def _check_compatible(self, block: torch.Tensor) -> None:
+        assert self._data is not None
+        expected = list(self._data.shape)
+        got = list(block.shape)
+        expected[self.dim] = got[self.dim] = -1
+        if expected != got or block.dtype != self._data.dtype:
+            raise ValueError(
+                f"cannot append a block of shape {tuple(block.shape)} and dtype {block.dtype} to a buffer "
+                f"of shape {tuple(self._data.shape)} and dtype {self._data.dtype} (growing dim {self.dim})"
+            )
+
+    def append(self, block: torch.Tensor) -> None:
+        """Append ``block`` along ``dim``; all other dimensions and the dtype must match."""
+        n = block.shape[self.dim]
+        if self._data is None:
+            shape = list(block.shape)
+            shape[self.dim] = max(self.min_capacity, n)
+            self._data = block.new_empty(shape)
+        else:
+            self._check_compatible(block)
+        needed = self._length + n
+        if needed > self.capacity:
+            shape = list(self._data.shape)
+            shape[self.dim] = max(needed, 2 * self.capacity)
+            grown = self._data.new_empty(shape)
+            grown.narrow(self.dim, 0, self._length).copy_(self._data.narrow(self.dim, 0, self._length))
+            self._data = grown
+        self._data.narrow(self.dim, self._length, n).copy_(block)
+        self._length = needed
+
+    def replace(self, block: torch.Tensor) -> None:
+        """Drop the contents and hold ``block`` instead (used when a structure is rebuilt)."""
+        self._data = None
+        self._length = 0
+        self.append(block)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` entries."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a buffer of length {self._length} to {length}")
+        self._length = length
+
+    def view(self) -> torch.Tensor:
+        """The filled part, as a view (no copy)."""
+        if self._data is None:
+            raise ValueError("the buffer is empty and has no shape yet")
+        return self._data.narrow(self.dim, 0, self._length)
+
+    def apply_(self, fn) -> None:
+        """Replace the storage by ``fn(storage)`` (e.g. a device move or a batch reindex)."""
+        if self._data is not None:
+            self._data = fn(self._data)

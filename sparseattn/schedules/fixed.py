@@ -1,0 +1,24 @@
+"""Fixed-size segments sealed as they fill (Quest's pages), never rebuilt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparseattn.schedules.base import SegmentGrid
+
+
+@dataclass(frozen=True)
+class FixedSchedule:
+    """Segments of ``size`` tokens; a segment is sealed (summarised once) when it fills.
+
+    O(1) summary work per token, but O(t / size) segments to score per step.
+    """
+
+    size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"FixedSchedule.size must be >= 1, got {self.size}")
+
+    def plan(self, n_tokens: int, grid: SegmentGrid | None) -> SegmentGrid:
+        return SegmentGrid(segment_size=self.size, n_segments=n_tokens // self.size, built_at=0)

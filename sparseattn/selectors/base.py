@@ -1,0 +1,21 @@
+"""The ``Selector`` protocol: which segments a decode query attends to."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """Pick ``k`` segments per query from their scores.
+
+    ``scores: [B, H, G, S]`` (log-mass estimates from a :class:`~sparseattn.summaries.Summary`);
+    returns distinct segment indices ``[B, H, G, min(k, S)]``. Selectors that ignore scores set
+    ``uses_scores = False`` so the method skips scoring altogether.
+    """
+
+    uses_scores: bool
+
+    def select(self, scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor: ...

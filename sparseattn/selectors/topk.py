@@ -1,0 +1,17 @@
+"""Highest-scoring segments: Radar's selection (Algorithm 1, line 19)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The ``k`` segments with the highest scores."""
+
+    uses_scores = True
+
+    def select(self, scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+        return scores.topk(min(k, scores.shape[-1]), dim=-1, sorted=False).indices

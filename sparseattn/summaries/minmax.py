@@ -1,0 +1,38 @@
+"""Quest's summary: per-channel min/max keys, an upper bound of every logit in the segment."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MinMaxBound:
+    """Score = ``log c + sum_i max(q_i min_i, q_i max_i)`` (Tang et al. 2024, Quest).
+
+    ``sum_i max(q_i min_i, q_i max_i) >= q . k_j`` for every key of the segment, so the score is
+    an upper bound of the log attention mass. O(d) per segment.
+    """
+
+    reads_keys = False
+
+    def prepare(self, kv_heads: int, head_dim: int, *, layer_idx: int, device: torch.device, dtype: torch.dtype) -> None:
+        return None
+
+    def summarize(self, params: None, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return keys.amin(dim=-2), keys.amax(dim=-2)
+
+    def score(
+        self,
+        params: None,
+        summaries: tuple[torch.Tensor, torch.Tensor],
+        queries: torch.Tensor,
+        segment_keys: torch.Tensor | None,
+        segment_size: int,
+    ) -> torch.Tensor:
+        low, high = summaries  # [B, H, S, D]
+        q = queries.unsqueeze(-2)  # [B, H, G, 1, D]
+        bound = torch.maximum(q * low.unsqueeze(2), q * high.unsqueeze(2)).sum(-1)
+        return bound + math.log(segment_size)
