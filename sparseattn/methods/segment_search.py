@@ -53,13 +53,16 @@ class SegmentSearch:
 
     def __post_init__(self) -> None:
         for name, proto in (("summary", Summary), ("selector", Selector), ("schedule", Schedule)):
-            if not isinstance(getattr(self, name), proto):
+            part = getattr(self, name)
+            if isinstance(part, type):
+                raise ValueError(f"SegmentSearch.{name} must be an instance of a {proto.__name__} part, got the class {part.__name__}; use {part.__name__}()")
+            if not isinstance(part, proto):
                 raise ValueError(
                     f"SegmentSearch.{name} must implement the {proto.__name__} protocol, got {getattr(self, name)!r}"
                 )
         for name in ("top_k", "sinks", "window"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SegmentSearch.{name} must be an int >= 0, got {value!r}")
 
     def new_state(
@@ -117,8 +120,8 @@ class SegmentSelection:
     layout: SegmentLayout
     segments: torch.Tensor
     group: int
-    rebuilt: bool
-    sealed: int
+    rebuilt: bool  #: the latest append rebuilt every summary
+    sealed: int  #: segments the latest append sealed onto the grid
 
     @property
     def per_query_head(self) -> torch.Tensor:
@@ -139,6 +142,26 @@ class SegmentSelection:
         mask = segment_mask(self.layout, self.segments, self.group)
         B, H, G, t = mask.shape
         return mask.reshape(B, H * G, t)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_selection(selector: Selector, segments: torch.Tensor, shape: tuple[int, ...], n_segments: int) -> None:
+    """A selector must return distinct in-range indices: a repeat would count tokens twice in the softmax."""
+    if tuple(segments.shape) != shape or segments.dtype != torch.long:
+        raise ValueError(f"{selector!r} returned {segments.dtype} indices of shape {tuple(segments.shape)}, expected long {shape}")
+    ordered = segments.sort(dim=-1).values
+    bad = (ordered[..., 0] < 0) | (ordered[..., -1] >= n_segments) | (ordered.diff(dim=-1) == 0).any(-1)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{selector!r} returned segment indices that are repeated or outside [0, {n_segments}): "
+            f"{segments[bad][0].tolist()}"
+        )
 
 
 class SegmentSearchState:
@@ -163,14 +186,14 @@ class SegmentSearchState:
         scale: float | None = None,
     ) -> None:
         for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         self.method = method
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.layer_idx = layer_idx
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = _resolve_device(device)
         self.dtype = dtype
         self.compute_dtype = compute_dtype(dtype)
         self.scale = head_dim**-0.5 if scale is None else float(scale)
@@ -224,7 +247,7 @@ class SegmentSearchState:
             raise ValueError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
         if x.dtype != self.dtype:
             raise ValueError(f"{name} has dtype {x.dtype} but this state was made for {self.dtype}")
-        if x.device.type != self.device.type:
+        if x.device != self.device:
             raise ValueError(f"{name} is on {x.device} but this state lives on {self.device}")
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -239,6 +262,7 @@ class SegmentSearchState:
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
         self._keys.append(keys)
         self._values.append(values)
+        self._rebuilt_since_attend, self._sealed_since_attend = False, 0
         self._restructure()
 
     prefill = append
@@ -302,6 +326,8 @@ class SegmentSearchState:
     def scores(self, grouped_query: torch.Tensor) -> torch.Tensor:
         """Segment log-mass estimates ``[B, H_kv, G, S]`` for ``grouped_query: [B, H_kv, G, D]``."""
         summary = self.method.summary
+        if self.layout.n_segments == 0:
+            return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
         summaries = tuple(buf.view() for buf in self._summaries)
         seg_keys = self._scaled(self._segment_keys()) if summary.reads_keys else None
         return summary.score(
@@ -318,6 +344,8 @@ class SegmentSearchState:
             )
         if query.dtype != self.dtype:
             raise ValueError(f"query has dtype {query.dtype} but this state was made for {self.dtype}")
+        if query.device != self.device:
+            raise ValueError(f"query is on {query.device} but this state lives on {self.device}")
         if self.length == 0:
             raise ValueError("attend() called on an empty state: append keys and values first")
         group = query.shape[1] // self.kv_heads
@@ -336,10 +364,9 @@ class SegmentSearchState:
             else:
                 scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
             segments = selector.select(scores, k, self._generator)
+            _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
         out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale)
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend
         )
-        self._rebuilt_since_attend = False
-        self._sealed_since_attend = 0
         return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info

@@ -76,6 +76,7 @@ def segment_attention(
     """Attention of one decode query over sinks, the selected segments and the tail.
 
     Reads only the attended tokens: O(sinks + k * segment_size + tail) work, whatever ``t`` is.
+    Segment indices must be distinct and in ``[0, n_segments)`` (the decode state checks this).
     The selected segments' keys and values are gathered (a copy of the selected tokens only);
     logits of the three parts are softmaxed jointly, so no partial-state merge is needed.
 
@@ -92,41 +93,48 @@ def segment_attention(
     B, H, G, D = q.shape
     cd = compute_dtype(q.dtype)
     scale = D**-0.5 if scale is None else scale
-    qs = (q.to(cd) * scale).unsqueeze(-2)  # [B, H, G, 1, D]
-    logits: list[torch.Tensor] = []
-    vals: list[torch.Tensor] = []
+    # Everything is a 3-D bmm over rows = (batch, KV head[, selection group]): one GEMM with the
+    # group's query heads as M where tokens are shared, a matrix-vector product per head otherwise.
+    q_kv = (q.to(cd) * scale).reshape(B * H, G, D)
+    logits: list[torch.Tensor] = []  # each [B*H, G, L]
+    vals: list[torch.Tensor] = []  # each [B*H*G'', L, D] with the matching query rows
 
     def dense_part(start: int, end: int) -> None:
         if end > start:
-            k_part = keys[:, :, start:end].to(cd).unsqueeze(2)  # [B, H, 1, L, D]
-            logits.append((qs @ k_part.transpose(-1, -2)).squeeze(-2))  # [B, H, G, L]
-            vals.append(values[:, :, start:end].to(cd).unsqueeze(2))
+            k_part = keys[:, :, start:end].to(cd).reshape(B * H, end - start, D)
+            logits.append(torch.bmm(q_kv, k_part.transpose(1, 2)))
+            vals.append(values[:, :, start:end].to(cd).reshape(B * H, end - start, D))
 
+    if segments.shape[2] not in (1, G):
+        raise ValueError(f"segments must have 1 or {G} selections per KV head, got shape {tuple(segments.shape)}")
     dense_part(0, layout.sink_end)
     n_sel = segments.shape[-1]
     if n_sel > 0 and layout.n_segments > 0:
         c = layout.segment_size
         shared = segments.shape[2]
+        rows = G // shared  # query heads per selection
         seg_k = keys[:, :, layout.sink_end : layout.segment_end].view(B, H, layout.n_segments, c, D)
         seg_v = values[:, :, layout.sink_end : layout.segment_end].view(B, H, layout.n_segments, c, D)
         b_idx = torch.arange(B, device=q.device).view(B, 1, 1)
         h_idx = torch.arange(H, device=q.device).view(1, H, 1)
         flat = segments.reshape(B, H, shared * n_sel)
-        k_sel = seg_k[b_idx, h_idx, flat].view(B, H, shared, n_sel * c, D).to(cd)
-        v_sel = seg_v[b_idx, h_idx, flat].view(B, H, shared, n_sel * c, D).to(cd)
-        sel_logits = (qs @ k_sel.transpose(-1, -2)).squeeze(-2)  # [B, H, G, k*c]
-        beyond = segment_positions(layout, segments).flatten(-2) >= layout.tail_start
-        logits.append(sel_logits.masked_fill(beyond, float("-inf")))
+        k_sel = seg_k[b_idx, h_idx, flat].to(cd).reshape(B * H * shared, n_sel * c, D)
+        v_sel = seg_v[b_idx, h_idx, flat].to(cd).reshape(B * H * shared, n_sel * c, D)
+        sel_logits = torch.bmm(q_kv.reshape(B * H * shared, rows, D), k_sel.transpose(1, 2))
+        beyond = segment_positions(layout, segments).reshape(B * H * shared, 1, n_sel * c) >= layout.tail_start
+        logits.append(sel_logits.masked_fill(beyond, float("-inf")).reshape(B * H, G, n_sel * c))
         vals.append(v_sel)
     dense_part(layout.tail_start, layout.length)
     if not logits:
         raise ValueError(f"nothing to attend: the layout {layout} holds no token")
 
-    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-    out = torch.zeros(B, H, G, D, dtype=cd, device=q.device)
+    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)  # [B*H, G, total]
+    out = torch.zeros(B * H, G, D, dtype=cd, device=q.device)
     start = 0
     for part_logits, part_values in zip(logits, vals):
         n = part_logits.shape[-1]
-        out = out + (weights[..., start : start + n].unsqueeze(-2) @ part_values).squeeze(-2)
+        w = weights[..., start : start + n]
+        rows = G * B * H // part_values.shape[0]
+        out += torch.bmm(w.reshape(part_values.shape[0], rows, n), part_values).reshape(B * H, G, D)
         start += n
-    return out
+    return out.reshape(B, H, G, D)

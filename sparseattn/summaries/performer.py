@@ -14,10 +14,11 @@ _FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class PerformerFeatures:
-    """Segment summary ``mean_j phi(k_j)`` with phi(x) = exp(Omega x - ||x||^2/2) / sqrt(n).
+    """Segment summary ``sum_j phi(k_j)`` with phi(x) = exp(Omega x - ||x||^2/2) / sqrt(n).
 
-    The score ``phi(q) . mean_j phi(k_j)`` is an unbiased estimate of ``mean_j exp(q . k_j)``
-    (Lemma 1), so ``log(c * score)`` estimates the segment's log attention mass.
+    The paper stores the mean ``mean_j phi(k_j)``; we store the sum (c times the mean, the same
+    ranking for equal segments), so that ``log(phi(q) . sum_j phi(k_j))`` is directly an estimate of
+    the segment's log attention mass, unbiased before the log (Lemma 1).
 
     Storage is log-space with a max-shift per segment: ``summary = exp(L - m)`` in ``feature_dtype``
     (entries in [0, 1]) and the shift ``m`` in float32/64, where ``L = logsumexp_j log phi(k_j)``.

@@ -1,0 +1,29 @@
+"""Every part the toolkit ships, for tests that must hold for any combination."""
+
+from sparseattn import (
+    Centroid,
+    DoublingSchedule,
+    ExactScore,
+    FixedSchedule,
+    Lowest,
+    MinMaxBound,
+    PerformerFeatures,
+    Random,
+    Recent,
+    SqrtSchedule,
+    TopK,
+)
+
+SUMMARIES = [
+    PerformerFeatures(n_features=64),
+    PerformerFeatures(n_features=64, orthogonal=True, antithetic=True),
+    ExactScore(),
+    Centroid(),
+    MinMaxBound(),
+]
+SELECTORS = [TopK(), Lowest(), Random(seed=3), Recent()]
+SCHEDULES = [SqrtSchedule(), SqrtSchedule(aspect=2.0), FixedSchedule(7), DoublingSchedule()]
+
+
+def part_id(part) -> str:
+    return repr(part).replace(" ", "")

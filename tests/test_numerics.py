@@ -1,0 +1,60 @@
+"""Numerics: log-space features never overflow, whatever the dtype and key norms."""
+
+import math
+
+import pytest
+import torch
+
+from parts import SUMMARIES, part_id
+from sparseattn import ExactScore, PerformerFeatures, SegmentSearch
+
+
+def vectors_with_norms(shape, max_norm, gen):
+    """Random directions with norms spread uniformly over [0, max_norm]."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    norms = torch.rand(*shape[:-1], 1, generator=gen, dtype=torch.float64) * max_norm
+    return x / x.norm(dim=-1, keepdim=True) * norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("max_norm", [1.0, 10.0, 100.0])
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_scores_are_finite_for_any_dtype_and_norms_up_to_100(summary, dtype, max_norm):
+    gen = torch.Generator().manual_seed(7)
+    B, H, G, D, T = 2, 2, 3, 64, 300
+    state = SegmentSearch(summary, top_k=2).new_state(B, H, D, dtype=dtype)
+    keys = vectors_with_norms((B, H, T, D), max_norm, gen).to(dtype)
+    state.prefill(keys, keys.clone())
+    query = vectors_with_norms((B, H * G, D), max_norm, gen).to(dtype)
+    scores = state.scores(query.view(B, H, G, D))
+    assert torch.isfinite(scores).all()
+    out, _ = state.attend(query)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 30.0, 100.0])
+def test_performer_scores_equal_their_float64_definition_even_when_the_fast_product_underflows(max_norm):
+    # Definition: log(c * phi(q) . mean_j phi(k_j)) computed directly with float64 logsumexp.
+    gen = torch.Generator().manual_seed(3)
+    B, H, G, S, c, D = 1, 2, 2, 6, 5, 32
+    keys = vectors_with_norms((B, H, S, c, D), max_norm, gen) * D**-0.25
+    queries = vectors_with_norms((B, H, G, D), max_norm, gen) * D**-0.25
+    summary = PerformerFeatures(n_features=256)
+    omega = summary.prepare(H, D, layer_idx=0, device=torch.device("cpu"), dtype=torch.float32)
+    got = summary.score(omega, summary.summarize(omega, keys.float()), queries.float(), None, c)
+    log_k = summary.log_features(omega.double(), keys)  # [B, H, S, c, n]
+    log_q = summary.log_features(omega.double(), queries)  # [B, H, G, n]
+    want = torch.logsumexp(log_q[:, :, :, None, None, :] + log_k[:, :, None], dim=(-1, -2))
+    assert torch.isfinite(got).all()
+    # fp32 rounding of exponents of size ~max_norm^2 / sqrt(D): absolute error in the log domain
+    tol = 1e-5 * max(1.0, max_norm**2 / math.sqrt(D))
+    assert (got.double() - want).abs().max() <= tol
+
+
+def test_exact_score_is_finite_with_huge_logits():
+    summary = ExactScore()
+    keys = torch.full((1, 1, 2, 3, 4), 300.0)
+    queries = torch.full((1, 1, 1, 4), 300.0)
+    scores = summary.score(None, (), queries, keys, 3)
+    assert torch.isfinite(scores).all()
+    assert torch.allclose(scores, torch.full_like(scores, 4 * 300.0**2 + math.log(3)))

@@ -1,0 +1,126 @@
+"""SegmentSearch: every summary x selector x schedule runs, is exact at full budget, and attends what it reports."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from parts import SCHEDULES, SELECTORS, SUMMARIES, part_id
+from sparseattn import Radar, SegmentSearch, TopK, attention_ref, segment_attention_ref
+from sparseattn.testing import assert_close
+
+# (batch, kv_heads, group, head_dim, prefill, decode steps, sinks, window): odd sizes, GQA, batch > 1.
+SHAPES = [
+    pytest.param((1, 1, 1, 16, 1, 30, 0, 0), id="b1-mha-from-one-token"),
+    pytest.param((2, 3, 3, 64, 103, 20, 2, 3), id="b2-gqa3-d64-sinks-window"),
+    pytest.param((3, 2, 4, 24, 57, 20, 0, 5), id="b3-gqa4-d24-window"),
+]
+
+
+def decode(method, shape, dtype=torch.float32, seed=0):
+    """Prefill then decode with fresh random tokens; yield (state, query, output, selection) per step."""
+    B, H, G, D, T0, steps, _, _ = shape
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    state = method.new_state(B, H, D, dtype=dtype)
+    state.prefill(rand(B, H, T0, D), rand(B, H, T0, D))
+    for _ in range(steps):
+        q = rand(B, H * G, D)
+        out, info = state.step(q, rand(B, H, D), rand(B, H, D))
+        yield state, q, out, info
+
+
+def method_for(summary, selector, schedule, shape, top_k):
+    *_, sinks, window = shape
+    return SegmentSearch(summary, selector, schedule, top_k=top_k, sinks=sinks, window=window)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=part_id)
+@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_full_budget_equals_dense_attention(summary, selector, schedule, shape):
+    B, H, G, D = shape[:4]
+    for state, q, out, info in decode(method_for(summary, selector, schedule, shape, top_k=10**6), shape):
+        ref = attention_ref(q.view(B, H, G, D), state.keys, state.values).view(B, H * G, D)
+        assert_close(out, ref, torch.float32)
+        # Full budget selects every segment without scoring; the scores must still be well formed.
+        scores = state.scores(q.view(B, H, G, D))
+        assert scores.shape == (B, H, G, info.layout.n_segments) and torch.isfinite(scores).all()
+
+
+@dataclass(frozen=True)
+class RepeatingSelector(TopK):
+    """A broken selector that returns its best segment twice."""
+
+    def select(self, scores, k, generator):
+        best = super().select(scores, 1, generator)
+        return best.expand(*best.shape[:-1], k)
+
+
+def test_a_selector_returning_a_segment_twice_is_an_error_not_a_wrong_answer():
+    state = SegmentSearch(selector=RepeatingSelector(), top_k=2).new_state(1, 1, 8)
+    state.prefill(torch.randn(1, 1, 50, 8), torch.randn(1, 1, 50, 8))
+    with pytest.raises(ValueError, match="repeated or outside"):
+        state.attend(torch.randn(1, 1, 8))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=part_id)
+@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_sparse_output_is_attention_over_the_reported_selection(summary, selector, schedule, shape):
+    B, H, G, D = shape[:4]
+    for state, q, out, info in decode(method_for(summary, selector, schedule, shape, top_k=2), shape):
+        ref = segment_attention_ref(q.view(B, H, G, D), state.keys, state.values, info.layout, info.segments)
+        assert_close(out, ref.view(B, H * G, D), torch.float32)
+        mask = info.to_mask()
+        assert torch.equal(info.attended, mask.sum(-1))
+        assert int(info.attended.max()) <= info.layout.max_attended(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_low_and_high_precision_inputs_match_the_reference(dtype):
+    shape = (2, 2, 3, 32, 77, 12, 1, 2)
+    B, H, G, D = shape[:4]
+    for state, q, out, info in decode(Radar(top_k=3, n_features=128, sinks=1, window=2), shape, dtype=dtype):
+        assert out.dtype == dtype
+        ref = segment_attention_ref(q.view(B, H, G, D), state.keys, state.values, info.layout, info.segments)
+        assert_close(out, ref.view(B, H * G, D), dtype)
+
+
+def test_shared_kv_selection_gives_every_query_head_of_a_group_the_same_segments():
+    shape = (2, 3, 4, 16, 200, 10, 1, 0)
+    B, H, G, D = shape[:4]
+    method = Radar(top_k=3, n_features=64, sinks=1, shared_kv_selection=True)
+    for state, q, out, info in decode(method, shape):
+        per_head = info.per_query_head.view(B, H, G, -1).sort(-1).values
+        assert torch.equal(per_head, per_head[:, :, :1].expand_as(per_head))
+        ref = segment_attention_ref(q.view(B, H, G, D), state.keys, state.values, info.layout, info.segments)
+        assert_close(out, ref.view(B, H * G, D), torch.float32)
+
+
+def test_chunked_prefill_builds_the_same_structure_as_one_prefill():
+    torch.manual_seed(1)
+    k, v = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    q = torch.randn(1, 2, 16)
+    method = Radar(top_k=4, n_features=64)
+    whole = method.new_state(1, 2, 16)
+    whole.prefill(k, v)
+    chunked = method.new_state(1, 2, 16)
+    for a in range(0, 300, 70):
+        chunked.append(k[:, :, a : a + 70], v[:, :, a : a + 70])
+    assert whole.grid == chunked.grid
+    out_whole, info_whole = whole.attend(q)
+    out_chunked, info_chunked = chunked.attend(q)
+    assert torch.equal(info_whole.segments.sort(-1).values, info_chunked.segments.sort(-1).values)
+    assert_close(out_chunked, out_whole.double(), torch.float32)
+
+
+def test_radar_is_the_papers_composition():
+    method = Radar()
+    assert method.top_k == 64
+    assert method.summary.n_features == 2048
+    assert type(method.selector).__name__ == "TopK"
+    assert type(method.schedule).__name__ == "SqrtSchedule" and method.schedule.aspect == 1.0
+    assert (method.sinks, method.window) == (0, 0)
