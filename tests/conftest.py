@@ -4,10 +4,11 @@ import pytest
 import torch
 from hypothesis import settings
 
-# Quick examples while developing; CI (CI=true) runs more, derandomised so a failure reproduces.
-settings.register_profile("dev", max_examples=25, deadline=None)
+# The default ("ci") runs 200 derandomised examples per property everywhere, so a failure reproduces
+# and CI runs what a developer runs; HYPOTHESIS_PROFILE=explore draws fresh random examples instead.
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True, print_blob=True)
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+settings.register_profile("explore", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
