@@ -11,7 +11,19 @@ Radar (Hao et al., ICLR 2025) and its relatives are assembled from parts:
 ((1, 4, 16), True)
 """
 
-from sparseattn.methods import DecodeState, Radar, SegmentSearch, SegmentSearchState, SegmentSelection, SparseMethod, StepInfo
+from sparseattn.methods import (
+    AllTokens,
+    DecodeState,
+    Dense,
+    DenseState,
+    KVState,
+    Radar,
+    SegmentSearch,
+    SegmentSearchState,
+    SegmentSelection,
+    SparseMethod,
+    StepInfo,
+)
 from sparseattn.ops import SegmentLayout, attention_ref, segment_attention, segment_attention_ref, segment_mask
 from sparseattn.schedules import DoublingSchedule, FixedSchedule, Schedule, SegmentGrid, SqrtSchedule
 from sparseattn.selectors import Lowest, Random, Recent, Selector, TopK
@@ -20,7 +32,11 @@ from sparseattn.summaries import Centroid, ExactScore, MinMaxBound, PerformerFea
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllTokens",
     "Centroid",
+    "Dense",
+    "DenseState",
+    "KVState",
     "DecodeState",
     "DoublingSchedule",
     "ExactScore",
@@ -48,3 +64,14 @@ __all__ = [
     "segment_attention_ref",
     "segment_mask",
 ]
+
+# The transformers integration is imported on first use, so `import sparseattn` stays light.
+_HF_NAMES = ("apply", "SparseAttention", "SparseCache", "load_model")
+
+
+def __getattr__(name: str):
+    if name in _HF_NAMES:
+        from sparseattn import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'sparseattn' has no attribute {name!r}")

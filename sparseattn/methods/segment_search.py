@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.methods.base import SUPPORTED_DTYPES
-from sparseattn.ops.attention import compute_dtype, segment_attention, segment_mask
+from sparseattn.methods.base import KVState
+from sparseattn.ops.attention import segment_attention, segment_mask
 from sparseattn.ops.buffers import GrowableBuffer
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.schedules.base import Schedule, SegmentGrid
@@ -36,7 +36,11 @@ class SegmentSearch:
         summary: how segments are summarised and scored (e.g. :class:`PerformerFeatures`).
         selector: which scored segments are attended (e.g. :class:`TopK`).
         schedule: when segments are sealed and rebuilt (e.g. :class:`SqrtSchedule`).
-        top_k: segments attended per step (at most all of them).
+        top_k: segments attended per step (at most all of them); ignored when ``budget`` is set.
+        budget: if set, the number of past tokens a step may attend (sinks, buffer and window
+            included): each step attends ``max(1, (budget - sinks - tail) // c)`` segments, where
+            ``tail`` is the buffer plus window it must keep and ``c`` the segment size. Below
+            ``sinks + tail + c`` the floor of one segment exceeds the budget (reported by ``attended``).
         sinks: first tokens, outside the segments, always attended.
         window: last tokens always attended (on top of the schedule's buffer).
         shared_kv_selection: one selection per KV head, from the group's summed estimated masses,
@@ -50,6 +54,7 @@ class SegmentSearch:
     sinks: int = 0
     window: int = 0
     shared_kv_selection: bool = False
+    budget: int | None = None
 
     def __post_init__(self) -> None:
         for name, proto in (("summary", Summary), ("selector", Selector), ("schedule", Schedule)):
@@ -64,6 +69,15 @@ class SegmentSearch:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SegmentSearch.{name} must be an int >= 0, got {value!r}")
+        if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1):
+            raise ValueError(f"SegmentSearch.budget must be None or an int >= 1, got {self.budget!r}")
+
+    def segments_for(self, layout: SegmentLayout) -> int:
+        """Segments one step attends under this layout: ``top_k``, or what the ``budget`` leaves room for."""
+        if self.budget is None:
+            return min(self.top_k, layout.n_segments)
+        room = self.budget - layout.sink_end - layout.tail_size
+        return min(layout.n_segments, max(1, room // layout.segment_size))
 
     def new_state(
         self,
@@ -75,10 +89,11 @@ class SegmentSearch:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> SegmentSearchState:
         """A decode state for one layer: ``[batch, kv_heads, t, head_dim]`` keys and values."""
         return SegmentSearchState(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale
+            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
         )
 
 
@@ -93,11 +108,13 @@ def Radar(
     antithetic: bool = False,
     aspect: float = 1.0,
     shared_kv_selection: bool = False,
+    budget: int | None = None,
 ) -> SegmentSearch:
     """The paper's method: ``SegmentSearch(PerformerFeatures(n), TopK(), SqrtSchedule())``.
 
     Defaults are Algorithm 1 exactly (n = 2048, k = 64, no sinks, no extra window); the paper's
-    experiments add a 1024-token window.
+    experiments add a 1024-token window. ``budget`` replaces ``top_k`` by a token budget (see
+    :class:`SegmentSearch`).
     """
     return SegmentSearch(
         summary=PerformerFeatures(n_features=n_features, orthogonal=orthogonal, antithetic=antithetic, seed=seed),
@@ -107,6 +124,7 @@ def Radar(
         sinks=sinks,
         window=window,
         shared_kv_selection=shared_kv_selection,
+        budget=budget,
     )
 
 
@@ -144,13 +162,6 @@ class SegmentSelection:
         return mask.reshape(B, H * G, t)
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    device = torch.device("cpu" if device is None else device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def _check_selection(selector: Selector, segments: torch.Tensor, shape: tuple[int, ...], n_segments: int) -> None:
     """A selector must return distinct in-range indices: a repeat would count tokens twice in the softmax."""
     if tuple(segments.shape) != shape or segments.dtype != torch.long:
@@ -164,7 +175,7 @@ def _check_selection(selector: Selector, segments: torch.Tensor, shape: tuple[in
         )
 
 
-class SegmentSearchState:
+class SegmentSearchState(KVState):
     """The decode state of a :class:`SegmentSearch` for one layer.
 
     Holds the keys and values (capacity-doubling storage, no per-token copy of the cache), the
@@ -184,23 +195,12 @@ class SegmentSearchState:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
-        for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        super().__init__(
+            batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
+        )
         self.method = method
-        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
-        self.layer_idx = layer_idx
-        self.device = _resolve_device(device)
-        self.dtype = dtype
-        self.compute_dtype = compute_dtype(dtype)
-        self.scale = head_dim**-0.5 if scale is None else float(scale)
-        if not self.scale > 0:
-            raise ValueError(f"scale must be > 0, got {scale}")
-        self._keys = GrowableBuffer(dim=2)
-        self._values = GrowableBuffer(dim=2)
         self._summaries: list[GrowableBuffer] = []
         self._grid: SegmentGrid | None = None
         self._params = method.summary.prepare(
@@ -212,21 +212,7 @@ class SegmentSearchState:
         self._sealed_since_attend = 0
         self.n_rebuilds = 0
 
-    # -- storage -------------------------------------------------------------------------------
-
-    @property
-    def length(self) -> int:
-        return len(self._keys)
-
-    @property
-    def keys(self) -> torch.Tensor:
-        """``[B, H_kv, t, D]`` view of the stored keys."""
-        return self._keys.view()
-
-    @property
-    def values(self) -> torch.Tensor:
-        """``[B, H_kv, t, D]`` view of the stored values."""
-        return self._values.view()
+    # -- structure -----------------------------------------------------------------------------
 
     @property
     def grid(self) -> SegmentGrid | None:
@@ -240,32 +226,19 @@ class SegmentSearchState:
             length=self.length, sinks=m.sinks, segment_size=grid.segment_size, n_segments=grid.n_segments, window=m.window
         )
 
-    def _check_block(self, name: str, x: torch.Tensor, tokens_dim: bool) -> None:
-        expected = (self.batch, self.kv_heads, "T", self.head_dim) if tokens_dim else (self.batch, self.kv_heads, self.head_dim)
-        shape_ok = x.dim() == len(expected) and all(e == "T" or e == s for e, s in zip(expected, x.shape))
-        if not shape_ok:
-            raise ValueError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
-        if x.dtype != self.dtype:
-            raise ValueError(f"{name} has dtype {x.dtype} but this state was made for {self.dtype}")
-        if x.device != self.device:
-            raise ValueError(f"{name} is on {x.device} but this state lives on {self.device}")
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: ``kv`` (the cache itself) and ``summaries`` (the O(sqrt t) per-segment structure)."""
+        summaries = sum(buf.view().numel() * buf.view().element_size() for buf in self._summaries if len(buf))
+        params = self._params.numel() * self._params.element_size() if isinstance(self._params, torch.Tensor) else 0
+        return {**super().nbytes(), "summaries": summaries, "projection": params}
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Add a block of tokens ``[B, H_kv, T, D]`` (prefill, chunked prefill or one decode token).
+    def _buffers(self) -> list[GrowableBuffer]:
+        return [*super()._buffers(), *self._summaries]
 
-        Builds or extends the segment structure as the schedule says; a prefill of t tokens costs
-        one O(t) pass of summary work.
-        """
-        self._check_block("keys", keys, True)
-        self._check_block("values", values, True)
-        if keys.shape != values.shape:
-            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
-        self._keys.append(keys)
-        self._values.append(values)
+    def _after_append(self, n_new: int) -> None:
+        """Build or extend the segment structure as the schedule says (a prefill of t tokens: one O(t) pass)."""
         self._rebuilt_since_attend, self._sealed_since_attend = False, 0
         self._restructure()
-
-    prefill = append
 
     def _segmentable(self) -> int:
         return max(0, self.length - self.method.sinks)
@@ -316,13 +289,6 @@ class SegmentSearchState:
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, SegmentSelection]:
-        """Append one token (``key, value: [B, H_kv, D]``) and attend with its ``query: [B, H_q, D]``."""
-        self._check_block("key", key, False)
-        self._check_block("value", value, False)
-        self.append(key.unsqueeze(2), value.unsqueeze(2))
-        return self.attend(query)
-
     def scores(self, grouped_query: torch.Tensor) -> torch.Tensor:
         """Segment log-mass estimates ``[B, H_kv, G, S]`` for ``grouped_query: [B, H_kv, G, D]``."""
         summary = self.method.summary
@@ -337,22 +303,11 @@ class SegmentSearchState:
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SegmentSelection]:
         """Sparse attention of ``query: [B, H_q, D]`` over the stored tokens: ``([B, H_q, D], selection)``."""
         B, D = self.batch, self.head_dim
-        if query.dim() != 3 or query.shape[0] != B or query.shape[2] != D or query.shape[1] % self.kv_heads:
-            raise ValueError(
-                f"query must have shape ({B}, H_q, {D}) with H_q a multiple of kv_heads={self.kv_heads}, "
-                f"got {tuple(query.shape)}"
-            )
-        if query.dtype != self.dtype:
-            raise ValueError(f"query has dtype {query.dtype} but this state was made for {self.dtype}")
-        if query.device != self.device:
-            raise ValueError(f"query is on {query.device} but this state lives on {self.device}")
-        if self.length == 0:
-            raise ValueError("attend() called on an empty state: append keys and values first")
-        group = query.shape[1] // self.kv_heads
-        grouped = query.view(B, self.kv_heads, group, D)
+        group = self._check_query(query)
+        grouped = query.reshape(B, self.kv_heads, group, D)
         lay = self.layout
         shared = 1 if self.method.shared_kv_selection else group
-        k = min(self.method.top_k, lay.n_segments)
+        k = self.method.segments_for(lay)
         if k == lay.n_segments:
             segments = torch.arange(k, device=query.device).expand(B, self.kv_heads, shared, k)
         else:
@@ -365,7 +320,7 @@ class SegmentSearchState:
                 scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
             segments = selector.select(scores, k, self._generator)
             _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
-        out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale)
+        out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend
         )

@@ -35,18 +35,29 @@ def segment_mask(layout: SegmentLayout, segments: torch.Tensor, group: int) -> t
     return (always | (selected & (pos < layout.tail_start))).expand(B, H, group, layout.length)
 
 
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-2's logit soft-capping ``softcap * tanh(logits / softcap)`` (identity when ``softcap`` is None)."""
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
 def attention_ref(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Naive softmax attention in float64 over the tokens where ``mask`` is True.
 
     Args:
         q: ``[B, H_kv, G, D]``; keys, values: ``[B, H_kv, t, D]``; mask: ``[B, H_kv, G, t]`` bool or None.
+        softcap: optional logit soft-capping, applied after scaling.
     Returns:
         ``[B, H_kv, G, D]`` float64.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale
+    logits = soft_cap(torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale, softcap)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     return torch.einsum("bhgt,bhtd->bhgd", torch.softmax(logits, dim=-1), values.double())
@@ -59,10 +70,11 @@ def segment_attention_ref(
     layout: SegmentLayout,
     segments: torch.Tensor,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference for :func:`segment_attention`: materialise the mask, then run dense float64 attention."""
     mask = segment_mask(layout, segments, q.shape[2])
-    return attention_ref(q, keys[:, :, : layout.length], values[:, :, : layout.length], mask, scale)
+    return attention_ref(q, keys[:, :, : layout.length], values[:, :, : layout.length], mask, scale, softcap)
 
 
 def segment_attention(
@@ -72,6 +84,7 @@ def segment_attention(
     layout: SegmentLayout,
     segments: torch.Tensor,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one decode query over sinks, the selected segments and the tail.
 
@@ -79,6 +92,8 @@ def segment_attention(
     Segment indices must be distinct and in ``[0, n_segments)`` (the decode state checks this).
     The selected segments' keys and values are gathered (a copy of the selected tokens only);
     logits of the three parts are softmaxed jointly, so no partial-state merge is needed.
+
+    ``softcap`` applies Gemma-2's logit soft-capping after scaling.
 
     Returns ``[B, H_kv, G, D]`` in the compute dtype (float32, or float64 for float64 inputs).
 
@@ -102,7 +117,7 @@ def segment_attention(
     def dense_part(start: int, end: int) -> None:
         if end > start:
             k_part = keys[:, :, start:end].to(cd).reshape(B * H, end - start, D)
-            logits.append(torch.bmm(q_kv, k_part.transpose(1, 2)))
+            logits.append(soft_cap(torch.bmm(q_kv, k_part.transpose(1, 2)), softcap))
             vals.append(values[:, :, start:end].to(cd).reshape(B * H, end - start, D))
 
     if segments.shape[2] not in (1, G):
@@ -120,7 +135,7 @@ def segment_attention(
         flat = segments.reshape(B, H, shared * n_sel)
         k_sel = seg_k[b_idx, h_idx, flat].to(cd).reshape(B * H * shared, n_sel * c, D)
         v_sel = seg_v[b_idx, h_idx, flat].to(cd).reshape(B * H * shared, n_sel * c, D)
-        sel_logits = torch.bmm(q_kv.reshape(B * H * shared, rows, D), k_sel.transpose(1, 2))
+        sel_logits = soft_cap(torch.bmm(q_kv.reshape(B * H * shared, rows, D), k_sel.transpose(1, 2)), softcap)
         beyond = segment_positions(layout, segments).reshape(B * H * shared, 1, n_sel * c) >= layout.tail_start
         logits.append(sel_logits.masked_fill(beyond, float("-inf")).reshape(B * H, G, n_sel * c))
         vals.append(v_sel)
@@ -138,3 +153,71 @@ def segment_attention(
         out += torch.bmm(w.reshape(part_values.shape[0], rows, n), part_values).reshape(B * H, G, D)
         start += n
     return out.reshape(B, H, G, D)
+
+
+# Query rows per chunk in block attention: bounds the [B, H, rows, L] logits of the math path.
+_BLOCK_ROWS = 512
+
+
+def causal_block_attention_ref(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Reference for :func:`causal_block_attention`, in float64 with an explicit mask.
+
+    ``q: [B, H_kv, G, T, D]`` are the queries of the last ``T`` of the ``L`` stored tokens
+    ``keys, values: [B, H_kv, L, D]``; query ``i`` sees keys ``[0, L - T + i]``. Returns float64.
+    """
+    T, L = q.shape[-2], keys.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = soft_cap(torch.einsum("bhgtd,bhld->bhgtl", q.double(), keys.double()) * scale, softcap)
+    visible = torch.arange(L).view(1, L) <= (L - T + torch.arange(T)).view(T, 1)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhgtl,bhld->bhgtd", torch.softmax(logits, dim=-1), values.double())
+
+
+def causal_block_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Dense causal attention of a block of new queries over everything stored (prefill, chunked prefill).
+
+    ``q: [B, H_kv, G, T, D]`` belong to the last ``T`` of the ``L`` stored tokens ``keys, values:
+    [B, H_kv, L, D]`` (bottom-right aligned: query ``i`` sees keys ``[0, L - T + i]``). Without soft-capping
+    this is torch's SDPA in the input dtype, called the way transformers' ``sdpa`` attention calls it, so a
+    one-block prefill gives the same numbers as the model's own dense path; a chunked prefill masks per
+    chunk of query rows. With ``softcap`` it runs the math in float32. Returns ``[B, H_kv, G, T, D]`` in
+    the input dtype.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 3, 4, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+        >>> out = causal_block_attention(q, k, v)
+        >>> torch.allclose(out.double(), causal_block_attention_ref(q, k, v), atol=1e-5)
+        True
+    """
+    B, H, G, T, D = q.shape
+    L = keys.shape[-2]
+    if L < T:
+        raise ValueError(f"causal_block_attention: {T} queries but only {L} stored tokens")
+    scale = D**-0.5 if scale is None else scale
+    flat_q = q.reshape(B, H * G, T, D)
+    out = torch.empty_like(flat_q)
+    if softcap is None and T == L:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            flat_q, keys, values, is_causal=True, scale=scale, enable_gqa=G > 1
+        )
+        return out.view(B, H, G, T, D)
+    cd = torch.float32 if q.dtype != torch.float64 else torch.float64
+    for start in range(0, T, _BLOCK_ROWS):
+        end = min(T, start + _BLOCK_ROWS)
+        rows = torch.arange(start, end, device=q.device).view(-1, 1)
+        visible = torch.arange(L, device=q.device).view(1, L) <= L - T + rows  # [rows, L]
+        if softcap is None:
+            out[:, :, start:end] = torch.nn.functional.scaled_dot_product_attention(
+                flat_q[:, :, start:end], keys, values, attn_mask=visible, scale=scale, enable_gqa=G > 1
+            )
+            continue
+        qc = flat_q[:, :, start:end].to(cd).reshape(B, H, G * (end - start), D)
+        logits = soft_cap(qc @ keys.to(cd).transpose(-1, -2) * scale, softcap)  # [B, H, G*rows, L]
+        logits = logits.view(B, H, G, end - start, L).masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(B, H, G * (end - start), L)
+        out[:, :, start:end] = (probs @ values.to(cd)).view(B, H * G, end - start, D).to(q.dtype)
+    return out.view(B, H, G, T, D)

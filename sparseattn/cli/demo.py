@@ -1,4 +1,4 @@
-"""The ``sparseattn`` command line."""
+"""``sparseattn demo``: one attention layer on a synthetic retrieval stream, dense vs Radar."""
 
 from __future__ import annotations
 
@@ -13,22 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-import sparseattn
 from sparseattn import Radar, Recent, SegmentSearch, attention_ref
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
-
-
-@app.callback()
-def main() -> None:
-    """sparseattn: composable sparse attention for long-context decoding."""
-
-
-@app.command()
-def version() -> None:
-    """Print the package and torch versions."""
-    console.print(f"sparseattn {sparseattn.__version__}, torch {torch.__version__}, python {platform.python_version()}")
 
 
 def _retrieval_stream(length: int, steps: int, heads: int, kv_heads: int, head_dim: int, seed: int):
@@ -51,7 +38,6 @@ def _retrieval_stream(length: int, steps: int, heads: int, kv_heads: int, head_d
     return keys, values, queries
 
 
-@app.command()
 def demo(
     length: int = typer.Option(16384, help="context length t before decoding"),
     steps: int = typer.Option(16, help="decode steps"),
@@ -138,6 +124,3 @@ def demo(
                                    "rows": rows}, indent=2))
         console.print(f"wrote {out}")
 
-
-if __name__ == "__main__":
-    app()

@@ -1,0 +1,3 @@
+from sparseattn.cli import app
+
+app()

@@ -1,0 +1,31 @@
+"""transformers integration: the ``sparseattn`` attention implementation, a sparse ``Cache``, model loading."""
+
+from sparseattn.hf.apply import SparseAttention, apply, check_model
+from sparseattn.hf.attention import ATTENTION_NAME, register
+from sparseattn.hf.cache import SparseCache, SparseLayer
+from sparseattn.hf.models import (
+    DEFAULT_MODEL,
+    ModelSourceError,
+    default_model_available,
+    default_model_unavailable_reason,
+    load_model,
+    local_model_dir,
+    resolve_model_source,
+)
+
+__all__ = [
+    "ATTENTION_NAME",
+    "DEFAULT_MODEL",
+    "ModelSourceError",
+    "SparseAttention",
+    "SparseCache",
+    "SparseLayer",
+    "apply",
+    "check_model",
+    "default_model_available",
+    "default_model_unavailable_reason",
+    "load_model",
+    "local_model_dir",
+    "register",
+    "resolve_model_source",
+]

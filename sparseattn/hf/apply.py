@@ -1,0 +1,77 @@
+"""Apply a sparse method to a transformers model: explicit, reversible, no patching on import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sparseattn.hf.attention import ATTENTION_NAME, register
+from sparseattn.hf.cache import SparseCache
+from sparseattn.methods.base import SparseMethod
+
+# Models whose attention does not go through transformers' attention registry.
+_NO_REGISTRY = ("bloom", "falcon", "mpt", "gpt_neo", "gptj", "xglm")
+
+
+def check_model(model) -> None:
+    """Raise a ValueError naming the model when its attention cannot be routed through sparseattn."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} is not a transformers model (it has no config)")
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if config.is_encoder_decoder if hasattr(config, "is_encoder_decoder") else False:
+        raise ValueError(f"{model_type}: encoder-decoder models are not supported; sparseattn decodes decoder-only models")
+    if model_type in _NO_REGISTRY or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{model_type} ({type(model).__name__}) does not use transformers' attention registry, so sparseattn cannot "
+            "route its attention; supported are models whose class sets _supports_attention_backend (Llama, Mistral, "
+            "Qwen2/3, Phi-3, Gemma and most recent decoder-only models)"
+        )
+
+
+@dataclass
+class SparseAttention:
+    """A sparse method applied to a model: the attention implementation switched to ``"sparseattn"``.
+
+    Make caches with :meth:`new_cache` and pass them to ``model.generate(..., past_key_values=cache)``
+    or to your own forward loop. :meth:`remove` (or leaving the ``with`` block, even by an exception)
+    restores the model's previous attention implementation.
+    """
+
+    model: object
+    method: SparseMethod
+    previous: str | dict | None = None
+    active: bool = field(default=False)
+
+    def new_cache(self) -> SparseCache:
+        """A fresh cache for one generation (or one batch of them)."""
+        if not self.active:
+            raise RuntimeError("this SparseAttention was removed; apply the method again")
+        return SparseCache(self.method, config=self.model.config)
+
+    def remove(self) -> None:
+        if self.active:
+            self.model.set_attn_implementation(self.previous or "sdpa")
+            self.active = False
+
+    def __enter__(self) -> SparseAttention:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def apply(model, method: SparseMethod) -> SparseAttention:
+    """Route ``model``'s attention through sparseattn with ``method``; returns a handle (also a context manager).
+
+    Example::
+
+        with sparseattn.apply(model, Radar(top_k=8)) as sparse:
+            out = model.generate(**inputs, past_key_values=sparse.new_cache(), max_new_tokens=64)
+    """
+    check_model(model)
+    if not hasattr(method, "new_state"):
+        raise ValueError(f"apply() needs a sparse method with new_state(), got {method!r}")
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    return SparseAttention(model=model, method=method, previous=previous, active=True)

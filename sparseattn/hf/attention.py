@@ -1,0 +1,167 @@
+"""The ``sparseattn`` attention implementation for transformers' attention registry.
+
+Registered once under :data:`ATTENTION_NAME` together with transformers' ``sdpa_mask`` as its mask
+builder (without one, custom implementations get no padding mask). When the keys come from a
+:class:`~sparseattn.hf.cache.SparseLayer` the layer's decode state answers: prefill blocks densely
+(and the state builds its structure), decode steps sparsely. Otherwise (no cache, a plain
+``DynamicCache``, a sliding-window layer) the call is dense, exactly as transformers' own ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from sparseattn.hf.cache import RowwiseState, SparseLayer, take_handoff
+from sparseattn.ops.attention import soft_cap
+
+ATTENTION_NAME = "sparseattn"
+
+_UNSUPPORTED_KWARGS = {
+    "s_aux": "learned attention sinks (s_aux, e.g. gpt-oss)",
+    "position_bias": "additive position bias (e.g. T5-style relative attention)",
+}
+
+
+def register() -> None:
+    """Register the attention function and its mask builder under ``"sparseattn"`` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, sparse_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _model_name(module: torch.nn.Module) -> str:
+    config = getattr(module, "config", None)
+    return getattr(config, "model_type", None) or type(module).__name__
+
+
+def left_padding(attention_mask: torch.Tensor | None, batch: int, kv_length: int, model: str) -> list[int] | None:
+    """Leading pad tokens per row, read off the last query row of a 4-D mask; None when nothing is padded.
+
+    Raises when a row's masked keys are not a prefix (right padding, holes): decoding needs left padding.
+    """
+    if attention_mask is None:
+        return None
+    allowed = attention_mask[:, 0, -1, :kv_length]
+    if allowed.dtype != torch.bool:  # an additive float mask: 0 where allowed, very negative where not
+        allowed = allowed > torch.finfo(allowed.dtype).min / 2
+    allowed = allowed.expand(batch, kv_length)
+    pads = (~allowed).long().cumprod(-1).sum(-1)  # length of each row's masked prefix
+    if bool((allowed.sum(-1) != kv_length - pads).any()):
+        raise ValueError(
+            f"{model}: the attention mask hides tokens that are not a left-padding prefix (right padding or holes); "
+            "sparse decoding needs left padding (tokenizer.padding_side = 'left')"
+        )
+    if bool((pads >= kv_length).any()):
+        raise ValueError(f"{model}: a batch row is padding only; every row needs at least one real token")
+    return None if not bool(pads.any()) else [int(p) for p in pads.tolist()]
+
+
+def dense_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """Dense attention as transformers' ``sdpa`` computes it; soft-capped logits take a math path."""
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout:
+        raise ValueError(f"{_model_name(module)}: dropout with soft-capped logits is not supported by sparseattn")
+    groups = query.shape[1] // key.shape[1]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    k = key.repeat_interleave(groups, dim=1).float()
+    v = value.repeat_interleave(groups, dim=1).float()
+    logits = soft_cap(query.float() @ k.transpose(-1, -2) * scale, softcap)
+    if attention_mask is not None:
+        # The most negative finite value, as eager attention does: a fully masked (padding) query row gets
+        # uniform weights instead of NaN, and NaN never reaches the padded keys of later layers.
+        if attention_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attention_mask, torch.finfo(logits.dtype).min)
+        else:
+            logits = logits + attention_mask.float()
+    elif query.shape[2] > 1:
+        T, L = query.shape[2], key.shape[2]
+        visible = torch.arange(L, device=query.device) <= L - T + torch.arange(T, device=query.device).view(-1, 1)
+        logits = logits.masked_fill(~visible, float("-inf"))
+    out = torch.softmax(logits, dim=-1) @ v
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def sparse_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query: [B, H_q, T, D]``, ``key, value: [B, H_kv, L, D]``.
+
+    Returns ``([B, T, H_q, D], None)``.
+    """
+    layer = take_handoff(key)
+    softcap = kwargs.pop("softcap", None)
+    if layer is None:
+        return dense_attention_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
+    layer.consume_handoff()
+    model = _model_name(module)
+    for name, feature in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{model}: sparseattn does not support {feature}")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(f"{model}: layer {layer.layer_idx} has a sliding window but holds a sparse state")
+    if dropout and module.training:
+        raise NotImplementedError(f"{model}: sparseattn is for inference; call model.eval() (attention dropout is on)")
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    B, _, T, _ = query.shape
+    if layer.state is None:
+        _create_state(layer, module, attention_mask, scale, softcap, model)
+    elif T > 1 and attention_mask is not None:
+        _check_no_new_padding(attention_mask, layer.seen, T, model)
+    state = layer.state
+    if T == 1:
+        if isinstance(state, RowwiseState):
+            out, attended = state.attend(query[:, :, 0])
+            stored = sum(s.length for s in state.states) / len(state.states)
+        else:
+            out, info = state.attend(query[:, :, 0])
+            attended, stored = info.attended, state.length
+        layer.stats.record(attended, stored)
+        return out.to(query.dtype).unsqueeze(1), None
+    if isinstance(state, RowwiseState):
+        chunk_start = layer.seen - T
+        starts = [max(0, p - chunk_start) for p in layer.starts]
+        out = state.attend_block(query, starts)
+    else:
+        out = state.attend_block(query)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _create_state(layer: SparseLayer, module, attention_mask, scale: float, softcap: float | None, model: str) -> None:
+    keys, values = layer._pending
+    layer._pending = None
+    B, H, L, D = keys.shape
+    pads = left_padding(attention_mask, B, L, model)
+
+    def new_state(batch: int):
+        return layer.method.new_state(
+            batch, H, D, layer_idx=layer.layer_idx or 0, device=keys.device, dtype=keys.dtype, scale=scale, softcap=softcap
+        )
+
+    if pads is None:
+        layer.state = new_state(B)
+        layer.state.append(keys, values)
+    else:
+        layer.state = RowwiseState([new_state(1) for _ in range(B)])
+        layer.starts = pads
+        layer.state.append_rows(keys, values, pads)
+
+
+def _check_no_new_padding(attention_mask: torch.Tensor, seen: int, T: int, model: str) -> None:
+    allowed = attention_mask[:, 0, -1, seen - T : seen]
+    if allowed.dtype != torch.bool:
+        allowed = allowed > torch.finfo(allowed.dtype).min / 2
+    if not bool(allowed.all()):
+        raise ValueError(f"{model}: padding after the first prefill block is not supported; pad on the left of the prompt")
+
+
+__all__ = ["ATTENTION_NAME", "dense_attention_forward", "left_padding", "register", "sparse_attention_forward"]

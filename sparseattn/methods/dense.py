@@ -1,0 +1,66 @@
+"""Vanilla attention over every stored token: the reference every budget is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparseattn.methods.base import KVState
+from sparseattn.ops.attention import causal_block_attention
+
+
+@dataclass(frozen=True)
+class AllTokens:
+    """A step that attended every one of ``length`` stored tokens with each of ``heads`` query heads."""
+
+    length: int
+    batch: int
+    heads: int
+    device: torch.device
+
+    @property
+    def attended(self) -> torch.Tensor:
+        return torch.full((self.batch, self.heads), self.length, dtype=torch.long, device=self.device)
+
+    def to_mask(self) -> torch.Tensor:
+        return torch.ones(self.batch, self.heads, self.length, dtype=torch.bool, device=self.device)
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Dense (vanilla) attention, decoding from capacity-doubling storage (no per-token copy of the cache).
+
+    Example:
+        >>> state = Dense().new_state(batch=1, kv_heads=2, head_dim=8)
+        >>> out, info = state.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+        >>> info.attended.tolist()
+        [[1, 1, 1, 1]]
+    """
+
+    def new_state(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        layer_idx: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> DenseState:
+        return DenseState(
+            batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
+        )
+
+
+class DenseState(KVState):
+    """Every stored token, every step: torch SDPA (or the soft-capped math path) over the whole cache."""
+
+    def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, AllTokens]:
+        group = self._check_query(query)
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        out = causal_block_attention(query.reshape(B, H, group, 1, D), self.keys, self.values, self.scale, self.softcap)
+        info = AllTokens(self.length, B, H * group, self.device)
+        return out.reshape(B, H * group, D), info
