@@ -11,6 +11,7 @@ from rich.table import Table
 
 import sparseattn
 from sparseattn.cli.demo import demo
+from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, sweep
 from sparseattn.cli.generate import generate
 from sparseattn.cli.methods import METHODS
 from sparseattn.data.cli import app as data_app
@@ -49,5 +50,8 @@ def list_methods() -> None:
 
 app.command()(demo)
 app.command()(generate)
+for command in (ppl, plot, needle, diagnose, sweep):
+    app.command()(command)
+longbench_app.command("run")(longbench_run)
 app.add_typer(data_app, name="data")
 app.add_typer(longbench_app, name="longbench")

@@ -28,7 +28,11 @@ REPLAY_TOLERANCE = 1e-3
 
 def tokenize(tokenizer, text: str, n_tokens: int, name: str = "text") -> torch.Tensor:
     """The first ``n_tokens`` token ids of ``text`` as ``[n_tokens]``; an error if the text is shorter."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=True)["input_ids"][0]
+    # Tokenize a prefix when it is surely enough (books are long); the whole text otherwise.
+    for chunk in (text[: 16 * n_tokens], text):
+        ids = tokenizer(chunk, return_tensors="pt", add_special_tokens=True, verbose=False)["input_ids"][0]
+        if ids.numel() >= n_tokens or len(chunk) == len(text):
+            break
     if ids.numel() < n_tokens:
         raise ValueError(f"{name} has {ids.numel()} tokens, fewer than the {n_tokens} this run needs")
     return ids[:n_tokens]
