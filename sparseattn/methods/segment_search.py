@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparseattn.backends.base import select_backend
 from sparseattn.methods.base import KVState
 from sparseattn.ops.attention import segment_attention, segment_mask
 from sparseattn.ops.buffers import GrowableBuffer
@@ -17,6 +18,8 @@ from sparseattn.selectors.base import Selector
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import Summary
 from sparseattn.summaries.performer import PerformerFeatures
+
+BACKEND_NAMES = ("auto", "torch", "triton", "xformers")
 
 # Tokens x heads summarised at once during a rebuild: bounds the [.., c, n_features] temporary.
 _SUMMARY_CHUNK = 8192
@@ -41,6 +44,9 @@ class SegmentSearch:
             included): each step attends ``max(1, (budget - sinks - tail) // c)`` segments, where
             ``tail`` is the buffer plus window it must keep and ``c`` the segment size. Below
             ``sinks + tail + c`` the floor of one segment exceeds the budget (reported by ``attended``).
+        backend: which implementation attends over the selection: ``"auto"`` (the fastest that
+            accepts the inputs: the Triton kernel on CUDA, torch otherwise), ``"torch"``, ``"triton"``
+            or ``"xformers"`` (see :mod:`sparseattn.backends`); a named backend that refuses raises.
         sinks: first tokens, outside the segments, always attended.
         window: last tokens always attended (on top of the schedule's buffer).
         shared_kv_selection: one selection per KV head, from the group's summed estimated masses,
@@ -55,6 +61,7 @@ class SegmentSearch:
     window: int = 0
     shared_kv_selection: bool = False
     budget: int | None = None
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name, proto in (("summary", Summary), ("selector", Selector), ("schedule", Schedule)):
@@ -71,6 +78,8 @@ class SegmentSearch:
                 raise ValueError(f"SegmentSearch.{name} must be an int >= 0, got {value!r}")
         if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1):
             raise ValueError(f"SegmentSearch.budget must be None or an int >= 1, got {self.budget!r}")
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"SegmentSearch.backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
 
     def segments_for(self, layout: SegmentLayout) -> int:
         """Segments one step attends under this layout: ``top_k``, or what the ``budget`` leaves room for."""
@@ -211,6 +220,7 @@ class SegmentSearchState(KVState):
         self._rebuilt_since_attend = False
         self._sealed_since_attend = 0
         self.n_rebuilds = 0
+        self._backend = None  # chosen on the first step, when the inputs are known
 
     # -- structure -----------------------------------------------------------------------------
 
@@ -320,7 +330,14 @@ class SegmentSearchState(KVState):
                 scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
             segments = selector.select(scores, k, self._generator)
             _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
-        out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
+        if self._backend is None:
+            self._backend = select_backend(
+                self.method.backend, q=grouped, keys=self.keys, layout=lay, segments=segments, softcap=self.softcap
+            )
+        if self._backend.name == "torch":  # the op itself: the state already guarantees what the backend checks
+            out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
+        else:
+            out = self._backend.segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend
         )

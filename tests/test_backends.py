@@ -1,0 +1,462 @@
+"""Attention backends: every kernel matches its float64 reference; dispatch explains its refusals."""
+
+import os
+
+# Triton wraps its own language helpers (tl.zeros, tl.max, ...) for the interpreter or the compiler
+# when triton.language is first imported, as TRITON_INTERPRET says then; a later change is ignored.
+# So this comes before any import that could import triton. setdefault keeps an explicit
+# TRITON_INTERPRET=0, the way to test the compiled kernel on a GPU (the `gpu` tests).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sparseattn.backends import (  # noqa: E402
+    TorchBackend,
+    TritonBackend,
+    XformersBackend,
+    merge_partials,
+    merge_partials_ref,
+    select_backend,
+)
+from sparseattn.backends.triton_backend import interpreting, segment_decode_partials  # noqa: E402
+from sparseattn.ops.attention import segment_attention_ref, segment_mask  # noqa: E402
+from sparseattn.ops.layout import SegmentLayout  # noqa: E402
+from sparseattn.testing import assert_close  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETING = HAS_TRITON and interpreting()
+HAS_CUDA = torch.cuda.is_available()
+
+
+def needs_interpreter(test):
+    """The kernel tests on CPU: skipped, with the reason, when triton is missing or runs compiled."""
+    test = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton==3.9.0)")(test)
+    return pytest.mark.skipif(
+        HAS_TRITON and not INTERPRETING,
+        reason="triton runs compiled in this process (TRITON_INTERPRET=0, or triton was imported before this module "
+        "set it); test_interpreter_tests_in_a_fresh_process runs the CPU kernel tests",
+    )(test)
+
+
+def needs_compiled_gpu(test):
+    """The compiled kernel on CUDA: run with ``TRITON_INTERPRET=0 pytest -m gpu tests/test_backends.py``."""
+    test = pytest.mark.gpu(test)
+    test = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")(test)
+    test = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")(test)
+    return pytest.mark.skipif(INTERPRETING, reason="the compiled kernel needs TRITON_INTERPRET=0; this run interprets")(test)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SOFTCAPS = [None, 30.0]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One decode step: shapes, the layout of the past, and the selection (k: "0", "1" or "all")."""
+
+    B: int
+    H: int
+    G: int
+    D: int
+    c: int
+    n_seg: int
+    sinks: int
+    window: int
+    buffer: int
+    k: str
+    shared: bool
+    cache: str = "bhtd"  # the capacity buffer's memory layout: [B, H, cap, D] or [B, cap, H, D]
+
+    @property
+    def layout(self) -> SegmentLayout:
+        length = self.sinks + self.n_seg * self.c + self.buffer
+        return SegmentLayout(length=length, sinks=self.sinks, segment_size=self.c, n_segments=self.n_seg, window=self.window)
+
+    @property
+    def n_sel(self) -> int:
+        return {"0": 0, "1": 1, "all": self.n_seg}[self.k]
+
+    @property
+    def id(self) -> str:
+        lay = self.layout
+        return (
+            f"B{self.B}H{self.H}G{self.G}-D{self.D}-c{self.c}n{self.n_seg}-s{self.sinks}w{self.window}b{self.buffer}"
+            f"-t{lay.length}-k{self.k}-{'shared' if self.shared else 'perhead'}-{self.cache}"
+        )
+
+
+CASES = [
+    Case(1, 1, 1, 16, c=1, n_seg=7, sinks=0, window=0, buffer=1, k="1", shared=True),
+    Case(2, 2, 3, 64, c=5, n_seg=6, sinks=3, window=7, buffer=2, k="all", shared=False, cache="bthd"),
+    Case(1, 2, 3, 16, c=16, n_seg=3, sinks=3, window=0, buffer=5, k="1", shared=False),
+    Case(2, 1, 3, 64, c=5, n_seg=9, sinks=0, window=7, buffer=3, k="0", shared=True, cache="bthd"),
+    Case(1, 1, 3, 16, c=5, n_seg=4, sinks=0, window=0, buffer=0, k="all", shared=True),  # no tail
+    Case(2, 2, 1, 16, c=16, n_seg=2, sinks=3, window=7, buffer=0, k="all", shared=True),  # the window cuts a segment
+    Case(1, 1, 3, 16, c=1, n_seg=13, sinks=3, window=7, buffer=0, k="all", shared=False, cache="bthd"),
+    Case(2, 2, 3, 16, c=5, n_seg=5, sinks=3, window=0, buffer=0, k="0", shared=True),  # sinks only
+    Case(1, 2, 3, 80, c=5, n_seg=4, sinks=3, window=7, buffer=1, k="all", shared=True),  # D padded to 128
+    Case(1, 1, 3, 16, c=5, n_seg=3, sinks=3, window=100, buffer=2, k="all", shared=False),  # the tail covers all
+]
+
+
+def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0, poison: bool = True):
+    """Fresh random q, K/V views of a capacity buffer, and distinct segment indices.
+
+    Returns ``(q, keys, values, segments, clean_keys, clean_values)``: ``keys``/``values`` are
+    non-contiguous views whose never-attended tokens and capacity slack hold NaN (a kernel that reads
+    them fails), ``clean_*`` the same views without NaN, for the reference.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lay = case.layout
+    B, H, G, D = case.B, case.H, case.G, case.D
+    cap = lay.length + 5
+    Gs = 1 if case.shared else G
+    segments = torch.stack([torch.randperm(case.n_seg, generator=gen)[: case.n_sel] for _ in range(B * H * Gs)])
+    segments = segments.view(B, H, Gs, case.n_sel)
+    q = torch.randn(B, H, G, D, generator=gen).to(dtype)
+
+    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+        if case.cache == "bhtd":
+            buf = torch.randn(B, H, cap, D, generator=gen).to(dtype)
+            view = buf.narrow(2, 0, lay.length)
+        else:
+            buf = torch.randn(B, cap, H, D, generator=gen).to(dtype)
+            view = buf.narrow(1, 0, lay.length).transpose(1, 2)
+        clean = view.clone()
+        if poison:
+            view.fill_(float("nan"))
+            attended = segment_mask(lay, segments, G).any(dim=2)  # [B, H, t]: read by some head of the group
+            view.copy_(torch.where(attended.unsqueeze(-1), clean, view))
+            buf.narrow(2 if case.cache == "bhtd" else 1, lay.length, cap - lay.length).fill_(float("nan"))
+        return view, clean
+
+    keys, clean_keys = cache()
+    values, clean_values = cache()
+    return q, keys, values, segments, clean_keys, clean_values
+
+
+def reference(case, q, keys, values, segments, softcap):
+    return segment_attention_ref(q, keys, values, case.layout, segments, softcap=softcap)
+
+
+# --- the float64 references agree with each other --------------------------------------------------
+
+
+def test_softcap_bounds_every_logit():
+    # With one attended key per side of the cap, the weights follow from tanh alone.
+    lay = SegmentLayout(length=2, sinks=2, segment_size=1, n_segments=0)
+    q = torch.tensor([[[[1000.0]]]], dtype=torch.float64)
+    keys = torch.tensor([[[[1.0], [-1.0]]]], dtype=torch.float64)
+    values = torch.tensor([[[[1.0], [0.0]]]], dtype=torch.float64)
+    segments = torch.zeros(1, 1, 1, 0, dtype=torch.long)
+    out = segment_attention_ref(q, keys, values, lay, segments, scale=1.0, softcap=2.0)
+    w = torch.softmax(torch.tensor([2.0 * torch.tanh(torch.tensor(500.0)), -2.0 * torch.tanh(torch.tensor(500.0))]), 0)
+    assert torch.allclose(out.flatten(), w[:1].double())
+
+
+# --- torch backend ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_torch_backend_matches_reference(case, dtype, softcap):
+    # The torch op reads non-attended tokens of the dense parts' views, so no NaN poisoning here.
+    q, keys, values, segments, _, _ = make_inputs(case, dtype, poison=False)
+    out = TorchBackend().segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close(out, reference(case, q, keys, values, segments, softcap), dtype)
+
+
+# --- triton kernel, in the interpreter -------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_triton_kernel_matches_reference(case, dtype, softcap):
+    q, keys, values, segments, clean_k, clean_v = make_inputs(case, dtype)
+    # block_n=16 with 3 splits: several blocks per split, blocks spanning segments, and merges.
+    out = TritonBackend(block_n=16, num_splits=3).segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    assert_close(out, reference(case, q, clean_k, clean_v, segments, softcap), dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", [CASES[1], CASES[6], CASES[7]], ids=lambda c: c.id)
+def test_triton_splits_write_every_state_into_poisoned_buffers(case):
+    # More splits than blocks: the trailing splits are empty and must still write lse=-inf, out=0.
+    q, keys, values, segments, clean_k, clean_v = make_inputs(case, torch.float32)
+    B, H, G, D = q.shape
+    S = 8
+    out = torch.full((B, H, G, S, D), float("nan"))
+    lse = torch.full((B, H, G, S), float("nan"))
+    segment_decode_partials(q, keys, values, case.layout, segments, out, lse, block_n=16)
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = lse == float("-inf")
+    assert empty[..., -1].all() and not empty[..., 0].any()
+    assert (out[empty] == 0).all()
+    merged, merged_lse = merge_partials(out, lse)
+    assert_close(merged, reference(case, q, clean_k, clean_v, segments, None), torch.float32)
+    assert torch.isfinite(merged_lse).all()
+
+
+@needs_interpreter
+def test_triton_one_split_and_many_splits_agree():
+    case = CASES[1]
+    q, keys, values, segments, _, _ = make_inputs(case, torch.float32)
+    one = TritonBackend(block_n=16, num_splits=1).segment_attention(q, keys, values, case.layout, segments)
+    many = TritonBackend(block_n=16, num_splits=5).segment_attention(q, keys, values, case.layout, segments)
+    assert_close(many, one.double(), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("D", [16, 80], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("S", [1, 4, 5], ids=lambda s: f"S{s}")
+def test_merge_partials_matches_reference(S, D):
+    gen = torch.Generator().manual_seed(S * 100 + D)
+    outs = torch.randn(2, 3, S, D, generator=gen)
+    lses = torch.randn(2, 3, S, generator=gen) * 10
+    if S > 1:  # states that saw no key: skipped, even with a NaN output
+        lses[0, 1, 1:] = float("-inf")
+        outs[0, 1, 1:] = float("nan")
+    lses[1, 2, :] = float("-inf")  # a row with nothing: out 0, lse -inf
+    out, lse = merge_partials(outs, lses)
+    ref_out, ref_lse = merge_partials_ref(outs, lses)
+    assert out.dtype == lse.dtype == torch.float32
+    assert (out[1, 2] == 0).all() and lse[1, 2] == float("-inf")
+    assert_close(out, ref_out, torch.float32)
+    seen = ref_lse > float("-inf")
+    assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+
+
+def test_merge_partials_ref_of_disjoint_parts_is_the_whole_softmax():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 11, generator=gen, dtype=torch.float64) * 5
+    values = torch.randn(4, 11, 7, generator=gen, dtype=torch.float64)
+    parts = [(0, 3), (3, 4), (4, 11)]
+    outs = torch.stack([torch.softmax(logits[:, a:b], -1).unsqueeze(1).matmul(values[:, a:b]).squeeze(1) for a, b in parts], 1)
+    lses = torch.stack([torch.logsumexp(logits[:, a:b], -1) for a, b in parts], 1)
+    out, lse = merge_partials_ref(outs, lses)
+    whole = torch.softmax(logits, -1).unsqueeze(1).matmul(values).squeeze(1)
+    assert_close(out, whole, torch.float64)
+    assert_close(lse, torch.logsumexp(logits, -1), torch.float64, what="lse")
+
+
+@needs_interpreter
+@pytest.mark.slow
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "perhead"])
+@pytest.mark.parametrize("k", ["0", "1", "all"])
+@pytest.mark.parametrize("window", [0, 7], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("sinks", [0, 3], ids=lambda s: f"s{s}")
+@pytest.mark.parametrize("c", [1, 5, 16], ids=lambda c: f"c{c}")
+def test_triton_kernel_sweep(c, sinks, window, k, shared, dtype, softcap):
+    buffer = 2 if sinks == window == 0 and k == "0" else 0  # an empty tail, unless nothing else is attended
+    case = Case(2, 2, 3, 64, c=c, n_seg=5, sinks=sinks, window=window, buffer=buffer, k=k, shared=shared)
+    q, keys, values, segments, clean_k, clean_v = make_inputs(case, dtype, seed=c + 10 * sinks + window)
+    out = TritonBackend(block_n=16, num_splits=2).segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
+    assert_close(out, reference(case, q, clean_k, clean_v, segments, softcap), dtype)
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sparseattn.backends.triton_backend import kernels
+
+decode, merge = kernels(False)
+def compile(fn, pointers, constexprs):
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in ("scale", "softcap") else "i32")
+           for n in fn.arg_names}
+    triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+for dtype, softcap in [("fp16", True), ("bf16", False), ("fp32", False)]:
+    ptrs = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, SEG="*i64", OUT="*fp32", LSE="*fp32")
+    compile(decode, ptrs, dict(HAS_SOFTCAP=softcap, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
+compile(merge, dict(OUTS="*fp32", LSES="*fp32", OUT="*fp32", LSE_OUT="*fp32"), dict(BLOCK_S=8, BLOCK_D=128))
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernels_compile_for_sm90_without_a_gpu():
+    # The interpreter skips triton's type checks and lowering; compiling ahead of time (triton ships
+    # ptxas) checks the compiled path on a machine with no GPU. A fresh process: compiled mode.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter tests ran in this process")
+def test_interpreter_tests_in_a_fresh_process():
+    # In a full run something imports triton (transformers' model classes do) before this module can
+    # set TRITON_INTERPRET, so triton runs compiled and the CPU kernel tests above skip: run them
+    # again in a process where this module comes first.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    skip = "not fresh_process and not compile_for and not without_the_interpreter"
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", "-k", skip, __file__]
+    root = os.path.dirname(os.path.dirname(__file__))
+    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    assert " skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+
+
+# --- dispatch --------------------------------------------------------------------------------------
+
+
+def small_call(dtype=torch.float32, D=16, device="cpu"):
+    lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)
+    return dict(
+        q=torch.randn(1, 2, 3, D, dtype=dtype, device=device),
+        keys=torch.randn(1, 2, 12, D, dtype=dtype, device=device),
+        layout=lay,
+        segments=torch.tensor([2, 0], device=device).view(1, 1, 1, 2).expand(1, 2, 1, 2),
+    )
+
+
+def test_auto_without_the_interpreter_picks_torch_on_cpu_and_says_why_not_triton():
+    # A fresh process: triton's interpreter mode is fixed at its first import (see the top of this file).
+    script = (
+        "import sys, torch\n"
+        "import sparseattn, sparseattn.backends as b\n"
+        "print('triton imported:', 'triton' in sys.modules)\n"
+        "from sparseattn.ops.layout import SegmentLayout\n"
+        "lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)\n"
+        "kw = dict(q=torch.randn(1, 2, 3, 16), keys=torch.randn(1, 2, 12, 16), layout=lay,\n"
+        "          segments=torch.zeros(1, 2, 1, 1, dtype=torch.long))\n"
+        "print('auto:', b.select_backend(**kw).name)\n"
+        "print('triton:', b.TritonBackend().refusal(kw['q'], kw['keys'], lay, kw['segments']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "triton imported: False"
+    assert lines[1] == "auto: torch"
+    if HAS_TRITON:
+        assert lines[2].startswith("triton: tensors are on cpu; the kernel needs CUDA") and "TRITON_INTERPRET=1" in lines[2]
+    else:
+        assert lines[2] == "triton: triton is not installed (pip install 'sparseattn[gpu]')"
+
+
+@needs_interpreter
+def test_auto_never_picks_the_interpreter_but_a_named_triton_runs_in_it():
+    # The interpreter is a test vehicle (orders of magnitude slower than torch): only by name.
+    assert select_backend(**small_call()).name == "torch"
+    assert select_backend("triton", **small_call()).name == "triton"
+
+
+def test_auto_falls_through_to_torch_for_float64():
+    assert select_backend(**small_call(torch.float64)).name == "torch"
+
+
+def test_a_named_backend_that_refuses_says_why():
+    with pytest.raises(ValueError) as err:
+        select_backend("triton", **small_call(torch.float64))
+    msg = str(err.value)
+    assert msg.startswith("backend 'triton' cannot run segment_attention for q [1, 2, 3, 16] torch.float64 on cpu")
+    assert "  - triton: " in msg
+    if HAS_TRITON and INTERPRETING:
+        assert "dtype torch.float64 is not supported (supported: float16, bfloat16, float32)" in msg
+
+
+def test_when_nothing_fits_every_backend_and_its_reason_is_listed():
+    with pytest.raises(ValueError) as err:
+        select_backend(**small_call(torch.float64), backends=[TritonBackend(), XformersBackend()])
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("no backend can run segment_attention for q [1, 2, 3, 16] torch.float64 on cpu")
+    assert lines[0].endswith("tried in priority order:")
+    assert [line.split(":")[0] for line in lines[1:]] == ["  - triton", "  - xformers"]
+    if importlib.util.find_spec("xformers") is None:
+        assert lines[2] == "  - xformers: xformers is not installed"
+
+
+@needs_interpreter
+def test_triton_refuses_head_dims_below_16_and_mixed_dtypes():
+    reason = TritonBackend().refusal(**small_call(D=8), softcap=None)
+    assert reason == "head dim 8 is not supported (supported: 16..256)"
+    call = small_call()
+    call["keys"] = call["keys"].half()
+    assert "one dtype" in TritonBackend().refusal(**call)
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="unknown backend 'flash'; choose one of 'auto', 'triton', 'xformers', 'torch'"):
+        select_backend("flash", **small_call())
+
+
+def test_a_refusing_backend_raises_instead_of_falling_back():
+    call = small_call(torch.float64)
+    values = torch.randn_like(call["keys"])
+    with pytest.raises(ValueError, match="the xformers backend cannot run segment_attention"):
+        XformersBackend().segment_attention(call["q"], call["keys"], values, call["layout"], call["segments"])
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match="the triton backend cannot run segment_attention.*float64"):
+            TritonBackend().segment_attention(call["q"], call["keys"], values, call["layout"], call["segments"])
+
+
+NO_SEGMENTS = torch.zeros(1, 2, 1, 0, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(segments=torch.zeros(1, 2, 2, 1, dtype=torch.long)), "segments must be"),
+        (dict(segments=torch.zeros(1, 2, 1, 1)), "integer indices"),
+        (dict(keys=torch.randn(1, 2, 11, 16)), "fewer than the layout's length 12"),
+        (dict(softcap=0.0), "softcap must be > 0"),
+        (dict(layout=SegmentLayout(length=9, sinks=0, segment_size=3, n_segments=3), segments=NO_SEGMENTS), "nothing to attend"),
+    ],
+    ids=["selection-groups", "float-indices", "short-cache", "softcap-0", "empty"],
+)
+def test_invalid_inputs_raise_whatever_the_backend(change, message):
+    call = {**small_call(), "softcap": None, **change}
+    values = torch.randn_like(call["keys"])
+    with pytest.raises(ValueError, match=message):
+        TorchBackend().segment_attention(
+            call["q"], call["keys"], values, call["layout"], call["segments"], softcap=call["softcap"]
+        )
+
+
+def test_backends_declare_what_they_support():
+    for backend in (TritonBackend(), XformersBackend(), TorchBackend()):
+        assert isinstance(backend.name, str) and isinstance(backend.SUPPORTED_DTYPES, tuple)
+    assert torch.float64 in TorchBackend.SUPPORTED_DTYPES and torch.float64 not in TritonBackend.SUPPORTED_DTYPES
+    assert 64 in TritonBackend.SUPPORTED_HEAD_DIMS and 8 not in TritonBackend.SUPPORTED_HEAD_DIMS
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+        TritonBackend(block_n=24)
+
+
+# --- the compiled kernel on a GPU ------------------------------------------------------------------
+
+GPU_CASES = [
+    Case(2, 4, 8, 128, c=64, n_seg=40, sinks=4, window=64, buffer=37, k="1", shared=True),
+    Case(2, 4, 8, 128, c=64, n_seg=40, sinks=4, window=64, buffer=37, k="all", shared=False, cache="bthd"),
+    Case(1, 8, 4, 64, c=37, n_seg=60, sinks=0, window=0, buffer=11, k="1", shared=True),
+    Case(1, 2, 7, 96, c=50, n_seg=30, sinks=4, window=100, buffer=3, k="all", shared=True),
+]
+
+
+@needs_compiled_gpu
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+def test_compiled_kernel_matches_reference_on_gpu(case, dtype, softcap):
+    q, keys, values, segments, clean_k, clean_v = (x.cuda() for x in make_inputs(case, dtype))
+    out = TritonBackend().segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
+    ref = reference(case, q.cpu(), clean_k.cpu(), clean_v.cpu(), segments.cpu(), softcap)
+    assert_close(out.cpu(), ref, dtype)
+
+
+@needs_compiled_gpu
+def test_auto_picks_triton_on_gpu():
+    assert select_backend(**small_call(torch.float16, device="cuda")).name == "triton"

@@ -1,0 +1,109 @@
+"""The evaluation commands run end to end on a tiny local checkpoint, write what they promise, and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from sparseattn.cli import app
+from sparseattn.cli.evaluate import parse_method
+from tiny_checkpoint import save_tiny_checkpoint
+
+runner = CliRunner()
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    model = save_tiny_checkpoint(root / "model")
+    text = root / "text.txt"
+    text.write_text(TEXT)
+    return root, str(model), str(text)
+
+
+def invoke(*args: str):
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_ppl_writes_records_and_summary_then_skips_and_resumes(workspace):
+    root, model, text = workspace
+    out = root / "ppl"
+    invoke("ppl", "--model", model, "-m", "dense", "-m", "radar:top_k=2,n_features=32", "--text", text,
+           "--prefill", "300", "--steps", "12", "--out", str(out))
+    runs = sorted(p.parent for p in out.glob("*/*/summary.json"))
+    assert len(runs) == 2
+    for run in runs:
+        summary = json.loads((run / "summary.json").read_text())
+        records = [json.loads(line) for line in (run / "tokens.jsonl").read_text().splitlines()]
+        assert summary["n_tokens"] == len(records) == 12
+        assert [r["position"] for r in records] == list(range(301, 313))
+        assert summary["ppl"] > 1 and summary["tokens_per_second"] > 0
+        assert {"method", "params", "ppl", "n_tokens", "seconds", "tokens_per_second", "mean_attended_tokens"} <= set(summary)
+    radar = json.loads((runs[1] / "summary.json").read_text())
+    assert radar["method"].startswith("radar") and radar["mean_attended_tokens"] < radar["mean_context_tokens"]
+    # An interrupted run (summary gone, last records lost or torn) resumes to the same numbers.
+    tokens = runs[1] / "tokens.jsonl"
+    lines = tokens.read_text().splitlines(keepends=True)
+    tokens.write_text("".join(lines[:5]) + lines[5][:7])
+    (runs[1] / "summary.json").unlink()
+    invoke("ppl", "--model", model, "-m", "radar:top_k=2,n_features=32", "--text", text, "--prefill", "300", "--steps", "12",
+           "--out", str(out))
+    resumed = json.loads((runs[1] / "summary.json").read_text())
+    assert resumed["ppl"] == pytest.approx(radar["ppl"], rel=1e-6)
+    # A different config in the same directory is refused, not mixed.
+    result = runner.invoke(app, ["ppl", "--model", model, "-m", "dense", "--text", text, "--prefill", "300", "--steps", "12",
+                                 "--out", str(out), "--dtype", "bfloat16"])
+    assert result.exit_code != 0 and "different config" in str(result.exception)
+
+
+def test_plot_draws_the_figure_and_the_table(workspace):
+    root, model, text = workspace
+    out = root / "plotted"
+    invoke("ppl", "--model", model, "-m", "dense", "-m", "radar:top_k=2,n_features=32", "--text", text,
+           "--prefill", "0", "--steps", "40", "--out", str(out))
+    png = root / "ppl.png"
+    result = invoke("plot", str(next(out.iterdir())), "--out", str(png))
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    table = png.with_suffix(".md").read_text()
+    assert "| dense |" in table and "radar" in table
+    assert "dense" in result.output
+
+
+def test_needle_runs_scores_and_draws_a_heatmap(workspace):
+    root, model, _ = workspace
+    out = root / "needle"
+    invoke("needle", "--model", model, "-m", "dense", "--task", "passkey", "--length", "600", "--depth", "50",
+           "--samples", "2", "--max-new-tokens", "4", "--out", str(out))
+    run = out / "needle-passkey" / "dense"
+    records = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["prompt_tokens"] <= 600 for r in records)
+    assert len({r["answers"][0] for r in records}) == 2  # distinct needles per sample
+    assert (run / "heatmap.png").exists() and json.loads((run / "summary.json").read_text())["n_samples"] == 2
+
+
+def test_diagnose_reports_hit_rates_and_the_exact_oracle_always_hits(workspace):
+    root, model, text = workspace
+    out = root / "diagnose"
+    result = invoke("diagnose", "--model", model, "-m", "radar:top_k=2,n_features=32", "-m", "radar-exact:top_k=2",
+                    "--text", text, "--prefill", "400", "--steps", "4", "--head", "0", "--out", str(out))
+    runs = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/*/summary.json")}
+    exact = next(v for k, v in runs.items() if k.startswith("radar-exact"))
+    assert exact["overall"]["hit@1"] == pytest.approx(1.0)
+    assert len(exact["per_layer"]) == 2 and len(exact["per_layer"][0]["hit@1"]) == 6  # 2 layers x 6 query heads
+    assert any(out.glob("*/*/attention.png"))
+    assert "hit@1" in result.output
+
+
+def test_method_specs_parse_options_and_reject_unknown_ones():
+    label, method, given = parse_method("radar:top_k=3,n_features=16", budget=None)
+    assert given == {"top_k": 3, "n_features": 16} and method.top_k == 3 and method.summary.n_features == 16
+    assert parse_method("radar", budget=100)[2] == {"budget": 100}
+    with pytest.raises(Exception, match="unknown method"):
+        parse_method("nope")
+    with pytest.raises(Exception, match="bad option"):
+        parse_method("radar:bogus=1")
