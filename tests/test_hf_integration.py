@@ -181,7 +181,7 @@ def test_summaries_add_order_sqrt_t_bytes_not_a_second_cache():
     model = tiny_model("llama")
     sizes = {}
     for t in (400, 1600):  # perfect squares: 20 and 40 segments
-        ids = prompts(1, [t - 1])[0]
+        ids = prompts(1, [t])[0]  # the prefill stores t tokens; the one generated token is never fed back
         with apply(model, Radar(top_k=2, n_features=64)) as sparse:
             cache = sparse.new_cache()
             greedy(model, ids, torch.ones_like(ids), cache, new_tokens=1)

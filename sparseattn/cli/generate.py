@@ -60,14 +60,34 @@ def generate(
     chat: bool = typer.Option(False, help="wrap the prompt as one user turn of the tokenizer's chat template"),
     top_k: int | None = typer.Option(None, help="segments attended per step (Radar family)"),
     n_features: int = typer.Option(2048, help="random features n (Radar)"),
-    sinks: int = typer.Option(0, help="first tokens always attended"),
-    window: int = typer.Option(0, help="last tokens always attended"),
+    sinks: int | None = typer.Option(None, help="first tokens always attended (default: 0; StreamingLLM 4)"),
+    window: int | None = typer.Option(None, help="last tokens always attended (default: 0; SubGen 32)"),
     seed: int = typer.Option(0),
+    budget: int | None = typer.Option(
+        None, help="past KV tokens a decode step may attend, sinks and window included (default: each method's own)"
+    ),
+    heavy_ratio: float | None = typer.Option(None, help="share of the budget for heavy hitters (H2O, default 0.5)"),
+    observation_window: int | None = typer.Option(None, help="prompt queries that vote (SnapKV, default 32)"),
+    page_size: int | None = typer.Option(None, help="tokens per page (Quest, default 16)"),
+    prefill_budget: int | None = typer.Option(
+        None, help="tokens the prompt is compressed to (snapkv+radar, default 4 x budget)"
+    ),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16"),
     quiet: bool = typer.Option(False, help="do not stream the generated text"),
 ) -> None:
     """Greedy generation under a sparse method, streamed; ends with tokens/s and KV tokens attended per step."""
-    options = MethodOptions(top_k=top_k, n_features=n_features, sinks=sinks, window=window, seed=seed)
+    options = MethodOptions(
+        top_k=top_k,
+        n_features=n_features,
+        sinks=sinks,
+        window=window,
+        seed=seed,
+        budget=budget,
+        heavy_ratio=heavy_ratio,
+        observation_window=observation_window,
+        page_size=page_size,
+        prefill_budget=prefill_budget,
+    )
     try:
         sparse_method = build_method(method, options)
     except ValueError as err:

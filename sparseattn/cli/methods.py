@@ -2,6 +2,11 @@
 
 The library itself has no string registry: a method is an instance whose ``repr`` describes the run.
 This table only serves the CLI (``--method NAME`` plus shared options).
+
+One meaning of ``--budget`` for every method: the past KV tokens a decode step may attend (sinks and
+recent window included). The Radar family turns it into top-k segments (``SegmentSearch.budget``);
+the evicting methods keep that many tokens per KV head. Without ``--budget`` each method runs at its
+paper's default (Radar family: ``--top-k`` segments).
 """
 
 from __future__ import annotations
@@ -9,18 +14,37 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparseattn.methods import Dense, Radar, SparseMethod
+from sparseattn.methods import (
+    H2O,
+    Dense,
+    PrefillEviction,
+    Quest,
+    Radar,
+    RadarExact,
+    RadarLowest,
+    RadarRandom,
+    RadarRecent,
+    SnapKV,
+    SparseMethod,
+    StreamingLLM,
+    SubGen,
+)
 
 
 @dataclass(frozen=True)
 class MethodOptions:
-    """The CLI's shared method options; each method reads the ones it has."""
+    """The CLI's shared method options; each method reads the ones it has (None: the method's default)."""
 
     top_k: int | None = None
     n_features: int = 2048
-    sinks: int = 0
-    window: int = 0
+    sinks: int | None = None
+    window: int | None = None
     seed: int = 0
+    budget: int | None = None
+    heavy_ratio: float | None = None
+    observation_window: int | None = None
+    page_size: int | None = None
+    prefill_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -33,9 +57,35 @@ class MethodSpec:
     build: Callable[[MethodOptions], SparseMethod]
 
 
-def _radar(o: MethodOptions) -> SparseMethod:
-    return Radar(top_k=64 if o.top_k is None else o.top_k, n_features=o.n_features, sinks=o.sinks, window=o.window, seed=o.seed)
+def _given(**kwargs) -> dict:
+    """The options the user gave (None means: keep the method's own default)."""
+    return {k: v for k, v in kwargs.items() if v is not None}
 
+
+def _segments(o: MethodOptions, **extra) -> dict:
+    """Options shared by the segment-search presets."""
+    top_k = 64 if o.top_k is None else o.top_k
+    return {"top_k": top_k, "sinks": o.sinks or 0, "window": o.window or 0, "budget": o.budget, **extra}
+
+
+def _radar(o: MethodOptions) -> SparseMethod:
+    return Radar(n_features=o.n_features, seed=o.seed, **_segments(o))
+
+
+def _quest(o: MethodOptions) -> SparseMethod:
+    return Quest(**_segments(o), **_given(page_size=o.page_size))
+
+
+def _snapkv(o: MethodOptions, budget: int | None) -> SnapKV:
+    return SnapKV(**_given(budget=budget, observation_window=o.observation_window))
+
+
+def _snapkv_radar(o: MethodOptions) -> SparseMethod:
+    prompt = o.prefill_budget if o.prefill_budget is not None else None if o.budget is None else 4 * o.budget
+    return PrefillEviction(prefill=_snapkv(o, prompt), decode=_radar(o))
+
+
+_SEGMENT_OPTIONS = ("budget", "top_k", "sinks", "window")
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
@@ -44,8 +94,68 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec(
             "radar",
             "Radar: random-feature segment search, top-k segments + buffer, sqrt(t) restructuring (Hao et al. 2025)",
-            ("top_k", "n_features", "sinks", "window", "seed"),
+            (*_SEGMENT_OPTIONS, "n_features", "seed"),
             _radar,
+        ),
+        MethodSpec(
+            "streamingllm",
+            "StreamingLLM: attention sinks (default 4) + sliding window, budget = sinks + window (Xiao et al. 2023)",
+            ("budget", "sinks"),
+            lambda o: StreamingLLM(**_given(budget=o.budget, sinks=o.sinks)),
+        ),
+        MethodSpec(
+            "h2o",
+            "H2O: heavy hitters by accumulated attention + recent tokens, evicting per KV head (Zhang et al. 2023)",
+            ("budget", "heavy_ratio"),
+            lambda o: H2O(**_given(budget=o.budget, heavy_ratio=o.heavy_ratio)),
+        ),
+        MethodSpec(
+            "snapkv",
+            "SnapKV: prompt tokens voted by the observation window (max-pooled) + sliding window (Li et al. 2024)",
+            ("budget", "observation_window"),
+            lambda o: _snapkv(o, o.budget),
+        ),
+        MethodSpec(
+            "subgen",
+            "SubGen: recent window exact, older keys clustered online with samples, l2-sampled values (Zandieh et al. 2024)",
+            ("budget", "window", "sinks", "seed"),
+            lambda o: SubGen(**_given(budget=o.budget, window=o.window, sinks=o.sinks), seed=o.seed),
+        ),
+        MethodSpec(
+            "quest",
+            "Quest: pages of 16 tokens, top pages by the min/max key upper bound of q.k (Tang et al. 2024)",
+            (*_SEGMENT_OPTIONS, "page_size"),
+            _quest,
+        ),
+        MethodSpec(
+            "radar-exact",
+            "Radar ablation: segments ranked by their exact attention mass (the O(t) oracle)",
+            _SEGMENT_OPTIONS,
+            lambda o: RadarExact(**_segments(o)),
+        ),
+        MethodSpec(
+            "radar-random",
+            "Radar ablation: segments chosen uniformly at random",
+            (*_SEGMENT_OPTIONS, "seed"),
+            lambda o: RadarRandom(**_segments(o), seed=o.seed),
+        ),
+        MethodSpec(
+            "radar-lowest",
+            "Radar ablation: the segments with the lowest estimated scores",
+            (*_SEGMENT_OPTIONS, "n_features", "seed"),
+            lambda o: RadarLowest(n_features=o.n_features, seed=o.seed, **_segments(o)),
+        ),
+        MethodSpec(
+            "radar-recent",
+            "Radar ablation: the most recent segments (a longer sliding window)",
+            _SEGMENT_OPTIONS,
+            lambda o: RadarRecent(**_segments(o)),
+        ),
+        MethodSpec(
+            "snapkv+radar",
+            "SnapKV compresses the prompt (to --prefill-budget, default 4 x budget), then Radar searches it + new tokens",
+            (*_SEGMENT_OPTIONS, "prefill_budget", "observation_window", "n_features", "seed"),
+            _snapkv_radar,
         ),
     )
 }

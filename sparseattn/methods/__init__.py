@@ -1,19 +1,45 @@
 """Sparse decode methods built from the parts."""
 
 from sparseattn.methods.base import DecodeState, KVState, SparseMethod, StepInfo
+from sparseattn.methods.compose import PrefillEviction, PrefillEvictionState
 from sparseattn.methods.dense import AllTokens, Dense, DenseState
+from sparseattn.methods.eviction import EvictingState, SlotSelection, slot_attention, slot_attention_ref
+from sparseattn.methods.h2o import H2O, H2OState
+from sparseattn.methods.presets import Quest, RadarExact, RadarLowest, RadarRandom, RadarRecent
 from sparseattn.methods.segment_search import Radar, SegmentSearch, SegmentSearchState, SegmentSelection
+from sparseattn.methods.snapkv import SnapKV, SnapKVState
+from sparseattn.methods.streaming import StreamingLLM, StreamingLLMState
+from sparseattn.methods.subgen import SubGen, SubGenState
 
 __all__ = [
     "AllTokens",
     "DecodeState",
     "Dense",
     "DenseState",
+    "EvictingState",
+    "H2O",
+    "H2OState",
     "KVState",
+    "PrefillEviction",
+    "PrefillEvictionState",
+    "Quest",
     "Radar",
+    "RadarExact",
+    "RadarLowest",
+    "RadarRandom",
+    "RadarRecent",
     "SegmentSearch",
     "SegmentSearchState",
     "SegmentSelection",
+    "SlotSelection",
+    "SnapKV",
+    "SnapKVState",
     "SparseMethod",
     "StepInfo",
+    "StreamingLLM",
+    "StreamingLLMState",
+    "SubGen",
+    "SubGenState",
+    "slot_attention",
+    "slot_attention_ref",
 ]

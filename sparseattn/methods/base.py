@@ -189,7 +189,9 @@ class KVState:
         self._values.append(values)
         self._after_append(keys.shape[2])
 
-    prefill = append
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Alias of :meth:`append` (a prompt block), resolved on the subclass."""
+        self.append(keys, values)
 
     def _after_append(self, n_new: int) -> None:
         """Hook: bring the method's structure up to date with ``n_new`` new tokens."""

@@ -1,0 +1,223 @@
+"""One decode step of one attention layer: dense SDPA vs Radar, against the memory-bandwidth floor.
+
+Llama-3-8B head shape (32 query heads, 8 KV heads, d = 128). For each batch size and context length
+t: dense attention (torch SDPA over the whole cache; the flash path on GPU), Radar with the paper's
+defaults (k = 64 segments, n = 2048 features) and Radar at a fixed budget of 4096 tokens. Before any
+timing, each method's output is checked against its float64 reference; a failed check is reported and
+no speed is claimed for that row.
+
+Per row: median step time over many runs after warm-up (CUDA events on GPU), the speedup over dense,
+the bytes the step must read (dense: the whole K/V; Radar: the selected K/V as gathered plus the
+segment summaries and the query features' projection), the bandwidth floor (bytes / measured memory
+bandwidth, measured in the same run) and the fraction of it achieved. The restructure (Algorithm 1's
+O(t) rebuild at perfect squares) is timed separately and shown amortised over the ~2 sqrt(t) steps
+between rebuilds. The growth exponent of per-step time over t is fitted on the rows t >= 8k.
+
+    python benchmarks/attention.py                       # CPU defaults: t in 4k..128k, batch 1 and 8
+    python benchmarks/attention.py --lengths 4096 16384 --batches 1 --repeats 20
+    python benchmarks/attention.py --device cuda --dtype bfloat16 --lengths 4096 ... 1048576
+
+Writes ``benchmarks/results/attention-<device>.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sparseattn import Radar
+from sparseattn.ops.attention import attention_ref, segment_attention_ref
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    """Median wall time of ``fn()`` in ms (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - begin))
+    return statistics.median(times)
+
+
+def memory_bandwidth(device: torch.device, gib: float = 1.0) -> float:
+    """Read bandwidth in GB/s: the best of several full reductions over a ``gib`` GiB buffer."""
+    x = torch.ones(int(gib * 2**30 / 4), device=device)
+    ms = min(median_ms(lambda: x.sum(), device, repeats=3, warmup=1) for _ in range(3))
+    return x.numel() * 4 / (ms / 1e3) / 1e9
+
+
+def machine(device: torch.device) -> dict:
+    info = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        try:
+            model = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+            info["cpu"] = model[0].split(":", 1)[1].strip() if model else None
+        except OSError:
+            pass
+    return info
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def bench_row(method_name, method, batch, t, dtype, device, repeats, warmup, tolerance) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(t + batch)
+    shape = (batch, KV_HEADS, t, HEAD_DIM)
+    keys = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    values = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(device=device, dtype=dtype)
+    group = Q_HEADS // KV_HEADS
+    row = {"method": method_name, "batch": batch, "t": t}
+    itemsize = keys.element_size()
+    if method is None:  # dense
+        q4 = query.view(batch, Q_HEADS, 1, HEAD_DIM)
+
+        def step():
+            return torch.nn.functional.scaled_dot_product_attention(q4, keys, values, enable_gqa=True)
+
+        out = step().view(batch, KV_HEADS, group, HEAD_DIM)
+        ref = attention_ref(query.view(batch, KV_HEADS, group, HEAD_DIM), keys, values)
+        row["rel_error"] = relative_error(out, ref)
+        row["attended"] = t
+        row["bytes"] = 2 * batch * KV_HEADS * t * HEAD_DIM * itemsize
+        row["rebuild_ms"] = 0.0
+    else:
+        state = method.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+        synchronize(device)
+        begin = time.perf_counter()
+        state.append(keys, values)  # one O(t) build: the cost of a restructure at this t
+        synchronize(device)
+        row["rebuild_ms"] = 1e3 * (time.perf_counter() - begin)
+        out, info = state.attend(query)
+        ref = segment_attention_ref(query.view(batch, KV_HEADS, group, HEAD_DIM), state.keys, state.values, info.layout, info.segments)
+        row["rel_error"] = relative_error(out.view_as(ref), ref)
+        row["attended"] = float(info.attended.float().mean())
+        lay = info.layout
+        selections = info.segments.shape[2]  # G (per query head) or 1 (shared by the KV group)
+        kv_read = batch * KV_HEADS * selections * info.segments.shape[-1] * lay.segment_size * HEAD_DIM * 2 * itemsize
+        kv_read += batch * KV_HEADS * (lay.sink_end + lay.tail_size) * HEAD_DIM * 2 * itemsize
+        structure = state.nbytes()
+        row["bytes"] = kv_read + structure.get("summaries", 0) + structure.get("projection", 0)
+        row["segments"] = lay.n_segments
+
+        def step():
+            return state.attend(query)
+
+    row["correct"] = row["rel_error"] <= tolerance
+    if row["correct"]:
+        row["ms"] = median_ms(step, device, repeats, warmup)
+    else:
+        row["ms"] = float("nan")
+    between_rebuilds = 2 * math.isqrt(t) + 1
+    row["rebuild_amortised_ms"] = row["rebuild_ms"] / between_rebuilds
+    return row
+
+
+def fit_exponent(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of log(ms) over log(t)."""
+    xs = [math.log(t) for t, _ in points]
+    ys = [math.log(ms) for _, ms in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    lengths = args.lengths or ([4096, 16384, 65536, 131072] if device.type == "cpu" else [4096, 16384, 65536, 131072, 262144, 1048576])
+    tolerance = {torch.float32: 1e-4, torch.float64: 1e-8}.get(dtype, 2e-2)
+    methods = {
+        "dense": None,
+        "radar (k=64, n=2048)": Radar(top_k=64, n_features=2048),
+        "radar (budget 4096)": Radar(budget=4096, n_features=2048),
+    }
+    info = machine(device)
+    info["bandwidth_GBps"] = memory_bandwidth(device)
+    print(f"machine: {json.dumps(info)}")
+    print(f"shape: {Q_HEADS} query heads, {KV_HEADS} KV heads, d = {HEAD_DIM}, {dtype}; median of {args.repeats} after {args.warmup} warm-up")
+    rows = []
+    header = (f"{'method':<22}{'batch':>6}{'t':>9}{'attended':>10}{'ms/step':>10}{'speedup':>9}{'MB read':>10}"
+              f"{'floor ms':>10}{'of floor':>9}{'rebuild ms':>11}{'amortised':>10}{'rel.err':>10}")
+    print(header)
+    print("-" * len(header))
+    for batch in args.batches:
+        for t in lengths:
+            dense_ms = None
+            for name, method in methods.items():
+                row = bench_row(name, method, batch, t, dtype, device, args.repeats, args.warmup, tolerance)
+                if name == "dense":
+                    dense_ms = row["ms"]
+                row["speedup"] = dense_ms / row["ms"] if dense_ms and row["ms"] == row["ms"] else float("nan")
+                row["floor_ms"] = row["bytes"] / (info["bandwidth_GBps"] * 1e9) * 1e3
+                row["fraction_of_floor"] = row["floor_ms"] / row["ms"] if row["ms"] == row["ms"] else float("nan")
+                rows.append(row)
+                flag = "" if row["correct"] else "  OUTPUT CHECK FAILED: no timing"
+                print(f"{name:<22}{batch:>6}{t:>9}{row['attended']:>10.0f}{row['ms']:>10.3f}{row['speedup']:>9.2f}"
+                      f"{row['bytes'] / 1e6:>10.1f}{row['floor_ms']:>10.3f}{row['fraction_of_floor']:>9.2f}"
+                      f"{row['rebuild_ms']:>11.1f}{row['rebuild_amortised_ms']:>10.3f}{row['rel_error']:>10.1e}{flag}")
+    exponents = {}
+    for batch in args.batches:
+        for name in methods:
+            points = [(r["t"], r["ms"]) for r in rows if r["method"] == name and r["batch"] == batch and r["t"] >= 8192 and r["ms"] == r["ms"]]
+            if len(points) >= 2:
+                exponents[f"{name}, batch {batch}"] = fit_exponent(points)
+    print("\ngrowth exponent of ms/step over t >= 8k (dense ~ 1, O(sqrt t) ~ 0.5):")
+    for key, value in exponents.items():
+        print(f"  {key:<36}{value:6.2f}")
+    out = args.out or Path(__file__).parent / "results" / f"attention-{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "dtype": str(dtype), "rows": rows, "exponents": exponents}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

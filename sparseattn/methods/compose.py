@@ -1,0 +1,136 @@
+"""Composition beyond the paper: evict the prompt with one method, then decode with another."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparseattn.methods.base import DecodeState, SparseMethod, StepInfo
+
+
+@dataclass(frozen=True)
+class PrefillEviction:
+    """Compress the prompt with ``prefill`` (an evicting method), then decode with ``decode``.
+
+    The prompt is attended densely and evicted by ``prefill`` (e.g. :class:`SnapKV` keeps the prompt
+    tokens its end attends to most); at the first decode step the tokens it kept, the same number per
+    KV head and in their original order, become the prompt of a fresh ``decode`` state (e.g. Radar's
+    segment search), which then appends the new tokens. The two budgets are separate:
+    ``prefill.budget`` bounds the compressed prompt, ``decode``'s budget bounds every decode step.
+
+    Args:
+        prefill: a method that evicts the prompt and can hand over the tokens it keeps
+            (:class:`StreamingLLM`, :class:`H2O`, :class:`SnapKV`).
+        decode: any sparse method.
+
+    Example:
+        >>> from sparseattn import Radar, SnapKV
+        >>> method = PrefillEviction(prefill=SnapKV(budget=40, observation_window=8), decode=Radar(top_k=2, n_features=16))
+        >>> state = method.new_state(batch=1, kv_heads=2, head_dim=8)
+        >>> state.append(torch.randn(1, 2, 100, 8), torch.randn(1, 2, 100, 8))
+        >>> _ = state.attend_block(torch.randn(1, 4, 100, 8))
+        >>> _, info = state.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+        >>> state.length, state.seen
+        (41, 101)
+    """
+
+    prefill: SparseMethod
+    decode: SparseMethod
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefill, type) or not getattr(self.prefill, "hands_over_tokens", False):
+            raise ValueError(
+                "PrefillEviction.prefill must be an evicting method instance that hands over its kept tokens "
+                f"(StreamingLLM, H2O or SnapKV), got {self.prefill!r}"
+            )
+        if isinstance(self.decode, type) or not hasattr(self.decode, "new_state"):
+            raise ValueError(f"PrefillEviction.decode must be a sparse method instance, got {self.decode!r}")
+
+    def new_state(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        layer_idx: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> PrefillEvictionState:
+        return PrefillEvictionState(
+            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
+        )
+
+
+class PrefillEvictionState:
+    """The ``prefill`` method's state until the first decode token, then the ``decode`` method's.
+
+    ``seen`` counts every token; ``length`` the tokens the active state stores.
+    """
+
+    def __init__(self, method: PrefillEviction, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
+        self.method = method
+        self._kwargs = dict(kwargs)
+        self._shape = (batch, kv_heads, head_dim)
+        self.prefill_state = method.prefill.new_state(batch, kv_heads, head_dim, **kwargs)
+        self.decode_state: DecodeState | None = None
+        self.seen = 0
+
+    @property
+    def active(self):
+        return self.prefill_state if self.decode_state is None else self.decode_state
+
+    @property
+    def batch(self) -> int:
+        return self.active.batch
+
+    @property
+    def length(self) -> int:
+        return self.active.length
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.active.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.active.values
+
+    def nbytes(self) -> dict[str, int]:
+        return self.active.nbytes()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.active.select_batch(index)
+
+    def _hand_over(self) -> None:
+        """The prefill method's kept tokens become the decode method's prompt."""
+        _, kv_heads, head_dim = self._shape
+        state = self.method.decode.new_state(self.prefill_state.batch, kv_heads, head_dim, **self._kwargs)
+        if self.prefill_state.length:
+            keys, values, _ = self.prefill_state.kept_tokens()
+            state.append(keys, values)
+        self.decode_state = state
+        self.prefill_state = None
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A block goes to the prefill method; the first single token hands over to the decode method."""
+        if self.decode_state is None and keys.dim() == 4 and keys.shape[2] == 1:
+            self._hand_over()
+        self.active.append(keys, values)
+        self.seen += keys.shape[2] if keys.dim() == 4 else 0
+
+    prefill = append
+
+    def attend_block(self, query: torch.Tensor) -> torch.Tensor:
+        return self.active.attend_block(query)
+
+    def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
+        if self.decode_state is None:
+            self._hand_over()
+        return self.decode_state.attend(query)
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
+        self.append(key.unsqueeze(2), value.unsqueeze(2))
+        return self.attend(query)

@@ -1,0 +1,376 @@
+"""What the evicting methods share: a bounded set of slots per (batch row, KV head), overwritten in place.
+
+StreamingLLM, H2O, SnapKV and SubGen keep at most ``budget`` tokens per KV head, and each KV head may
+keep different ones. The storage stays ``[B, H_kv, slots, D]``: keys are stored after RoPE, so a
+token's position travels with its key and the order of the slots does not matter to attention. A
+decode token that arrives when the slots are full overwrites the slot the method evicts (O(1) copy, no
+compaction); a prefill block is appended, attended densely over everything stored (the setting of the
+papers), and only then evicted down to the budget.
+
+A method writes only its *priorities*: which stored tokens it keeps after a prefill block
+(:meth:`EvictingState._prefill_priority`) and which one it overwrites at a decode step
+(:meth:`EvictingState._eviction_priority`); ``+inf`` protects a token (sinks, recent window).
+
+Shapes: ``keys, values: [B, H_kv, S, D]`` with ``S <= budget`` slots; queries ``[B, H_q, D]`` with
+``H_q = G * H_kv`` (query head ``h`` uses KV head ``h // G``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparseattn.methods.base import KVState
+from sparseattn.ops.attention import compute_dtype, soft_cap
+from sparseattn.ops.buffers import GrowableBuffer
+
+# Elements of one [B, H, G, rows, S] probability chunk when summing prefill attention (bounds memory).
+_PROBABILITY_CHUNK = 1 << 23
+
+
+def check_int(owner: str, name: str, value, minimum: int) -> None:
+    """Raise a ValueError naming ``owner.name`` unless ``value`` is an int ``>= minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _visible(T: int, S: int, rows: range, device: torch.device) -> torch.Tensor:
+    """``[len(rows), S]``: query ``i`` of the last ``T`` of ``S`` slots sees slots ``[0, S - T + i]``."""
+    r = torch.arange(rows.start, rows.stop, device=device).view(-1, 1)
+    return torch.arange(S, device=device).view(1, S) <= S - T + r
+
+
+def slot_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    den_weight: torch.Tensor | None = None,
+    num_weight: torch.Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q: [B, H_kv, G, T, D]`` over weighted slots ``keys, values: [B, H_kv, S, D]``.
+
+    The last ``T`` slots are the queries' own tokens (query ``i`` sees slots ``[0, S - T + i]``; a
+    decode query, ``T = 1``, sees every slot). With ``e_s = exp(logit_s)``::
+
+        out = sum_s e_s b_s v_s / sum_s e_s a_s,   a = den_weight, b = num_weight  ([B, H_kv, S], ones if None)
+
+    which is softmax attention when ``a = b = 1``; SubGen's sketch gives sampled slots other weights.
+    Slots with ``a = b = 0`` are empty. Scores run in float32 (float64 for float64 inputs).
+
+    Returns:
+        ``out: [B, H_kv, G, T, D]`` and ``probs: [B, H_kv, G, T, S] = e a / sum e a`` (the attention
+        weights), both in the compute dtype.
+
+    Example (unit weights are plain attention):
+        >>> from sparseattn.ops.attention import attention_ref
+        >>> q, k, v = torch.randn(1, 2, 3, 1, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+        >>> out, _ = slot_attention(q, k, v, torch.ones(1, 2, 9), torch.ones(1, 2, 9))
+        >>> torch.allclose(out[:, :, :, 0].double(), attention_ref(q[:, :, :, 0], k, v), atol=1e-6)
+        True
+    """
+    B, H, G, T, D = q.shape
+    S = keys.shape[2]
+    if T > S:
+        raise ValueError(f"slot_attention: {T} queries but only {S} slots")
+    cd = compute_dtype(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    logits = soft_cap(torch.einsum("bhgtd,bhsd->bhgts", q.to(cd), keys.to(cd)) * scale, softcap)
+    mask = _visible(T, S, range(T), q.device) if T > 1 else None
+    if den_weight is None and num_weight is None:
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.einsum("bhgts,bhsd->bhgtd", probs, values.to(cd)), probs
+    a = torch.ones(B, H, S, dtype=cd, device=q.device) if den_weight is None else den_weight.to(cd)
+    b = torch.ones(B, H, S, dtype=cd, device=q.device) if num_weight is None else num_weight.to(cd)
+    live = ((a > 0) | (b > 0)).view(B, H, 1, 1, S)
+    live = live if mask is None else live & mask
+    top = logits.masked_fill(~live, float("-inf")).amax(-1, keepdim=True)  # no overflow in exp
+    e = torch.exp(logits - top).masked_fill(~live, 0.0)
+    den = (e * a.view(B, H, 1, 1, S)).sum(-1, keepdim=True)
+    out = torch.einsum("bhgts,bhsd->bhgtd", e * b.view(B, H, 1, 1, S), values.to(cd)) / den
+    return out, e * a.view(B, H, 1, 1, S) / den
+
+
+def slot_attention_ref(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    den_weight: torch.Tensor | None = None,
+    num_weight: torch.Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`slot_attention`: the formula itself in float64 (no max subtraction). Returns ``out``."""
+    B, H, G, T, D = q.shape
+    S = keys.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    e = torch.exp(soft_cap(torch.einsum("bhgtd,bhsd->bhgts", q.double(), keys.double()) * scale, softcap))
+    visible = torch.arange(S).view(1, S) <= S - T + torch.arange(T).view(T, 1)
+    e = e * visible.double()
+    a = torch.ones(B, H, S, dtype=torch.float64) if den_weight is None else den_weight.double()
+    b = torch.ones(B, H, S, dtype=torch.float64) if num_weight is None else num_weight.double()
+    num = torch.einsum("bhgts,bhs,bhsd->bhgtd", e, b, values.double())
+    return num / torch.einsum("bhgts,bhs->bhgt", e, a).unsqueeze(-1)
+
+
+def causal_probability_sums(
+    q: torch.Tensor, keys: torch.Tensor, scale: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Attention each stored token receives from a block of queries, summed over the block and the group.
+
+    ``q: [B, H_kv, G, T, D]`` are the queries of the last ``T`` of the ``S`` slots ``keys: [B, H_kv, S, D]``
+    (causal: query ``i`` sees slots ``[0, S - T + i]``). Returns ``[B, H_kv, S]`` in the compute dtype:
+    the column sums of the causal softmax matrix, H2O's accumulated attention and SnapKV's votes.
+    Computed in chunks of query rows so the ``[B, H, G, rows, S]`` temporary stays bounded.
+    """
+    B, H, G, T, D = q.shape
+    S = keys.shape[2]
+    cd = compute_dtype(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    k = keys.to(cd)
+    total = torch.zeros(B, H, S, dtype=cd, device=q.device)
+    rows = max(1, _PROBABILITY_CHUNK // max(1, B * H * G * S))
+    for start in range(0, T, rows):
+        block = range(start, min(T, start + rows))
+        seen = S - T + block.stop  # the chunk's queries see no slot beyond this one
+        rows_q = q[:, :, :, block.start : block.stop].to(cd)
+        logits = soft_cap(torch.einsum("bhgtd,bhsd->bhgts", rows_q, k[:, :, :seen]) * scale, softcap)
+        logits = logits.masked_fill(~_visible(T, S, block, q.device)[:, :seen], float("-inf"))
+        total[:, :, :seen] += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+    return total
+
+
+def causal_probability_sums_ref(
+    q: torch.Tensor, keys: torch.Tensor, scale: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Reference for :func:`causal_probability_sums`: the whole causal softmax matrix in float64."""
+    T, S = q.shape[3], keys.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = soft_cap(torch.einsum("bhgtd,bhsd->bhgts", q.double(), keys.double()) * scale, softcap)
+    visible = torch.arange(S).view(1, S) <= S - T + torch.arange(T).view(T, 1)
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).sum(dim=(2, 3))
+
+
+@dataclass(frozen=True)
+class SlotSelection:
+    """What one decode step of an evicting method attended: every live slot it stores.
+
+    ``live: [B, H_kv, S]`` marks filled slots, ``positions: [B, H_kv, S]`` the original index of the
+    token in each slot (-1 when empty), ``group`` the query heads per KV head. A slot counts once even
+    when two slots hold the same token (SubGen samples with replacement): it is attended once each.
+    """
+
+    live: torch.Tensor
+    positions: torch.Tensor
+    group: int
+
+    @property
+    def attended(self) -> torch.Tensor:
+        """Slots attended per query head, ``[B, H_q]``."""
+        return self.live.sum(-1).repeat_interleave(self.group, dim=1)
+
+    def to_mask(self) -> torch.Tensor:
+        """The attended set as a boolean mask ``[B, H_q, S]`` over the stored slots."""
+        B, H, S = self.live.shape
+        return self.live.unsqueeze(2).expand(B, H, self.group, S).reshape(B, H * self.group, S)
+
+    def position_mask(self, length: int) -> torch.Tensor:
+        """The attended tokens as a boolean mask ``[B, H_q, length]`` over original positions."""
+        B, H, _ = self.live.shape
+        hits = torch.zeros(B, H, length, dtype=torch.long, device=self.live.device)
+        hits.scatter_add_(-1, self.positions.clamp(min=0), self.live.long())
+        return (hits > 0).unsqueeze(2).expand(B, H, self.group, length).reshape(B, H * self.group, length)
+
+
+class EvictingState(KVState):
+    """Base of the evicting decode states: at most ``budget`` slots per (batch row, KV head).
+
+    Keeps, beside the keys and values, each slot's original ``positions`` and whatever per-slot fields
+    the method registers with :meth:`_add_slot_field` (H2O's accumulated scores, SnapKV's pins, SubGen's
+    weights), all reindexed together by eviction and :meth:`select_batch`. ``seen`` counts the tokens
+    seen; ``length`` the slots stored (at most ``budget`` once a step is answered).
+
+    Subclasses define :meth:`_prefill_priority` (tokens kept after a prefill block: the ``budget``
+    highest) and :meth:`_eviction_priority` (the slot a full store overwrites: the lowest; ties go to
+    the oldest token); ``+inf`` protects. They may record statistics in :meth:`_record_block`
+    (prefill queries) and :meth:`_record_step` (decode attention weights).
+    """
+
+    def __init__(self, budget: int, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
+        super().__init__(batch, kv_heads, head_dim, **kwargs)
+        self.budget = budget
+        self.seen = 0
+        self._positions = GrowableBuffer(dim=2)
+        self._fields: dict[str, tuple[GrowableBuffer, torch.dtype, float]] = {}
+
+    # -- storage -------------------------------------------------------------------------------
+
+    def _add_slot_field(self, name: str, dtype: torch.dtype, fill: float) -> None:
+        """Register a per-slot tensor ``[B, H_kv, S]`` that new tokens enter with value ``fill``."""
+        self._fields[name] = (GrowableBuffer(dim=2), dtype, fill)
+
+    def field(self, name: str) -> torch.Tensor:
+        """The per-slot field ``name`` as a ``[B, H_kv, S]`` view."""
+        return self._fields[name][0].view()
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[B, H_kv, S]`` original position of the token in each slot (-1: empty)."""
+        return self._positions.view()
+
+    def _buffers(self) -> list[GrowableBuffer]:
+        return [*super()._buffers(), self._positions, *(buf for buf, _, _ in self._fields.values())]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: ``kv`` (the stored slots) and ``slot_meta`` (positions and per-slot fields)."""
+        meta = sum(buf.view().numel() * buf.view().element_size() for buf in self._buffers()[2:] if len(buf))
+        return {**super().nbytes(), "slot_meta": meta}
+
+    def _append_slots(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        B, H, T, _ = keys.shape
+        self._keys.append(keys)
+        self._values.append(values)
+        self._positions.append(positions)
+        for buf, dtype, fill in self._fields.values():
+            buf.append(torch.full((B, H, T), fill, dtype=dtype, device=self.device))
+        if self.length == self.budget:
+            self._shrink_to_fit()
+
+    def _shrink_to_fit(self) -> None:
+        """Drop the spare capacity of capacity doubling, so a full store holds exactly ``budget`` slots."""
+        for buf in self._buffers():
+            if len(buf) and buf.capacity > len(buf):
+                buf.replace(buf.view())
+
+    def _write(self, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor | int) -> None:
+        """Overwrite ``slot: [B, H_kv]`` with ``key, value: [B, H_kv, D]`` in place; reset its fields."""
+        B, H, D = key.shape
+        index = slot.view(B, H, 1)
+        self.keys.scatter_(2, index.unsqueeze(-1).expand(B, H, 1, D), key.unsqueeze(2))
+        self.values.scatter_(2, index.unsqueeze(-1).expand(B, H, 1, D), value.unsqueeze(2))
+        pos = torch.as_tensor(position, device=self.device).expand(B, H).reshape(B, H, 1)
+        self.positions.scatter_(2, index, pos)
+        for name, (_, dtype, fill) in self._fields.items():
+            self.field(name).scatter_(2, index, torch.full((B, H, 1), fill, dtype=dtype, device=self.device))
+
+    def _compact(self, keep: torch.Tensor) -> None:
+        """Keep the slots ``keep: [B, H_kv, n]`` (in that order), dropping every other one."""
+        B, H, n = keep.shape
+        rows = keep.unsqueeze(-1).expand(B, H, n, self.head_dim)
+        self._keys.replace(self.keys.gather(2, rows))
+        self._values.replace(self.values.gather(2, rows))
+        self._positions.replace(self.positions.gather(2, keep))
+        for buf, _, _ in self._fields.values():
+            buf.replace(buf.view().gather(2, keep))
+
+    def kept_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored tokens in position order: ``keys, values: [B, H_kv, S, D]``, ``positions: [B, H_kv, S]``.
+
+        Each KV head lists its own tokens (the ``s``-th token of two heads may differ).
+        """
+        self._settle()
+        order = self.positions.argsort(dim=-1)
+        rows = order.unsqueeze(-1).expand(*order.shape, self.head_dim)
+        return self.keys.gather(2, rows), self.values.gather(2, rows), self.positions.gather(2, order)
+
+    # -- eviction ------------------------------------------------------------------------------
+
+    def _prefill_priority(self) -> torch.Tensor:
+        """``[B, H_kv, S]``: after a prefill block the ``budget`` highest are kept (``+inf``: always)."""
+        raise NotImplementedError
+
+    def _eviction_priority(self, position: int) -> torch.Tensor:
+        """``[B, H_kv, S]``: the lowest slot is overwritten by the token at ``position`` (``+inf``: never)."""
+        raise NotImplementedError
+
+    def _record_block(self, grouped_query: torch.Tensor) -> None:
+        """Hook: learn from the prefill block's queries ``[B, H_kv, G, T, D]`` before eviction."""
+
+    def _record_step(self, probs: torch.Tensor) -> None:
+        """Hook: learn from one decode step's attention weights ``[B, H_kv, G, S]``."""
+
+    def _keep_slots(self, priority: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` highest-priority slots ``[B, H_kv, n]`` (ties: the newer token), in position order."""
+        newest_first = self.positions.argsort(dim=-1, descending=True)
+        ranked = priority.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
+        keep = newest_first.gather(-1, ranked[..., :n])
+        return keep.gather(-1, self.positions.gather(-1, keep).argsort(dim=-1))
+
+    def _victim(self, position: int) -> torch.Tensor:
+        """The slot ``[B, H_kv]`` the token at ``position`` overwrites: lowest priority, then oldest."""
+        priority = self._eviction_priority(position)
+        low = priority.amin(dim=-1, keepdim=True)
+        if not bool(torch.isfinite(low).all()):
+            raise RuntimeError(f"{type(self).__name__}: every slot is protected, nothing can be evicted (a bug)")
+        oldest = self.positions.masked_fill(priority != low, torch.iinfo(torch.long).max)
+        return oldest.argmin(dim=-1)
+
+    def _settle(self) -> None:
+        """Evict down to ``budget`` what a prefill block left above it."""
+        if self.length > self.budget:
+            self._compact(self._keep_slots(self._prefill_priority().double(), self.budget))
+
+    def _insert(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A decode token ``[B, H_kv, D]`` into a full store: overwrite the evicted slot."""
+        self._write(self._victim(self.seen), key, value, self.seen)
+
+    def _can_insert(self) -> bool:
+        return True
+
+    # -- the DecodeState protocol --------------------------------------------------------------
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``[B, H_kv, T, D]``: one decode token overwrites an evicted slot when the store is full;
+        a block is appended and evicted after :meth:`attend_block` (or the next step) has seen it."""
+        self._check_block("keys", keys, True)
+        self._check_block("values", values, True)
+        if keys.shape != values.shape:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+        B, H, T, _ = keys.shape
+        if T == 1 and self.length >= self.budget:
+            self._settle()
+            if self._can_insert():
+                self._insert(keys[:, :, 0], values[:, :, 0])
+                self.seen += 1
+                return
+        positions = torch.arange(self.seen, self.seen + T, device=self.device).expand(B, H, T)
+        self._append_slots(keys, values, positions)
+        self.seen += T
+        if T == 1:
+            self._settle()
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Same as :meth:`append` (dispatched, so a subclass's ``append`` is the one that runs)."""
+        self.append(keys, values)
+
+    def attend_block(self, query: torch.Tensor) -> torch.Tensor:
+        """Dense causal prefill attention ``[B, H_q, T, D]`` over everything stored, then eviction to ``budget``."""
+        out = super().attend_block(query)
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        self._record_block(query.reshape(B, H, query.shape[1] // H, query.shape[2], D))
+        self._settle()
+        return out
+
+    def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-slot ``(den_weight, num_weight)`` for :func:`slot_attention` (None: plain attention)."""
+        return None, None
+
+    def _live(self) -> torch.Tensor:
+        return torch.ones(self.batch, self.kv_heads, self.length, dtype=torch.bool, device=self.device)
+
+    def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SlotSelection]:
+        """Attention of ``query: [B, H_q, D]`` over every stored slot: ``([B, H_q, D], selection)``."""
+        group = self._check_query(query)
+        self._settle()
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        den, num = self._weights()
+        out, probs = slot_attention(
+            query.reshape(B, H, group, 1, D), self.keys, self.values, den, num, self.scale, self.softcap
+        )
+        self._record_step(probs[:, :, :, 0])
+        info = SlotSelection(live=self._live(), positions=self.positions.clone(), group=group)
+        return out.reshape(B, H * group, D).to(query.dtype), info

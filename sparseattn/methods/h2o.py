@@ -1,0 +1,99 @@
+"""H2O, the heavy-hitter oracle (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative
+Inference of Large Language Models")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparseattn.methods.eviction import EvictingState, causal_probability_sums, check_int
+
+
+@dataclass(frozen=True)
+class H2O:
+    """Keep, per KV head, the tokens with the largest accumulated attention plus the most recent ones.
+
+    Each stored token accumulates the attention it receives: during prefill the column sums of the
+    prompt's causal attention matrix, then the weights of every decode query. The prompt is evicted
+    once it has been attended (densely) and, at every decode step, the new token overwrites the
+    non-recent token with the lowest accumulated score (the paper's greedy eviction). Under
+    grouped-query attention a KV head accumulates the attention of its whole group of query heads,
+    since the storage, and so the eviction, is per KV head.
+
+    Budget rule: ``budget = heavy + recent`` with ``heavy = floor(budget * heavy_ratio)``; a decode
+    step attends ``min(t, budget)`` tokens. ``heavy_ratio = 0.5`` is the paper's even split.
+
+    Args:
+        budget: tokens kept and attended per step.
+        heavy_ratio: the share of the budget given to heavy hitters, in ``[0, 1)``; the rest (at least
+            one token, the newest) is the recent window.
+    """
+
+    budget: int = 1024
+    heavy_ratio: float = 0.5
+    hands_over_tokens: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_int("H2O", "budget", self.budget, 1)
+        ratio = self.heavy_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
+            raise ValueError(f"H2O.heavy_ratio must be a number in [0, 1), got {ratio!r}")
+
+    @property
+    def heavy(self) -> int:
+        """Heavy-hitter slots: ``floor(budget * heavy_ratio)``, leaving at least one recent slot."""
+        return min(self.budget - 1, int(self.budget * self.heavy_ratio))
+
+    @property
+    def recent(self) -> int:
+        """Most recent tokens always kept: ``budget - heavy``."""
+        return self.budget - self.heavy
+
+    def new_state(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        layer_idx: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> H2OState:
+        return H2OState(
+            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
+        )
+
+
+class H2OState(EvictingState):
+    """Per-slot accumulated attention (``field("score")``, in the compute dtype); the recent window is protected."""
+
+    def __init__(self, method: H2O, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
+        super().__init__(method.budget, batch, kv_heads, head_dim, **kwargs)
+        self.method = method
+        self._add_slot_field("score", self.compute_dtype, 0.0)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """``[B, H_kv, S]`` attention accumulated by each stored token."""
+        return self.field("score")
+
+    def _with_recent(self, newest: int) -> torch.Tensor:
+        """Scores, with the ``recent`` tokens ending at position ``newest`` protected."""
+        recent = self.positions > newest - self.method.recent
+        return self.scores.double().masked_fill(recent, float("inf"))
+
+    def _record_block(self, grouped_query: torch.Tensor) -> None:
+        self.scores.add_(causal_probability_sums(grouped_query, self.keys, self.scale, self.softcap))
+
+    def _record_step(self, probs: torch.Tensor) -> None:
+        self.scores.add_(probs.sum(dim=2))
+
+    def _prefill_priority(self) -> torch.Tensor:
+        return self._with_recent(self.seen - 1)
+
+    def _eviction_priority(self, position: int) -> torch.Tensor:
+        return self._with_recent(position)

@@ -1,0 +1,113 @@
+"""Segment-search presets: Quest, and the selection ablations of the Radar paper (Figure 7).
+
+Each is a :class:`~sparseattn.methods.segment_search.SegmentSearch` with one part swapped, so its
+``repr`` is the full description of the run. Budget rule (as for every segment search): with
+``budget`` set, a step attends ``max(1, (budget - sinks - tail) // c)`` segments of ``c`` tokens,
+``tail`` being the unsealed buffer plus the window; otherwise ``top_k`` segments.
+"""
+
+from __future__ import annotations
+
+from sparseattn.methods.segment_search import SegmentSearch
+from sparseattn.schedules.fixed import FixedSchedule
+from sparseattn.schedules.sqrt import SqrtSchedule
+from sparseattn.selectors.base import Selector
+from sparseattn.selectors.lowest import Lowest
+from sparseattn.selectors.random import Random
+from sparseattn.selectors.recent import Recent
+from sparseattn.selectors.topk import TopK
+from sparseattn.summaries.base import Summary
+from sparseattn.summaries.exact import ExactScore
+from sparseattn.summaries.minmax import MinMaxBound
+from sparseattn.summaries.performer import PerformerFeatures
+
+
+def Quest(
+    top_k: int = 64,
+    page_size: int = 16,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    shared_kv_selection: bool = False,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """Quest (Tang et al. 2024): ``SegmentSearch(MinMaxBound(), TopK(), FixedSchedule(page_size))``.
+
+    Pages of ``page_size`` tokens keep per-channel minimum and maximum keys; a query scores a page by
+    the upper bound ``sum_i max(q_i min_i, q_i max_i) >= q . k`` of every logit in it and attends the
+    ``top_k`` best pages (``64 x 16 = 1024`` tokens by default) plus the unfilled last page.
+    """
+    return SegmentSearch(
+        summary=MinMaxBound(),
+        selector=TopK(),
+        schedule=FixedSchedule(page_size),
+        top_k=top_k,
+        sinks=sinks,
+        window=window,
+        shared_kv_selection=shared_kv_selection,
+        budget=budget,
+    )
+
+
+def _radar_with(
+    summary: Summary, selector: Selector, top_k: int, sinks: int, window: int, aspect: float, budget: int | None
+) -> SegmentSearch:
+    return SegmentSearch(
+        summary=summary,
+        selector=selector,
+        schedule=SqrtSchedule(aspect=aspect),
+        top_k=top_k,
+        sinks=sinks,
+        window=window,
+        budget=budget,
+    )
+
+
+def RadarExact(
+    top_k: int = 64, *, sinks: int = 0, window: int = 0, aspect: float = 1.0, budget: int | None = None
+) -> SegmentSearch:
+    """Exact segment search: Radar's segments ranked by their true attention mass (:class:`ExactScore`).
+
+    The oracle Radar approximates (Figure 7, right): O(t) per step, not a fast method.
+    """
+    return _radar_with(ExactScore(), TopK(), top_k, sinks, window, aspect, budget)
+
+
+def RadarRandom(
+    top_k: int = 64,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    aspect: float = 1.0,
+    seed: int = 0,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """Radar's segments chosen uniformly at random (Figure 7, middle: the "uneducated guess").
+
+    No scores are computed; the summary is :class:`ExactScore`, which stores nothing.
+    """
+    return _radar_with(ExactScore(), Random(seed=seed), top_k, sinks, window, aspect, budget)
+
+
+def RadarLowest(
+    top_k: int = 64,
+    n_features: int = 2048,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    aspect: float = 1.0,
+    seed: int = 0,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """Radar's estimated scores, lowest segments first (Figure 7, left: a sanity check that should do poorly)."""
+    return _radar_with(PerformerFeatures(n_features=n_features, seed=seed), Lowest(), top_k, sinks, window, aspect, budget)
+
+
+def RadarRecent(
+    top_k: int = 64, *, sinks: int = 0, window: int = 0, aspect: float = 1.0, budget: int | None = None
+) -> SegmentSearch:
+    """Radar's most recent segments, whatever the query: a sliding window grown by ``top_k`` segments.
+
+    No scores are computed; the summary is :class:`ExactScore`, which stores nothing.
+    """
+    return _radar_with(ExactScore(), Recent(), top_k, sinks, window, aspect, budget)

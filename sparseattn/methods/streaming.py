@@ -1,0 +1,80 @@
+"""StreamingLLM: attention sinks plus a sliding window (Xiao et al. 2023, "Efficient Streaming Language
+Models with Attention Sinks")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparseattn.methods.eviction import EvictingState, check_int
+
+
+@dataclass(frozen=True)
+class StreamingLLM:
+    """Keep the first ``sinks`` tokens and the last ``budget - sinks``; evict everything in between.
+
+    Budget rule: a decode step attends ``min(t, budget)`` tokens, ``sinks`` of them the attention
+    sinks and the rest the most recent tokens (the new one included). Evicts physically: the cache
+    holds ``budget`` slots per KV head. Positions are those of the original sequence (keys are stored
+    after RoPE), which the paper's "positions within the cache" variant would re-encode instead.
+
+    Args:
+        budget: tokens kept and attended per step (sinks + window).
+        sinks: first tokens always kept (the paper uses 4).
+
+    Example:
+        >>> state = StreamingLLM(budget=6, sinks=2).new_state(batch=1, kv_heads=1, head_dim=4)
+        >>> state.prefill(torch.randn(1, 1, 20, 4), torch.randn(1, 1, 20, 4))
+        >>> _, info = state.step(torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+        >>> info.position_mask(21)[0, 0].nonzero().flatten().tolist()
+        [0, 1, 17, 18, 19, 20]
+    """
+
+    budget: int = 1024
+    sinks: int = 4
+    hands_over_tokens: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_int("StreamingLLM", "sinks", self.sinks, 0)
+        check_int("StreamingLLM", "budget", self.budget, self.sinks + 1)
+
+    @property
+    def window(self) -> int:
+        """Recent tokens kept: ``budget - sinks``."""
+        return self.budget - self.sinks
+
+    def new_state(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        layer_idx: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> StreamingLLMState:
+        return StreamingLLMState(
+            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
+        )
+
+
+class StreamingLLMState(EvictingState):
+    """Sinks are protected; among the others the oldest token goes first."""
+
+    def __init__(self, method: StreamingLLM, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
+        super().__init__(method.budget, batch, kv_heads, head_dim, **kwargs)
+        self.method = method
+
+    def _recency(self) -> torch.Tensor:
+        pos = self.positions.double()
+        return pos.masked_fill(self.positions < self.method.sinks, float("inf"))
+
+    def _prefill_priority(self) -> torch.Tensor:
+        return self._recency()
+
+    def _eviction_priority(self, position: int) -> torch.Tensor:
+        return self._recency()
