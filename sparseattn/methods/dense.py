@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseattn.methods.base import KVState
-from sparseattn.ops.attention import causal_block_attention
+from sparseattn.ops.attention import dense_decode_attention
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ class Dense:
 
 
 class DenseState(KVState):
-    """Every stored token, every step: torch SDPA (or the soft-capped math path) over the whole cache."""
+    """Every stored token, every step: one SDPA call per KV head with its query heads as rows."""
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, AllTokens]:
         group = self._check_query(query)
         B, H, D = self.batch, self.kv_heads, self.head_dim
-        out = causal_block_attention(query.reshape(B, H, group, 1, D), self.keys, self.values, self.scale, self.softcap)
+        out = dense_decode_attention(query.reshape(B, H, group, D), self.keys, self.values, self.scale, self.softcap)
         info = AllTokens(self.length, B, H * group, self.device)
         return out.reshape(B, H * group, D), info

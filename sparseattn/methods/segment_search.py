@@ -10,7 +10,7 @@ import torch
 from sparseattn.backends.base import select_backend
 from sparseattn.methods.base import KVState
 from sparseattn.ops.attention import segment_attention, segment_mask
-from sparseattn.ops.buffers import GrowableBuffer
+from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.schedules.base import Schedule, SegmentGrid
 from sparseattn.schedules.sqrt import SqrtSchedule
@@ -175,6 +175,10 @@ def _check_selection(selector: Selector, segments: torch.Tensor, shape: tuple[in
     """A selector must return distinct in-range indices: a repeat would count tokens twice in the softmax."""
     if tuple(segments.shape) != shape or segments.dtype != torch.long:
         raise ValueError(f"{selector!r} returned {segments.dtype} indices of shape {tuple(segments.shape)}, expected long {shape}")
+    # Guaranteed by construction (e.g. topk): skip the sync. Only the class's own declaration counts, so a
+    # subclass that overrides select() is checked again.
+    if type(selector).__dict__.get("distinct_indices", False):
+        return
     ordered = segments.sort(dim=-1).values
     bad = (ordered[..., 0] < 0) | (ordered[..., -1] >= n_segments) | (ordered.diff(dim=-1) == 0).any(-1)
     if bool(bad.any()):
@@ -221,6 +225,7 @@ class SegmentSearchState(KVState):
         self._sealed_since_attend = 0
         self.n_rebuilds = 0
         self._backend = None  # chosen on the first step, when the inputs are known
+        self._workspace = Workspace()
 
     # -- structure -----------------------------------------------------------------------------
 
@@ -335,7 +340,7 @@ class SegmentSearchState(KVState):
                 self.method.backend, q=grouped, keys=self.keys, layout=lay, segments=segments, softcap=self.softcap
             )
         if self._backend.name == "torch":  # the op itself: the state already guarantees what the backend checks
-            out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
+            out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap, self._workspace)
         else:
             out = self._backend.segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
         info = SegmentSelection(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from sparseattn.ops.buffers import Workspace
 from sparseattn.ops.layout import SegmentLayout
 
 
@@ -77,6 +78,38 @@ def segment_attention_ref(
     return attention_ref(q, keys[:, :, : layout.length], values[:, :, : layout.length], mask, scale, softcap)
 
 
+def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``x: [B, H, T, D]`` as a ``[R, D]`` view of its storage and each ``(b, h)``'s first row ``[B, H]``.
+
+    Needs tokens stored as contiguous rows (true for a capacity buffer's view); None otherwise.
+    """
+    B, H, T, D = x.shape
+    s0, s1, s2, s3 = x.stride()
+    if s3 != 1 or s2 != D or s0 % D or s1 % D:
+        return None
+    first = (torch.arange(B, device=x.device).view(B, 1) * (s0 // D) + torch.arange(H, device=x.device) * (s1 // D))
+    rows = int(first.max()) + T
+    return x.as_strided((rows, D), (D, 1)), first
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor, workspace: Workspace | None = None, name: str = "") -> torch.Tensor:
+    """``x[b, h, index[b, h, l]]``: ``[B, H, T, D], [B, H, L] -> [B, H, L, D]``, a copy of those rows only.
+
+    Rows are copied with one ``index_select`` into a reused ``workspace`` buffer when given.
+    """
+    B, H, L = index.shape
+    D = x.shape[-1]
+    view = _token_rows(x)
+    if view is None:
+        return x.gather(2, index.unsqueeze(-1).expand(B, H, L, D))
+    rows, first = view
+    flat = (first.unsqueeze(-1) + index).reshape(-1)
+    if workspace is None:
+        return rows.index_select(0, flat).view(B, H, L, D)
+    out = workspace.get(name, (B * H * L, D), x.dtype, x.device)
+    return torch.index_select(rows, 0, flat, out=out).view(B, H, L, D)
+
+
 def segment_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -85,13 +118,20 @@ def segment_attention(
     segments: torch.Tensor,
     scale: float | None = None,
     softcap: float | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Attention of one decode query over sinks, the selected segments and the tail.
 
     Reads only the attended tokens: O(sinks + k * segment_size + tail) work, whatever ``t`` is.
     Segment indices must be distinct and in ``[0, n_segments)`` (the decode state checks this).
-    The selected segments' keys and values are gathered (a copy of the selected tokens only);
-    logits of the three parts are softmaxed jointly, so no partial-state merge is needed.
+
+    Under grouped-query attention the G query heads of a KV group may select different segments;
+    the *union* of their selections is gathered once per KV head (a copy of those tokens only, never
+    more than G x k segments, often far fewer since heads of a group tend to agree) and each head
+    masks out the segments it did not select. Logits of sinks, segments and tail are softmaxed
+    jointly, so no partial-state merge is needed. When every segment is selected this is dense
+    attention and runs as one SDPA call over the stored tokens, without a gather. ``workspace``
+    (kept by the decode state) makes the gather write into reused memory.
 
     ``softcap`` applies Gemma-2's logit soft-capping after scaling.
 
@@ -108,51 +148,68 @@ def segment_attention(
     B, H, G, D = q.shape
     cd = compute_dtype(q.dtype)
     scale = D**-0.5 if scale is None else scale
-    # Everything is a 3-D bmm over rows = (batch, KV head[, selection group]): one GEMM with the
-    # group's query heads as M where tokens are shared, a matrix-vector product per head otherwise.
-    q_kv = (q.to(cd) * scale).reshape(B * H, G, D)
-    logits: list[torch.Tensor] = []  # each [B*H, G, L]
-    vals: list[torch.Tensor] = []  # each [B*H*G'', L, D] with the matching query rows
-
-    def dense_part(start: int, end: int) -> None:
-        if end > start:
-            k_part = keys[:, :, start:end].to(cd).reshape(B * H, end - start, D)
-            logits.append(soft_cap(torch.bmm(q_kv, k_part.transpose(1, 2)), softcap))
-            vals.append(values[:, :, start:end].to(cd).reshape(B * H, end - start, D))
-
+    n_sel, n_seg, c = segments.shape[-1], layout.n_segments, layout.segment_size
     if segments.shape[2] not in (1, G):
         raise ValueError(f"segments must have 1 or {G} selections per KV head, got shape {tuple(segments.shape)}")
-    dense_part(0, layout.sink_end)
-    n_sel = segments.shape[-1]
-    if n_sel > 0 and layout.n_segments > 0:
-        c = layout.segment_size
-        shared = segments.shape[2]
-        rows = G // shared  # query heads per selection
-        seg_k = keys[:, :, layout.sink_end : layout.segment_end].view(B, H, layout.n_segments, c, D)
-        seg_v = values[:, :, layout.sink_end : layout.segment_end].view(B, H, layout.n_segments, c, D)
-        b_idx = torch.arange(B, device=q.device).view(B, 1, 1)
-        h_idx = torch.arange(H, device=q.device).view(1, H, 1)
-        flat = segments.reshape(B, H, shared * n_sel)
-        k_sel = seg_k[b_idx, h_idx, flat].to(cd).reshape(B * H * shared, n_sel * c, D)
-        v_sel = seg_v[b_idx, h_idx, flat].to(cd).reshape(B * H * shared, n_sel * c, D)
-        sel_logits = soft_cap(torch.bmm(q_kv.reshape(B * H * shared, rows, D), k_sel.transpose(1, 2)), softcap)
-        beyond = segment_positions(layout, segments).reshape(B * H * shared, 1, n_sel * c) >= layout.tail_start
-        logits.append(sel_logits.masked_fill(beyond, float("-inf")).reshape(B * H, G, n_sel * c))
-        vals.append(v_sel)
-    dense_part(layout.tail_start, layout.length)
-    if not logits:
+    if layout.sink_end + layout.tail_size == 0 and (n_sel == 0 or n_seg == 0):
         raise ValueError(f"nothing to attend: the layout {layout} holds no token")
+    t = layout.length
+    if n_seg > 0 and n_sel == n_seg:
+        # Every segment selected: dense attention over [0, t), without a gather.
+        return dense_decode_attention(q, keys[:, :, :t], values[:, :, :t], scale, softcap)
+    device = q.device
+    parts = [torch.arange(layout.sink_end, device=device).expand(B, H, -1)]
+    head_mask = None  # [B, H, G', U * c]: which gathered segment tokens each selection attends
+    if n_sel > 0 and n_seg > 0:
+        chosen = torch.zeros(B, H, segments.shape[2], n_seg, dtype=torch.bool, device=device)
+        chosen.scatter_(-1, segments, True)
+        union = chosen.any(2)  # [B, H, S]
+        width = int(union.sum(-1).max())  # the largest union among the KV heads
+        # Selected segments first (True sorts above False); rows with a smaller union pad with unselected ones.
+        picked = union.to(torch.int8).topk(width, dim=-1, sorted=False).indices  # [B, H, U]
+        offsets = torch.arange(c, device=device)
+        positions = (layout.sink_end + picked.unsqueeze(-1) * c + offsets).reshape(B, H, width * c)
+        parts.append(positions)
+        if segments.shape[2] > 1 or width > n_sel:
+            selected = chosen.gather(-1, picked.unsqueeze(2).expand(-1, -1, chosen.shape[2], -1))  # [B, H, G', U]
+            head_mask = selected.repeat_interleave(c, dim=-1)
+        if layout.segment_end > layout.tail_start:  # the window reaches back into the last segments
+            in_front = (positions < layout.tail_start).unsqueeze(2)
+            head_mask = in_front if head_mask is None else head_mask & in_front
+    parts.append(torch.arange(layout.tail_start, t, device=device).expand(B, H, -1))
+    index = torch.cat(parts, dim=-1)  # [B, H, L] token positions to read
+    L = index.shape[-1]
+    k_att = gather_tokens(keys, index, workspace, "keys").to(cd)
+    v_att = gather_tokens(values, index, workspace, "values").to(cd)
+    mask = None
+    if head_mask is not None:
+        sinks, tail = layout.sink_end, layout.tail_size
+        mask = torch.ones(B, H, head_mask.shape[2], L, dtype=torch.bool, device=device)
+        mask[..., sinks : L - tail] = head_mask  # [B, H, G' in {1, G}] broadcasts over G
+    return _attend(q.to(cd), k_att, v_att, scale, softcap, mask)
 
-    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)  # [B*H, G, total]
-    out = torch.zeros(B * H, G, D, dtype=cd, device=q.device)
-    start = 0
-    for part_logits, part_values in zip(logits, vals):
-        n = part_logits.shape[-1]
-        w = weights[..., start : start + n]
-        rows = G * B * H // part_values.shape[0]
-        out += torch.bmm(w.reshape(part_values.shape[0], rows, n), part_values).reshape(B * H, G, D)
-        start += n
-    return out.reshape(B, H, G, D)
+
+def _attend(q, k, v, scale, softcap, mask):
+    """Attention of ``q: [B, H, G, D]`` (G rows) over ``k, v: [B, H, L, D]`` where ``mask`` (broadcast) is True."""
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    logits = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1), v)
+
+
+def dense_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """One decode step over every stored token: ``q: [B, H_kv, G, D]``, ``keys, values: [B, H_kv, t, D]``.
+
+    The G query heads of a KV group are the rows of one SDPA call on that KV head, so nothing is
+    repeated for grouped-query attention. Returns ``[B, H_kv, G, D]`` in the compute dtype.
+    """
+    cd = compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _attend(q.to(cd), keys.to(cd), values.to(cd), scale, softcap, None)
 
 
 # Query rows per chunk in block attention: bounds the [B, H, rows, L] logits of the math path.

@@ -85,3 +85,34 @@ class GrowableBuffer:
         """Replace the storage by ``fn(storage)`` (e.g. a device move or a batch reindex)."""
         if self._data is not None:
             self._data = fn(self._data)
+
+
+class Workspace:
+    """Scratch tensors reused across decode steps, grown by capacity doubling.
+
+    A fresh multi-megabyte tensor costs page faults on first touch (glibc hands large blocks back to
+    the OS, so every step would pay again): on CPU that made a gather of the selected tokens ~10x
+    slower than the copy itself. A decode state keeps one workspace and the ops write into it.
+
+    Example:
+        >>> ws = Workspace()
+        >>> a = ws.get("k", (2, 3), torch.float32, torch.device("cpu"))
+        >>> b = ws.get("k", (1, 3), torch.float32, torch.device("cpu"))
+        >>> a.data_ptr() == b.data_ptr(), tuple(b.shape)
+        (True, (1, 3))
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` (contents undefined), valid until the next ``get(name, ...)``."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            capacity = max(numel, 2 * buf.numel() if buf is not None and buf.dtype == dtype else 0)
+            buf = torch.empty(capacity, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)

@@ -58,7 +58,9 @@ def log_positive_features(x: torch.Tensor, omega: torch.Tensor, *, antithetic: b
         ``[B, H, ..., n]``: ``omega_i . x - ||x||^2 / 2``; ``exp`` of it averages to exp(u.v) in
         products (Lemma 1).
     """
-    proj = torch.einsum("bh...d,hmd->bh...m", x, omega)
+    B, H, D = x.shape[0], x.shape[1], x.shape[-1]
+    # One batched GEMM per head over all leading positions (faster than the equivalent einsum on CPU).
+    proj = torch.matmul(x.reshape(B, H, -1, D), omega.transpose(-1, -2)).reshape(*x.shape[:-1], omega.shape[1])
     half_sq = 0.5 * (x * x).sum(-1, keepdim=True)
     if antithetic:
         proj = torch.cat([proj, -proj], dim=-1)

@@ -13,7 +13,9 @@ class Selector(Protocol):
 
     ``scores: [B, H, G, S]`` (log-mass estimates from a :class:`~sparseattn.summaries.Summary`);
     returns distinct segment indices ``[B, H, G, min(k, S)]``. Selectors that ignore scores set
-    ``uses_scores = False`` so the method skips scoring altogether.
+    ``uses_scores = False`` so the method skips scoring altogether. A selector whose indices are
+    distinct by construction may declare ``distinct_indices = True`` in its class body to skip the
+    per-step check (a device sync; not inherited by subclasses); otherwise every selection is checked.
     """
 
     uses_scores: bool

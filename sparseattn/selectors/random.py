@@ -17,6 +17,7 @@ class Random:
 
     seed: int = 0
     uses_scores = False
+    distinct_indices = True  # topk/arange indices never repeat
 
     def select(self, scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
         noise = torch.rand(scores.shape, generator=generator, dtype=torch.float32).to(scores.device)

@@ -12,6 +12,7 @@ class Recent:
     """The last ``k`` sealed segments, whatever the scores."""
 
     uses_scores = False
+    distinct_indices = True  # topk/arange indices never repeat
 
     def select(self, scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
         n = scores.shape[-1]
