@@ -104,7 +104,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, workspace: Workspace | N
         return x.gather(2, index.unsqueeze(-1).expand(B, H, L, D))
     rows, first = view
     flat = (first.unsqueeze(-1) + index).reshape(-1)
-    if workspace is None:
+    if workspace is None or (x.requires_grad and torch.is_grad_enabled()):  # out= cannot record autograd
         return rows.index_select(0, flat).view(B, H, L, D)
     out = workspace.get(name, (B * H * L, D), x.dtype, x.device)
     return torch.index_select(rows, 0, flat, out=out).view(B, H, L, D)
