@@ -39,12 +39,13 @@ from sparseattn.methods import (
 from sparseattn.ops import SegmentLayout, attention_ref, segment_attention, segment_attention_ref, segment_mask
 from sparseattn.schedules import DoublingSchedule, FixedSchedule, Schedule, SegmentGrid, SqrtSchedule
 from sparseattn.selectors import Lowest, Random, Recent, Selector, TopK
-from sparseattn.summaries import Centroid, ExactScore, MinMaxBound, PerformerFeatures, Summary
+from sparseattn.summaries import CenteredFeatures, Centroid, ExactScore, MinMaxBound, PerformerFeatures, Rerank, SegmentKeys, Summary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllTokens",
+    "CenteredFeatures",
     "Centroid",
     "Dense",
     "DenseState",
@@ -67,8 +68,10 @@ __all__ = [
     "RadarRecent",
     "Random",
     "Recent",
+    "Rerank",
     "Schedule",
     "SegmentGrid",
+    "SegmentKeys",
     "SegmentLayout",
     "SegmentSearch",
     "SegmentSearchState",

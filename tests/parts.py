@@ -1,6 +1,7 @@
 """Every part the toolkit ships, for tests that must hold for any combination."""
 
 from sparseattn import (
+    CenteredFeatures,
     Centroid,
     DoublingSchedule,
     ExactScore,
@@ -10,6 +11,7 @@ from sparseattn import (
     PerformerFeatures,
     Random,
     Recent,
+    Rerank,
     SqrtSchedule,
     TopK,
 )
@@ -20,6 +22,8 @@ SUMMARIES = [
     ExactScore(),
     Centroid(),
     MinMaxBound(),
+    CenteredFeatures(PerformerFeatures(n_features=64)),
+    Rerank(PerformerFeatures(n_features=64), shortlist=3),
 ]
 SELECTORS = [TopK(), Lowest(), Random(seed=3), Recent()]
 SCHEDULES = [SqrtSchedule(), SqrtSchedule(aspect=2.0), FixedSchedule(7), DoublingSchedule()]

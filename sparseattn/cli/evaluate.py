@@ -46,8 +46,8 @@ def parse_method(spec: str, budget: int | None = None) -> tuple[str, object, dic
             given[key] = kind(value)
         except ValueError:
             raise typer.BadParameter(f"option {key} in {spec!r} must be a {kind.__name__}, got {value!r}") from None
-    if budget is not None and "budget" in fields and "budget" not in given:
-        given["budget"] = budget
+    if budget is not None and "budget" in METHODS[name].options and "budget" not in given:
+        given["budget"] = budget  # only methods that have a budget (dense has none)
     try:
         method = build_method(name, MethodOptions(**given))
     except ValueError as err:

@@ -26,7 +26,7 @@ def load_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def run_label(summary: dict[str, Any]) -> str:
     label = summary.get("method", "?")
-    if summary.get("budget"):
+    if summary.get("budget") and "budget=" not in label:
         label += f" (budget {summary['budget']})"
     return label
 

@@ -16,7 +16,7 @@ from sparseattn.schedules.base import Schedule, SegmentGrid
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector
 from sparseattn.selectors.topk import TopK
-from sparseattn.summaries.base import Summary
+from sparseattn.summaries.base import SegmentKeys, Summary
 from sparseattn.summaries.performer import PerformerFeatures
 
 BACKEND_NAMES = ("auto", "torch", "triton", "xformers")
@@ -310,7 +310,7 @@ class SegmentSearchState(KVState):
         if self.layout.n_segments == 0:
             return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
         summaries = tuple(buf.view() for buf in self._summaries)
-        seg_keys = self._scaled(self._segment_keys()) if summary.reads_keys else None
+        seg_keys = SegmentKeys(self._segment_keys(), math.sqrt(self.scale), self.compute_dtype) if summary.reads_keys else None
         return summary.score(
             self._params, summaries, self._scaled(grouped_query), seg_keys, self.layout.segment_size
         )

@@ -1,9 +1,11 @@
 """Segment summaries: each scores a segment by an estimate of its log attention mass."""
 
-from sparseattn.summaries.base import Summary
+from sparseattn.summaries.base import SegmentKeys, Summary
+from sparseattn.summaries.centered import CenteredFeatures
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.exact import ExactScore
 from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.performer import PerformerFeatures
+from sparseattn.summaries.rerank import Rerank
 
-__all__ = ["Centroid", "ExactScore", "MinMaxBound", "PerformerFeatures", "Summary"]
+__all__ = ["CenteredFeatures", "Centroid", "ExactScore", "MinMaxBound", "PerformerFeatures", "Rerank", "SegmentKeys", "Summary"]

@@ -7,6 +7,48 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
+class SegmentKeys:
+    """The sealed segments' keys as a summary that ``reads_keys`` receives them: read on demand.
+
+    ``raw: [B, H, S, c, D]`` is a view of the cache (storage dtype, unscaled: no copy is made);
+    :meth:`take` scales and converts only the segments asked for, :meth:`all` every one (O(t)).
+    A summary may also be handed a plain, already scaled ``[B, H, S, c, D]`` tensor (tests do);
+    :func:`scaled_keys` accepts both.
+    """
+
+    def __init__(self, raw: torch.Tensor, factor: float, dtype: torch.dtype) -> None:
+        self.raw, self.factor, self.dtype = raw, factor, dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.raw.shape
+
+    def all(self) -> torch.Tensor:
+        return self.raw.to(self.dtype) * self.factor
+
+    def take(self, index: torch.Tensor) -> torch.Tensor:
+        """Segments ``index: [B, H, m]`` -> scaled keys ``[B, H, m, c, D]`` (a copy of those only)."""
+        B, H = index.shape[:2]
+        b = torch.arange(B, device=index.device).view(B, 1, 1)
+        h = torch.arange(H, device=index.device).view(1, H, 1)
+        return self.raw[b, h, index].to(self.dtype) * self.factor
+
+
+def scaled_keys(segment_keys: SegmentKeys | torch.Tensor) -> torch.Tensor:
+    """Every segment's scaled keys ``[B, H, S, c, D]``, from a :class:`SegmentKeys` or a tensor."""
+    return segment_keys.all() if isinstance(segment_keys, SegmentKeys) else segment_keys
+
+
+def take_keys(segment_keys: SegmentKeys | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Scaled keys ``[B, H, m, c, D]`` of segments ``index: [B, H, m]``."""
+    if isinstance(segment_keys, SegmentKeys):
+        return segment_keys.take(index)
+    B, H = index.shape[:2]
+    b = torch.arange(B, device=index.device).view(B, 1, 1)
+    h = torch.arange(H, device=index.device).view(1, H, 1)
+    return segment_keys[b, h, index]
+
+
 @runtime_checkable
 class Summary(Protocol):
     """Summarise sealed segments of keys and score them for a decode query.
@@ -41,6 +83,7 @@ class Summary(Protocol):
     ) -> torch.Tensor:
         """Log-mass estimates ``[B, H, G, S]`` for ``queries: [B, H, G, D]``.
 
-        ``segment_keys`` (``[B, H, S, c, D]``) is passed only when ``reads_keys`` is True.
+        ``segment_keys`` (:class:`SegmentKeys`, ``[B, H, S, c, D]`` read on demand) is passed only
+        when ``reads_keys`` is True; read it with :func:`scaled_keys` or :func:`take_keys`.
         """
         ...

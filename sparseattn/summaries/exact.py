@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseattn.summaries.base import scaled_keys
+
 
 @dataclass(frozen=True)
 class ExactScore:
@@ -33,4 +35,4 @@ class ExactScore:
     ) -> torch.Tensor:
         if segment_keys is None:
             raise ValueError("ExactScore.score needs the segments' keys")
-        return torch.logsumexp(torch.einsum("bhgd,bhscd->bhgsc", queries, segment_keys), dim=-1)
+        return torch.logsumexp(torch.einsum("bhgd,bhscd->bhgsc", queries, scaled_keys(segment_keys)), dim=-1)
