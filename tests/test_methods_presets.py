@@ -171,7 +171,8 @@ def test_prefill_eviction_accepts_only_methods_that_hand_over_tokens():
 
 NAMES = [
     "dense", "radar", "streamingllm", "h2o", "snapkv", "subgen", "quest",
-    "radar-exact", "radar-random", "radar-lowest", "radar-recent", "snapkv+radar",
+    "radar-exact", "radar-random", "radar-lowest", "radar-recent", "radar+", "radar-centered", "radar-rerank",
+    "snapkv+radar",
 ]  # fmt: skip
 
 

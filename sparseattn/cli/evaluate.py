@@ -197,7 +197,7 @@ def diagnose(
     model: str = MODEL,
     method: list[str] = typer.Option(["radar", "radar-exact", "radar-recent", "radar-random"], "--method", "-m",
                                      help="NAME[:key=value,...]; repeat for several methods"),
-    budget: int | None = BUDGET,
+    budget: int | None = typer.Option(512, help="past KV tokens per decode step for every method (recall and error depend on it)"),
     text: str = typer.Option("paradise-lost", help="a text name or a file"),
     prefill: int = typer.Option(2048),
     steps: int = typer.Option(16, help=f"decode steps measured ({QUICK})"),

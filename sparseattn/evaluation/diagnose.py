@@ -118,7 +118,8 @@ class ProbeState(KVState):
         mass = probs[..., lay.sink_end : lay.segment_end].reshape(B, H, group, S, c).sum(-1)  # [B, H, G, S]
         top = mass.argmax(-1, keepdim=True)  # the true top segment per query head
         selector = inner.method.selector
-        scores = inner.scores(grouped.to(inner.dtype)) if selector.uses_scores else mass.new_zeros(B, H, group, S)
+        k_step = inner.method.segments_for(lay)  # what the step attends (a reranking summary shortlists for it)
+        scores = inner.scores(grouped.to(inner.dtype), k_step) if selector.uses_scores else mass.new_zeros(B, H, group, S)
         generator = torch.Generator().manual_seed(len(rec.n_segments))
         for k in HIT_KS:
             picked = selector.select(scores, min(k, S), generator)  # [B, H, G, k]

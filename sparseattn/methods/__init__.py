@@ -5,7 +5,16 @@ from sparseattn.methods.compose import PrefillEviction, PrefillEvictionState
 from sparseattn.methods.dense import AllTokens, Dense, DenseState
 from sparseattn.methods.eviction import EvictingState, SlotSelection, slot_attention, slot_attention_ref
 from sparseattn.methods.h2o import H2O, H2OState
-from sparseattn.methods.presets import Quest, RadarExact, RadarLowest, RadarRandom, RadarRecent
+from sparseattn.methods.presets import (
+    Quest,
+    RadarCentered,
+    RadarExact,
+    RadarLowest,
+    RadarPlus,
+    RadarRandom,
+    RadarRecent,
+    RadarRerank,
+)
 from sparseattn.methods.segment_search import Radar, SegmentSearch, SegmentSearchState, SegmentSelection
 from sparseattn.methods.snapkv import SnapKV, SnapKVState
 from sparseattn.methods.streaming import StreamingLLM, StreamingLLMState
@@ -24,10 +33,13 @@ __all__ = [
     "PrefillEvictionState",
     "Quest",
     "Radar",
+    "RadarCentered",
     "RadarExact",
     "RadarLowest",
+    "RadarPlus",
     "RadarRandom",
     "RadarRecent",
+    "RadarRerank",
     "SegmentSearch",
     "SegmentSearchState",
     "SegmentSelection",

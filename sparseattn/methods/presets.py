@@ -17,9 +17,12 @@ from sparseattn.selectors.random import Random
 from sparseattn.selectors.recent import Recent
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import Summary
+from sparseattn.summaries.centered import CenteredFeatures
+from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.exact import ExactScore
 from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.performer import PerformerFeatures
+from sparseattn.summaries.rerank import Rerank
 
 
 def Quest(
@@ -111,3 +114,57 @@ def RadarRecent(
     No scores are computed; the summary is :class:`ExactScore`, which stores nothing.
     """
     return _radar_with(ExactScore(), Recent(), top_k, sinks, window, aspect, budget)
+
+
+def RadarPlus(
+    top_k: int = 64,
+    *,
+    sinks: int = 4,
+    window: int = 0,
+    aspect: float = 1.0,
+    shortlist: int = 16,
+    factor: float = 2.0,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """Radar's segment search with a better ranking (issue 7): centroid shortlist, exact rerank.
+
+    ``SegmentSearch(Rerank(Centroid(), shortlist, factor), TopK(), SqrtSchedule(), sinks=4)``: every
+    segment is scored by ``log c + q . mean k`` (d numbers per segment, cheaper than random features),
+    the ``max(shortlist, factor * k)`` best are rescored exactly from their keys, and the top ``k`` of
+    those are attended, plus 4 attention-sink tokens. On the default model it finds the true top
+    segment in ~92% of steps (raw Radar: ~14%) while reading fewer bytes per step than raw Radar at
+    n = 2048; see docs/methods.md for the measurements and docs/theory.md for what is guaranteed.
+    """
+    return _radar_with(Rerank(Centroid(), shortlist, factor), TopK(), top_k, sinks, window, aspect, budget)
+
+
+def RadarCentered(
+    top_k: int = 64,
+    n_features: int = 2048,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    aspect: float = 1.0,
+    seed: int = 0,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """Radar with centred random features (:class:`CenteredFeatures`): the centroid exact, the spread estimated."""
+    summary = CenteredFeatures(PerformerFeatures(n_features=n_features, seed=seed))
+    return _radar_with(summary, TopK(), top_k, sinks, window, aspect, budget)
+
+
+def RadarRerank(
+    top_k: int = 64,
+    n_features: int = 256,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    aspect: float = 1.0,
+    seed: int = 0,
+    shortlist: int = 16,
+    factor: float = 2.0,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """Radar's random features (n = 256) shortlist, the exact segment mass reranks (:class:`Rerank`)."""
+    summary = Rerank(PerformerFeatures(n_features=n_features, seed=seed), shortlist, factor)
+    return _radar_with(summary, TopK(), top_k, sinks, window, aspect, budget)

@@ -304,15 +304,19 @@ class SegmentSearchState(KVState):
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def scores(self, grouped_query: torch.Tensor) -> torch.Tensor:
-        """Segment log-mass estimates ``[B, H_kv, G, S]`` for ``grouped_query: [B, H_kv, G, D]``."""
+    def scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
+        """Segment log-mass estimates ``[B, H_kv, G, S]`` for ``grouped_query: [B, H_kv, G, D]``.
+
+        ``top_k`` (the segments this step attends) is passed to summaries that declare ``uses_top_k``.
+        """
         summary = self.method.summary
         if self.layout.n_segments == 0:
             return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
         summaries = tuple(buf.view() for buf in self._summaries)
         seg_keys = SegmentKeys(self._segment_keys(), math.sqrt(self.scale), self.compute_dtype) if summary.reads_keys else None
+        extra = {"top_k": top_k} if getattr(summary, "uses_top_k", False) else {}
         return summary.score(
-            self._params, summaries, self._scaled(grouped_query), seg_keys, self.layout.segment_size
+            self._params, summaries, self._scaled(grouped_query), seg_keys, self.layout.segment_size, **extra
         )
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SegmentSelection]:
@@ -328,7 +332,7 @@ class SegmentSearchState(KVState):
         else:
             selector = self.method.selector
             if selector.uses_scores:
-                scores = self.scores(grouped)
+                scores = self.scores(grouped, k)
                 if shared == 1:
                     scores = torch.logsumexp(scores, dim=2, keepdim=True)
             else:

@@ -84,6 +84,7 @@ class Summary(Protocol):
         """Log-mass estimates ``[B, H, G, S]`` for ``queries: [B, H, G, D]``.
 
         ``segment_keys`` (:class:`SegmentKeys`, ``[B, H, S, c, D]`` read on demand) is passed only
-        when ``reads_keys`` is True; read it with :func:`scaled_keys` or :func:`take_keys`.
+        when ``reads_keys`` is True; read it with :func:`scaled_keys` or :func:`take_keys`. A summary
+        that declares ``uses_top_k = True`` also receives ``top_k=`` (the segments the step attends).
         """
         ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,20 +28,26 @@ class Rerank:
 
     Args:
         coarse: the shortlisting summary (default: Radar's random features, n = 256).
-        shortlist: segments rescored exactly per query head; 0 disables reranking. Give at least
-            the ``top_k`` the method attends (2x is the cost-neutral choice described above).
+        shortlist: segments rescored exactly per query head, at least; 0 disables reranking.
+        factor: the shortlist grows to ``ceil(factor * top_k)`` when the step attends ``top_k``
+            segments (a budget gives more segments at longer contexts); 2 is the cost-neutral
+            choice described above.
     """
 
     coarse: Summary = field(default_factory=lambda: PerformerFeatures(n_features=256))
     shortlist: int = 16
+    factor: float = 2.0
 
     reads_keys = True  # only the shortlisted segments' keys are read (a view is passed)
+    uses_top_k = True  # score() takes the step's top_k
 
     def __post_init__(self) -> None:
         if not isinstance(self.coarse, Summary) or isinstance(self.coarse, type):
             raise ValueError(f"Rerank.coarse must be a Summary instance, got {self.coarse!r}")
         if isinstance(self.shortlist, bool) or not isinstance(self.shortlist, int) or self.shortlist < 0:
             raise ValueError(f"Rerank.shortlist must be an int >= 0, got {self.shortlist!r}")
+        if not self.factor >= 0:
+            raise ValueError(f"Rerank.factor must be >= 0, got {self.factor!r}")
 
     def prepare(self, kv_heads: int, head_dim: int, *, layer_idx: int, device: torch.device, dtype: torch.dtype) -> Any:
         return self.coarse.prepare(kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype)
@@ -55,11 +62,12 @@ class Rerank:
         queries: torch.Tensor,
         segment_keys: torch.Tensor | None,
         segment_size: int,
+        top_k: int = 0,
     ) -> torch.Tensor:
         coarse_keys = segment_keys if self.coarse.reads_keys else None
         scores = self.coarse.score(params, summaries, queries, coarse_keys, segment_size)  # [B, H, G, S]
         S = scores.shape[-1]
-        m = min(self.shortlist, S)
+        m = min(max(self.shortlist, math.ceil(self.factor * top_k)) if self.shortlist else 0, S)
         if m == 0:
             return scores
         if segment_keys is None:
