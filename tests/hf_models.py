@@ -69,3 +69,19 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, t
         ids[b, longest - r.shape[1] :] = r[0]
         mask[b, longest - r.shape[1] :] = 1
     return ids, mask
+
+
+def greedy(model, ids, mask, cache=None, new_tokens: int = 64, **kwargs):
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens, with logits (the tests' common call)."""
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        past_key_values=cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kwargs,
+    )

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers as tf
 
+import hf_models
 from hf_models import ARCHITECTURES, left_pad, prompts, tiny_model
 from sparseattn import (
     Centroid,
@@ -35,18 +36,8 @@ NEW_TOKENS = 64
 PROMPT_LENGTHS = [43, 29]  # odd, different: the batch is left-padded
 
 
-def greedy(model, ids, mask, cache=None, new_tokens=NEW_TOKENS):
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        past_key_values=cache,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
+def greedy(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, **kwargs):
+    return hf_models.greedy(model, ids, mask, cache, new_tokens, **kwargs)
 
 
 def max_logit_difference(a, b) -> float:

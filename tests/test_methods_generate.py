@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_models
 from hf_models import left_pad, prompts, tiny_model
 from sparseattn.cli.methods import METHODS, MethodOptions, build_method
 from sparseattn.hf import apply
@@ -20,18 +21,7 @@ def method_at(name: str, budget: int):
 
 
 def greedy(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, **kwargs):
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        past_key_values=cache,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kwargs,
-    )
+    return hf_models.greedy(model, ids, mask, cache, new_tokens, **kwargs)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma2"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.methods.base import KVState, SparseMethod
+from sparseattn.methods.base import KVState, SparseMethod, StatefulMethod
 from sparseattn.methods.segment_search import SegmentSearchState
 from sparseattn.ops.attention import soft_cap
 
@@ -49,7 +49,7 @@ class ProbeRecords:
 
 
 @dataclass(frozen=True)
-class Probe:
+class Probe(StatefulMethod):
     """A method wrapped for diagnostics (see the module docstring).
 
     Args:
@@ -66,8 +66,8 @@ class Probe:
         if self.follow not in ("dense", "method"):
             raise ValueError(f"Probe.follow must be 'dense' or 'method', got {self.follow!r}")
 
-    def new_state(self, batch, kv_heads, head_dim, *, layer_idx=0, device=None, dtype=torch.float32, scale=None, softcap=None):
-        return ProbeState(self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap)
+    def state_type(self) -> type:
+        return ProbeState
 
 
 class ProbeState(KVState):

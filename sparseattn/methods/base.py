@@ -80,6 +80,33 @@ class SparseMethod(Protocol):
     ) -> DecodeState: ...
 
 
+class StatefulMethod:
+    """Base of the method dataclasses: :meth:`new_state` builds the class :meth:`state_type` names.
+
+    The state class is called as ``state_type()(method, batch, kv_heads, head_dim, **options)``.
+    """
+
+    def state_type(self) -> type:
+        raise NotImplementedError
+
+    def new_state(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        layer_idx: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> DecodeState:
+        """A decode state for one layer: ``[batch, kv_heads, t, head_dim]`` keys and values."""
+        return self.state_type()(
+            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
+        )
+
+
 def resolve_device(device: torch.device | str | None) -> torch.device:
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda" and device.index is None:

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseattn.methods.base import DecodeState, SparseMethod, StepInfo
+from sparseattn.methods.base import DecodeState, SparseMethod, StatefulMethod, StepInfo
 
 
 @dataclass(frozen=True)
-class PrefillEviction:
+class PrefillEviction(StatefulMethod):
     """Compress the prompt with ``prefill`` (an evicting method), then decode with ``decode``.
 
     The prompt is attended densely and evicted by ``prefill`` (e.g. :class:`SnapKV` keeps the prompt
@@ -47,21 +47,8 @@ class PrefillEviction:
         if isinstance(self.decode, type) or not hasattr(self.decode, "new_state"):
             raise ValueError(f"PrefillEviction.decode must be a sparse method instance, got {self.decode!r}")
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> PrefillEvictionState:
-        return PrefillEvictionState(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def state_type(self) -> type:
+        return PrefillEvictionState
 
 
 class PrefillEvictionState:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseattn.methods.base import KVState
+from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import dense_decode_attention
 
 
@@ -28,7 +28,7 @@ class AllTokens:
 
 
 @dataclass(frozen=True)
-class Dense:
+class Dense(StatefulMethod):
     """Dense (vanilla) attention, decoding from capacity-doubling storage (no per-token copy of the cache).
 
     Example:
@@ -38,25 +38,16 @@ class Dense:
         [[1, 1, 1, 1]]
     """
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> DenseState:
-        return DenseState(
-            batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def state_type(self) -> type:
+        return DenseState
 
 
 class DenseState(KVState):
     """Every stored token, every step: one SDPA call per KV head with its query heads as rows."""
+
+    def __init__(self, method: Dense, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
+        super().__init__(batch, kv_heads, head_dim, **kwargs)
+        self.method = method
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, AllTokens]:
         group = self._check_query(query)

@@ -8,11 +8,12 @@ from typing import ClassVar
 
 import torch
 
+from sparseattn.methods.base import StatefulMethod
 from sparseattn.methods.eviction import EvictingState, causal_probability_sums, check_int
 
 
 @dataclass(frozen=True)
-class H2O:
+class H2O(StatefulMethod):
     """Keep, per KV head, the tokens with the largest accumulated attention plus the most recent ones.
 
     Each stored token accumulates the attention it receives: during prefill the column sums of the
@@ -51,21 +52,8 @@ class H2O:
         """Most recent tokens always kept: ``budget - heavy``."""
         return self.budget - self.heavy
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> H2OState:
-        return H2OState(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def state_type(self) -> type:
+        return H2OState
 
 
 class H2OState(EvictingState):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseattn.backends.base import select_backend
-from sparseattn.methods.base import KVState
+from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import segment_attention, segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
@@ -26,7 +26,7 @@ _SUMMARY_CHUNK = 8192
 
 
 @dataclass(frozen=True)
-class SegmentSearch:
+class SegmentSearch(StatefulMethod):
     """Attend to the top segments of the past, found through per-segment summaries.
 
     Per decode step: score the sealed segments with ``summary``, pick ``top_k`` of them with
@@ -88,22 +88,8 @@ class SegmentSearch:
         room = self.budget - layout.sink_end - layout.tail_size
         return min(layout.n_segments, max(1, room // layout.segment_size))
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> SegmentSearchState:
-        """A decode state for one layer: ``[batch, kv_heads, t, head_dim]`` keys and values."""
-        return SegmentSearchState(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def state_type(self) -> type:
+        return SegmentSearchState
 
 
 def Radar(

@@ -9,11 +9,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from sparseattn.methods.base import StatefulMethod
 from sparseattn.methods.eviction import EvictingState, causal_probability_sums, check_int
 
 
 @dataclass(frozen=True)
-class SnapKV:
+class SnapKV(StatefulMethod):
     """Compress the prompt to the tokens its last queries attend to most, then decode in a sliding window.
 
     After the prompt has been attended (densely), the queries of its last ``observation_window``
@@ -51,21 +52,8 @@ class SnapKV:
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"SnapKV.pooling must be 'max' or 'avg', got {self.pooling!r}")
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> SnapKVState:
-        return SnapKVState(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def state_type(self) -> type:
+        return SnapKVState
 
 
 def pool_votes(votes: torch.Tensor, candidate: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:

@@ -8,11 +8,12 @@ from typing import ClassVar
 
 import torch
 
+from sparseattn.methods.base import StatefulMethod
 from sparseattn.methods.eviction import EvictingState, check_int
 
 
 @dataclass(frozen=True)
-class StreamingLLM:
+class StreamingLLM(StatefulMethod):
     """Keep the first ``sinks`` tokens and the last ``budget - sinks``; evict everything in between.
 
     Budget rule: a decode step attends ``min(t, budget)`` tokens, ``sinks`` of them the attention
@@ -45,21 +46,8 @@ class StreamingLLM:
         """Recent tokens kept: ``budget - sinks``."""
         return self.budget - self.sinks
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> StreamingLLMState:
-        return StreamingLLMState(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def state_type(self) -> type:
+        return StreamingLLMState
 
 
 class StreamingLLMState(EvictingState):

@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from sparseattn.methods.base import StatefulMethod
 from sparseattn.methods.eviction import EvictingState, check_int, slot_attention
 
 _NO_DISTANCE = float("inf")
@@ -45,7 +46,7 @@ _DISTANCE_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)
-class SubGen:
+class SubGen(StatefulMethod):
     """Recent tokens exactly, older ones through clustered key samples and l2-sampled values.
 
     Budget rule: ``budget = sinks + window + clusters * cluster_samples + value_samples`` slots, all
@@ -97,21 +98,8 @@ class SubGen:
         """``s``: l2-sampled (key, value) pairs; what the clusters leave of the sketch."""
         return self.budget - self.sinks - self.window - self.clusters * self.cluster_samples
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> SubGenState:
-        return SubGenState(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def state_type(self) -> type:
+        return SubGenState
 
 
 class SubGenState(EvictingState):
