@@ -107,3 +107,42 @@ def test_method_specs_parse_options_and_reject_unknown_ones():
         parse_method("nope")
     with pytest.raises(Exception, match="bad option"):
         parse_method("radar:bogus=1")
+
+
+def longbench_example(task: str, i: int) -> dict:
+    return {"input": f"What is item {i}?", "context": "Some context. " * 50, "answers": [f"item {i}"], "length": 100,
+            "dataset": task, "language": "en", "all_classes": None, "_id": f"{task}-{i}"}
+
+
+def test_longbench_run_writes_predictions_in_longbench_format_scores_them_and_resumes(workspace):
+    root, model, _ = workspace
+    data = root / "longbench-data"
+    data.mkdir()
+    for task in ("hotpotqa", "lcc"):
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(longbench_example(task, i)) + "\n" for i in range(3)))
+    out = root / "lb"
+    args = ["longbench", "run", "--data-dir", str(data), "--model", model, "-m", "radar:top_k=2,n_features=16",
+            "--max-length", "300", "--no-chat", "--out", str(out)]
+    invoke(*args, "--limit", "2")
+    run = next((out / "longbench").iterdir())
+    for task in ("hotpotqa", "lcc"):
+        lines = [json.loads(line) for line in (run / f"{task}.jsonl").read_text().splitlines()]
+        assert len(lines) == 2 and {"pred", "answers", "all_classes", "length"} <= set(lines[0])
+        assert lines[0]["prompt_tokens"] <= 300 + 5  # middle-truncated (the template adds a few)
+    result = json.loads((run / "result.json").read_text())
+    assert set(result["scores"]) == {"hotpotqa", "lcc"} and result["n_tasks"] == 2
+    before = (run / "hotpotqa.jsonl").read_text()
+    invoke(*args, "--limit", "3")  # a longer limit resumes after line 2
+    assert (run / "hotpotqa.jsonl").read_text().startswith(before)
+    assert len((run / "hotpotqa.jsonl").read_text().splitlines()) == 3
+
+
+def test_sweep_runs_every_panel_and_draws_it(workspace):
+    root, model, text = workspace
+    out = root / "sweep"
+    result = invoke("sweep", "--model", model, "--text", text, "--prefill", "200", "--steps", "4", "--n", "16", "--n", "32",
+                    "--k", "1", "--k", "2", "--fixed-n", "16", "--fixed-k", "2", "--out", str(out))
+    root_dir = next(out.iterdir())
+    sweep = json.loads((root_dir / "sweep.json").read_text())
+    assert [len(points) for points in sweep["panels"].values()] == [2, 2, 5]
+    assert (root_dir / "sweep.png").exists() and "selection" in result.output

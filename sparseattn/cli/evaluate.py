@@ -174,9 +174,9 @@ def needle(
         table.add_column("spread" if d < 0 else f"{d:g}%", justify="right")
     table.add_column("mean", justify="right")
     for label, sparse_method, given in resolved:
-        config = {"command": "needle", "model": model, "task": task, "lengths": lengths, "depths": depths, "samples": samples,
-                  "max_new_tokens": max_new_tokens, "chat": chat, "seed": seed, "dtype": dtype, "method": label,
-                  "budget": given.get("budget"), "params": repr(sparse_method),
+        # Lengths, depths and samples say how much of the grid to run: more of them extends the run.
+        config = {"command": "needle", "model": model, "task": task, "max_new_tokens": max_new_tokens, "chat": chat,
+                  "seed": seed, "dtype": dtype, "method": label, "budget": given.get("budget"), "params": repr(sparse_method),
                   "haystack": haystack if haystack_text else None}
         run = RunDir(out / f"needle-{task}" / _slug(label), config)
         records = run_needle(hf_model, tokenizer, sparse_method, retrieval, lengths, depths, samples, run,
@@ -185,7 +185,8 @@ def needle(
         for n, row in zip(lengths, grid):
             table.add_row(label, str(n), *(f"{v:.0f}" for v in row), f"{sum(row) / len(row):.0f}")
         mean = sum(r["score"] for r in records) / len(records)
-        run.finish({**config, "accuracy": mean, "grid": grid, "n_samples": len(records),
+        run.finish({**config, "lengths": lengths, "depths": shown_depths, "samples": samples, "accuracy": mean, "grid": grid,
+                    "n_samples": len(records),
                     "mean_attended_tokens": sum(r["attended"] for r in records) / len(records)})
         heatmap(grid, [str(n) for n in lengths], ["spread" if d < 0 else f"{d:g}%" for d in shown_depths],
                 run.path / "heatmap.png", f"{task}, {label}", "needle depth", "prompt tokens")
@@ -324,11 +325,11 @@ def longbench_run(
     resolved = [parse_method(spec, budget) for spec in method]
     hf_model, tokenizer = _load(model, dtype)
     for label, sparse_method, given in resolved:
-        config = {"command": "longbench", "model": model, "data_dir": str(data_dir), "tasks": tasks, "max_length": max_length,
-                  "limit": limit, "chat": chat, "dtype": dtype, "method": label, "budget": given.get("budget"),
-                  "params": repr(sparse_method)}
+        # The tasks and --limit say how much of the experiment to run, not which one: more of either extends it.
+        config = {"command": "longbench", "model": model, "data_dir": str(data_dir), "max_length": max_length,
+                  "chat": chat, "dtype": dtype, "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
         run = RunDir(out / "longbench" / _slug(label), config)
         run_longbench(hf_model, tokenizer, sparse_method, data_dir, tasks, max_length, run, limit=limit, chat=chat)
         result = lb.score_directory(run.path)
-        write_json(run.path / "result.json", result)
+        write_json(run.path / "result.json", {**result, "limit": limit})
         console.print(f"{label}: {json.dumps(result.get('scores', result))}")

@@ -95,7 +95,7 @@ def run_needle(
     seed: int = 0,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Generate and score ``samples`` prompts per (length, depth); returns every record.
+    """Generate and score ``samples`` prompts per (length, depth); returns the records of that grid.
 
     Each prompt is fitted to ``length`` tokens including its ``max_new_tokens`` answer budget and has
     its needle at ``depth`` percent (tasks with several needles spread them as RULER does and record
@@ -139,7 +139,8 @@ def run_needle(
         finally:
             if bar:
                 bar.stop()
-    return records
+    planned = set(plan)  # earlier runs may hold more of the grid than asked for now
+    return [r for r in records if (r["length"], r["depth"], r["seed"]) in planned]
 
 
 #: The depth recorded for tasks with several needles, whose depths RULER spreads over the haystack.
