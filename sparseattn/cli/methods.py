@@ -156,7 +156,7 @@ METHODS: dict[str, MethodSpec] = {
         ),
         MethodSpec(
             "radar+",
-            "Radar with a centroid shortlist reranked by exact segment mass, 4 sinks (issue 7's best composition)",
+            "Radar with segments of sqrt(t)/4 tokens, a centroid shortlist reranked by exact segment mass, 4 sinks (issue 7)",
             _SEGMENT_OPTIONS,
             lambda o: RadarPlus(**{**_segments(o), "sinks": 4 if o.sinks is None else o.sinks}),
         ),

@@ -121,19 +121,20 @@ def RadarPlus(
     *,
     sinks: int = 4,
     window: int = 0,
-    aspect: float = 1.0,
+    aspect: float = 4.0,
     shortlist: int = 16,
     factor: float = 2.0,
     budget: int | None = None,
 ) -> SegmentSearch:
     """Radar's segment search with a better ranking (issue 7): centroid shortlist, exact rerank.
 
-    ``SegmentSearch(Rerank(Centroid(), shortlist, factor), TopK(), SqrtSchedule(), sinks=4)``: every
-    segment is scored by ``log c + q . mean k`` (d numbers per segment, cheaper than random features),
-    the ``max(shortlist, factor * k)`` best are rescored exactly from their keys, and the top ``k`` of
-    those are attended, plus 4 attention-sink tokens. On the default model it finds the true top
-    segment in ~92% of steps (raw Radar: ~14%) while reading fewer bytes per step than raw Radar at
-    n = 2048; see docs/methods.md for the measurements and docs/theory.md for what is guaranteed.
+    ``SegmentSearch(Rerank(Centroid(), shortlist, factor), TopK(), SqrtSchedule(aspect=4), sinks=4)``:
+    segments of ``sqrt(t) / 4`` tokens (4 sqrt(t) of them: finer selection, still O(sqrt t) scoring);
+    every segment is scored by ``log c + q . mean k`` (d numbers per segment, cheaper than random
+    features), the ``max(shortlist, factor * k)`` best are rescored exactly from their keys, and the
+    top ``k`` of those are attended, plus 4 attention-sink tokens. On the default model it finds the
+    true top segment in ~92% of steps (raw Radar: ~14%); see docs/methods.md for the measurements and
+    docs/theory.md for what is guaranteed.
     """
     return _radar_with(Rerank(Centroid(), shortlist, factor), TopK(), top_k, sinks, window, aspect, budget)
 
