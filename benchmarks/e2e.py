@@ -4,7 +4,7 @@ CPU (default): the embedded SmolLM2-135M-Instruct, prompts of 2k, 4k and 8k toke
 ``_pydecimal.py``; then ``--steps`` ground-truth tokens are fed one at a time (the perplexity
 protocol of ``sparseattn ppl``), timing each decode step and scoring each next token. Methods: dense
 (the toolkit's dense state: the same storage, SDPA over everything), Radar with the paper's defaults
-(k = 64, n = 2048) and Radar at a budget of 1024 tokens.
+(k = 64, n = 2048), Radar at a budget of 1024 tokens and radar+ (issue 7) at the same budget.
 
 GPU (``--device cuda``): additionally a randomly initialised Llama-3-8B-shaped model (timing does
 not depend on weight values; its perplexity is meaningless and not reported) at 32k and 128k.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from sparseattn import Dense, Radar
+from sparseattn import Dense, Radar, RadarPlus
 from sparseattn.evaluation.ppl import run_ppl, tokenize
 from sparseattn.evaluation.runs import RunDir, environment
 from sparseattn.hf import load_model
@@ -35,6 +35,7 @@ METHODS = {
     "dense": Dense(),
     "radar (k=64, n=2048)": Radar(top_k=64, n_features=2048),
     "radar (budget 1024)": Radar(budget=1024, n_features=2048),
+    "radar+ (budget 1024)": RadarPlus(budget=1024),
 }
 
 

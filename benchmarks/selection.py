@@ -7,6 +7,7 @@ bytes one decode step reads per query head (summaries + selected K/V + reranked 
 
     python benchmarks/selection.py --text paradise-lost --prefill 4096 --steps 8 --budget 512
     python benchmarks/selection.py --ppl --ppl-steps 256 --text pydecimal
+    python benchmarks/selection.py --aspect 4       # on radar+'s grid: segments of sqrt(t) / 4 tokens
 
 Writes ``benchmarks/results/selection-<text>-p<prefill>.json``.
 """
@@ -29,6 +30,7 @@ from sparseattn import (
     Recent,
     Rerank,
     SegmentSearch,
+    SqrtSchedule,
     TopK,
 )
 from sparseattn.data import load_text
@@ -38,9 +40,10 @@ from sparseattn.evaluation.runs import RunDir
 from sparseattn.hf import apply, load_model
 
 
-def variants(budget: int, sinks: int, shortlist: int) -> dict[str, SegmentSearch]:
+def variants(budget: int, sinks: int, shortlist: int, aspect: float = 1.0) -> dict[str, SegmentSearch]:
     def seg(summary, selector=None) -> SegmentSearch:
-        return SegmentSearch(summary=summary, selector=selector or TopK(), budget=budget, sinks=sinks)
+        return SegmentSearch(summary=summary, selector=selector or TopK(), schedule=SqrtSchedule(aspect=aspect),
+                             budget=budget, sinks=sinks)
 
     return {
         "radar n=256": seg(PerformerFeatures(256)),
@@ -60,9 +63,10 @@ def variants(budget: int, sinks: int, shortlist: int) -> dict[str, SegmentSearch
 
 def step_bytes(method: SegmentSearch, t: int, head_dim: int, itemsize: int = 4) -> dict[str, float]:
     """Bytes one decode step reads per query head at context ``t`` (SqrtSchedule grid, mid-buffer)."""
-    c = math.isqrt(t)
-    segments = t // c
-    tail = c  # the buffer averages sqrt(t) tokens between rebuilds
+    root = math.isqrt(t)
+    c = max(1, math.floor(root / method.schedule.aspect))
+    segments = root * root // c
+    tail = root  # the buffer averages sqrt(t) tokens between rebuilds, whatever the segment size
     k = max(1, (method.budget - method.sinks - tail) // c)
     summary = method.summary
     coarse = summary.coarse if isinstance(summary, Rerank) else summary
@@ -73,7 +77,7 @@ def step_bytes(method: SegmentSearch, t: int, head_dim: int, itemsize: int = 4) 
         per_segment += head_dim
     if isinstance(method.selector, Recent):
         per_segment = 0
-    rerank = summary.shortlist * c * head_dim if isinstance(summary, Rerank) else 0
+    rerank = max(summary.shortlist, math.ceil(summary.factor * k)) * c * head_dim if isinstance(summary, Rerank) else 0
     kv = (k * c + tail + method.sinks) * head_dim * 2
     return {"summaries": segments * per_segment * itemsize, "rerank_keys": rerank * itemsize, "kv": kv * itemsize,
             "total": (segments * per_segment + rerank + kv) * itemsize}
@@ -87,6 +91,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--shortlist", type=int, default=16)
+    parser.add_argument("--aspect", type=float, default=1.0, help="segments of sqrt(t) / aspect tokens (radar+: 4)")
     parser.add_argument("--only", nargs="*", default=None, help="substrings of variant names to run")
     parser.add_argument("--ppl", action="store_true", help="also measure perplexity at the budget")
     parser.add_argument("--ppl-steps", type=int, default=256)
@@ -95,6 +100,7 @@ def main() -> None:
     model, tokenizer = load_model("default")
     ids = tokenize(tokenizer, load_text(args.text), args.prefill + max(args.steps, args.ppl_steps) + 1, name=args.text)
     head_dim = model.config.head_dim if hasattr(model.config, "head_dim") else model.config.hidden_size // model.config.num_attention_heads
+    suffix = "" if args.aspect == 1.0 else f"-a{args.aspect:g}"
     results = {}
     dense_ppl = None
     if args.ppl:
@@ -106,7 +112,7 @@ def main() -> None:
     header = f"{'variant':<40}{'hit@1':>8}{'hit@3':>8}{'recall':>8}{'rel.err':>9}{'attended':>9}{'KB/step/head':>13}{'ppl':>9}"
     print(header)
     print("-" * len(header))
-    for name, method in variants(args.budget, args.sinks, args.shortlist).items():
+    for name, method in variants(args.budget, args.sinks, args.shortlist, args.aspect).items():
         if args.only and not any(s in name for s in args.only):
             continue
         with apply(model, Probe(method)) as sparse, torch.no_grad():
@@ -121,12 +127,12 @@ def main() -> None:
         if args.ppl:
             slug = "".join(ch if ch.isalnum() else "-" for ch in name)
             config = {"command": "ppl", "text": args.text, "prefill": args.prefill, "steps": args.ppl_steps, "method": repr(method)}
-            row["ppl"] = run_ppl(model, method, ids, args.prefill, args.ppl_steps, RunDir(args.runs / args.text / f"p{args.prefill}" / slug, config), label=name)["ppl"]
+            row["ppl"] = run_ppl(model, method, ids, args.prefill, args.ppl_steps, RunDir(args.runs / args.text / f"p{args.prefill}{suffix}" / slug, config), label=name)["ppl"]
         results[name] = row
         ppl = f"{row['ppl']:.3f}" if "ppl" in row else "-"
         print(f"{name:<40}{100 * o['hit@1']:>7.1f}%{100 * o['hit@3']:>7.1f}%{100 * o['recall']:>7.1f}%{o['rel_error']:>9.3f}"
               f"{o['attended']:>9.0f}{row['bytes']['total'] / 1024:>13.1f}{ppl:>9}")
-    out = Path(__file__).parent / "results" / f"selection-{args.text}-p{args.prefill}.json"
+    out = Path(__file__).parent / "results" / f"selection-{args.text}-p{args.prefill}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "dense_ppl": dense_ppl, "variants": results}, indent=2))
     print(f"wrote {out}")
