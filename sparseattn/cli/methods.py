@@ -156,9 +156,9 @@ METHODS: dict[str, MethodSpec] = {
         ),
         MethodSpec(
             "radar+",
-            "Radar with segments of sqrt(t)/4 tokens, a centroid shortlist reranked by exact segment mass, 4 sinks (issue 7)",
+            "Radar with segments of sqrt(t)/8 tokens, a centroid shortlist reranked by exact segment mass, 4 sinks (issue 7)",
             _SEGMENT_OPTIONS,
-            lambda o: RadarPlus(**{**_segments(o), "sinks": 4 if o.sinks is None else o.sinks}),
+            lambda o: RadarPlus(**{**_segments(o), "top_k": o.top_k, "sinks": 4 if o.sinks is None else o.sinks}),
         ),
         MethodSpec(
             "radar-centered",

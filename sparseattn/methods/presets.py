@@ -117,25 +117,30 @@ def RadarRecent(
 
 
 def RadarPlus(
-    top_k: int = 64,
+    top_k: int | None = None,
     *,
     sinks: int = 4,
     window: int = 0,
-    aspect: float = 4.0,
+    aspect: float = 8.0,
     shortlist: int = 16,
     factor: float = 2.0,
     budget: int | None = None,
 ) -> SegmentSearch:
     """Radar's segment search with a better ranking (issue 7): centroid shortlist, exact rerank.
 
-    ``SegmentSearch(Rerank(Centroid(), shortlist, factor), TopK(), SqrtSchedule(aspect=4), sinks=4)``:
-    segments of ``sqrt(t) / 4`` tokens (4 sqrt(t) of them: finer selection, still O(sqrt t) scoring);
+    ``SegmentSearch(Rerank(Centroid(), shortlist, factor), TopK(), SqrtSchedule(aspect=8), sinks=4)``:
+    segments of ``sqrt(t) / 8`` tokens (8 sqrt(t) of them: finer selection, still O(sqrt t) scoring);
     every segment is scored by ``log c + q . mean k`` (d numbers per segment, cheaper than random
     features), the ``max(shortlist, factor * k)`` best are rescored exactly from their keys, and the
     top ``k`` of those are attended, plus 4 attention-sink tokens. On the default model it finds the
     true top segment in ~92% of steps (raw Radar: ~14%); see docs/methods.md for the measurements and
     docs/theory.md for what is guaranteed.
+
+    ``top_k`` defaults to ``64 * aspect`` segments: the tokens of Radar's ``k = 64`` at a grid
+    ``aspect`` times finer. ``budget`` (tokens) overrides it, as for every preset.
     """
+    if top_k is None:
+        top_k = round(64 * aspect)
     return _radar_with(Rerank(Centroid(), shortlist, factor), TopK(), top_k, sinks, window, aspect, budget)
 
 
