@@ -24,6 +24,7 @@ Writes ``benchmarks/results/attention-<device>.json`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -179,6 +180,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--methods", nargs="+", default=None, help="only these rows (dense always runs: speedups need it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -200,6 +202,11 @@ def main() -> None:
         # issue 7's preset: centroid shortlist + exact rerank; its per-step cost against raw Radar's.
         "radar+ (budget 4096)": RadarPlus(budget=4096),
     }
+    if args.methods:
+        unknown = set(args.methods) - set(methods)
+        if unknown:
+            raise SystemExit(f"unknown --methods {sorted(unknown)}; choose from {list(methods)}")
+        methods = {name: m for name, m in methods.items() if name == "dense" or name in args.methods}
     info = machine(device)
     info["bandwidth_GBps"] = memory_bandwidth(device)
     print(f"machine: {json.dumps(info)}")
@@ -213,6 +220,7 @@ def main() -> None:
         for t in lengths:
             dense_ms = None
             for name, method in methods.items():
+                gc.collect()  # the previous row's state (reference cycles) must be gone before the next allocates
                 row = bench_row(name, method, batch, t, dtype, device, args.repeats, args.warmup, tolerance)
                 if name == "dense":
                     dense_ms = row["ms"]

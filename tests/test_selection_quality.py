@@ -1,10 +1,12 @@
 """The selection-quality parts (issue 7): what each still guarantees, checked against brute force."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sparseattn import CenteredFeatures, Centroid, ExactScore, PerformerFeatures, Rerank, SegmentSearch, TopK
+from sparseattn.ops.buffers import Workspace
 from sparseattn.summaries.base import SegmentKeys
 
 CPU = torch.device("cpu")
@@ -136,3 +138,21 @@ def test_full_budget_segment_search_with_the_new_summaries_is_dense():
         out, _ = state.attend(q)
         ref = attention_ref(q.view(1, 2, 2, 16), state.keys, state.values).view(1, 4, 16)
         assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_workspace", [False, True])
+@pytest.mark.parametrize("B,H,S,c,D,m", [(1, 2, 7, 5, 16, 3), (2, 3, 12, 1, 8, 12), (2, 1, 4, 9, 32, 1)])
+def test_segment_keys_take_matches_indexing_of_a_cache_view(B, H, S, c, D, m, use_workspace):
+    """``take`` (row gathers from the cache's storage) equals plain indexing of the segments, scaled."""
+    sinks = 3
+    buffer = torch.randn(B, H, sinks + S * c + 11, D)  # a capacity buffer longer than what is sealed
+    raw = buffer[:, :, sinks : sinks + S * c].view(B, H, S, c, D)  # the view a decode state hands over
+    index = torch.stack([torch.randperm(S)[:m] for _ in range(B * H)]).view(B, H, m)
+    workspace = Workspace() if use_workspace else None
+    keys = SegmentKeys(raw, 0.5, torch.float64, workspace)
+    for _ in range(2):  # a second step reuses the workspace buffer
+        got = keys.take(index)
+        b = torch.arange(B).view(B, 1, 1)
+        h = torch.arange(H).view(1, H, 1)
+        torch.testing.assert_close(got, raw[b, h, index].double() * 0.5, rtol=0, atol=0)
+        index = index.flip(-1)

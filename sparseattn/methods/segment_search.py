@@ -299,7 +299,7 @@ class SegmentSearchState(KVState):
         if self.layout.n_segments == 0:
             return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
         summaries = tuple(buf.view() for buf in self._summaries)
-        seg_keys = SegmentKeys(self._segment_keys(), math.sqrt(self.scale), self.compute_dtype) if summary.reads_keys else None
+        seg_keys = SegmentKeys(self._segment_keys(), math.sqrt(self.scale), self.compute_dtype, self._workspace) if summary.reads_keys else None
         extra = {"top_k": top_k} if getattr(summary, "uses_top_k", False) else {}
         return summary.score(
             self._params, summaries, self._scaled(grouped_query), seg_keys, self.layout.segment_size, **extra

@@ -76,7 +76,10 @@ class Rerank:
         short = scores.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
         keys = take_keys(segment_keys, short.reshape(B, H, G * m))  # [B, H, G*m, c, D]: m segments per query head
         keys = keys.view(B, H, G, m, *keys.shape[-2:]).to(queries.dtype)
-        exact = torch.logsumexp(torch.einsum("bhgd,bhgmcd->bhgmc", queries, keys), dim=-1)
+        c = keys.shape[-2]
+        # A matmul per query head ([m c, D] @ [D]); einsum would broadcast-multiply then sum on CPU.
+        logits = torch.matmul(keys.reshape(B, H, G, m * c, -1), queries.unsqueeze(-1)).view(B, H, G, m, c)
+        exact = torch.logsumexp(logits, dim=-1)
         # Shift the coarse scores below the smallest exact one: the shortlist ranks first, and the order
         # outside it (the coarse order) is kept exactly (a huge constant would round it away).
         shift = (scores.amax(-1, keepdim=True) - exact.amin(-1, keepdim=True)).clamp(min=0) + 1.0
