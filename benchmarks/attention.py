@@ -9,7 +9,8 @@ a failed check is reported and no speed is claimed for that row.
 
 Per row: median step time over many runs after warm-up (CUDA events on GPU), the speedup over dense,
 the bytes the step must read (dense: the whole K/V; Radar: the K/V of the union of the selections of a
-KV group's query heads, gathered once per KV head, plus the segment summaries and the projection), the bandwidth floor (bytes / measured memory
+KV group's query heads, gathered once per KV head, plus the segment summaries and the projection;
+radar+: plus the keys of every query head's rerank shortlist), the bandwidth floor (bytes / measured memory
 bandwidth, measured in the same run) and the fraction of it achieved. The restructure (Algorithm 1's
 O(t) rebuild at perfect squares) is timed separately and shown amortised over the ~2 sqrt(t) steps
 between rebuilds. The growth exponent of per-step time over t is fitted on the rows t >= 8k.
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from sparseattn import Radar, RadarPlus
+from sparseattn import Radar, RadarPlus, Rerank
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -148,6 +149,12 @@ def bench_row(method_name, method, batch, t, dtype, device, repeats, warmup, tol
         row["union_tokens_per_kv_head"] = union_tokens / (batch * KV_HEADS) + lay.sink_end + lay.tail_size
         structure = state.nbytes()
         row["bytes"] = kv_read + structure.get("summaries", 0) + structure.get("projection", 0)
+        summary = method.summary
+        if isinstance(summary, Rerank):  # each query head's shortlist: keys only, from the cache
+            k = info.segments.shape[-1]
+            shortlist = min(max(summary.shortlist, math.ceil(summary.factor * k)), lay.n_segments)
+            row["rerank_bytes"] = batch * Q_HEADS * shortlist * lay.segment_size * HEAD_DIM * itemsize
+            row["bytes"] += row["rerank_bytes"]
         row["segments"] = lay.n_segments
 
         def step():
