@@ -10,7 +10,7 @@ a failed check is reported and no speed is claimed for that row.
 Per row: median step time over many runs after warm-up (CUDA events on GPU), the speedup over dense,
 the bytes the step must read (dense: the whole K/V; Radar: the K/V of the union of the selections of a
 KV group's query heads, gathered once per KV head, plus the segment summaries and the projection;
-radar+: plus the keys of every query head's rerank shortlist), the bandwidth floor (bytes / measured memory
+radar+: plus the keys of every query head's, or KV group's, rerank shortlist), the bandwidth floor (bytes / measured memory
 bandwidth, measured in the same run) and the fraction of it achieved. The restructure (Algorithm 1's
 O(t) rebuild at perfect squares) is timed separately and shown amortised over the ~2 sqrt(t) steps
 between rebuilds. The growth exponent of per-step time over t is fitted on the rows t >= 8k.
@@ -153,7 +153,8 @@ def bench_row(method_name, method, batch, t, dtype, device, repeats, warmup, tol
         if isinstance(summary, Rerank):  # each query head's shortlist: keys only, from the cache
             k = info.segments.shape[-1]
             shortlist = min(max(summary.shortlist, math.ceil(summary.factor * k)), lay.n_segments)
-            row["rerank_bytes"] = batch * Q_HEADS * shortlist * lay.segment_size * HEAD_DIM * itemsize
+            lists = KV_HEADS if summary.per_group else Q_HEADS
+            row["rerank_bytes"] = batch * lists * shortlist * lay.segment_size * HEAD_DIM * itemsize
             row["bytes"] += row["rerank_bytes"]
         row["segments"] = lay.n_segments
 
@@ -208,6 +209,7 @@ def main() -> None:
         "radar (budget 4096, shared)": Radar(budget=4096, n_features=2048, shared_kv_selection=True),
         # issue 7's preset: centroid shortlist + exact rerank; its per-step cost against raw Radar's.
         "radar+ (budget 4096)": RadarPlus(budget=4096),
+        "radar+ (budget 4096, per group)": RadarPlus(budget=4096, per_group=True),
     }
     if args.methods:
         unknown = set(args.methods) - set(methods)

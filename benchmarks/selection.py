@@ -56,12 +56,13 @@ def variants(budget: int, sinks: int, shortlist: int, aspect: float = 1.0) -> di
         f"rerank radar n=256, shortlist {shortlist}": seg(Rerank(PerformerFeatures(256), shortlist)),
         f"rerank centered n=256, shortlist {shortlist}": seg(Rerank(CenteredFeatures(PerformerFeatures(256)), shortlist)),
         f"rerank centroid, shortlist {shortlist}": seg(Rerank(Centroid(), shortlist)),
+        f"rerank centroid per KV group, shortlist {shortlist}": seg(Rerank(Centroid(), shortlist, per_group=True)),
         "exact": seg(ExactScore()),
         "recent": seg(ExactScore(), Recent()),
     }
 
 
-def step_bytes(method: SegmentSearch, t: int, head_dim: int, itemsize: int = 4) -> dict[str, float]:
+def step_bytes(method: SegmentSearch, t: int, head_dim: int, itemsize: int = 4, group: int = 1) -> dict[str, float]:
     """Bytes one decode step reads per query head at context ``t`` (SqrtSchedule grid, mid-buffer)."""
     root = math.isqrt(t)
     c = max(1, math.floor(root / method.schedule.aspect))
@@ -78,6 +79,8 @@ def step_bytes(method: SegmentSearch, t: int, head_dim: int, itemsize: int = 4) 
     if isinstance(method.selector, Recent):
         per_segment = 0
     rerank = max(summary.shortlist, math.ceil(summary.factor * k)) * c * head_dim if isinstance(summary, Rerank) else 0
+    if isinstance(summary, Rerank) and summary.per_group:
+        rerank /= group  # one shortlist's keys read for the group's query heads
     kv = (k * c + tail + method.sinks) * head_dim * 2
     return {"summaries": segments * per_segment * itemsize, "rerank_keys": rerank * itemsize, "kv": kv * itemsize,
             "total": (segments * per_segment + rerank + kv) * itemsize}
@@ -123,7 +126,7 @@ def main() -> None:
         summary = summarize_probes([layer.state for layer in cache.sparse_layers])
         o = summary["overall"]
         row = {**o, "per_layer_hit@1": [sum(r["hit@1"]) / len(r["hit@1"]) for r in summary["per_layer"]],
-               "bytes": step_bytes(method, args.prefill, head_dim), "repr": repr(method)}
+               "bytes": step_bytes(method, args.prefill, head_dim, group=model.config.num_attention_heads // model.config.num_key_value_heads), "repr": repr(method)}
         if args.ppl:
             slug = "".join(ch if ch.isalnum() else "-" for ch in name)
             config = {"command": "ppl", "text": args.text, "prefill": args.prefill, "steps": args.ppl_steps, "method": repr(method)}

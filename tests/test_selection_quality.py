@@ -156,3 +156,31 @@ def test_segment_keys_take_matches_indexing_of_a_cache_view(B, H, S, c, D, m, us
         h = torch.arange(H).view(1, H, 1)
         torch.testing.assert_close(got, raw[b, h, index].double() * 0.5, rtol=0, atol=0)
         index = index.flip(-1)
+
+
+@given(seed=st.integers(0, 2**31 - 1), shortlist=st.integers(1, 9), k=st.integers(1, 4), spread=st.floats(0.1, 3.0))
+def test_rerank_per_group_selects_the_exact_top_k_among_the_groups_shortlist(seed, shortlist, k, spread):
+    """One shortlist per KV group (by the group's summed coarse mass); each head the exact top-k of it."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, S, c, D = 2, 2, 3, 9, 5, 8
+    keys = spread * torch.randn(B, H, S, c, D, generator=gen, dtype=F64)
+    queries = spread * torch.randn(B, H, G, D, generator=gen, dtype=F64)
+    coarse = Centroid()
+    picked = TopK().select(score(Rerank(coarse, shortlist, per_group=True), keys, queries), k, None)
+    coarse_scores = score(coarse, keys, queries)
+    exact = exact_log_mass(queries, keys)
+    short = coarse_scores.logsumexp(2).topk(min(shortlist, S), dim=-1).indices  # [B, H, m]
+    for b, h, g in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(G)).tolist():
+        listed = short[b, h]
+        ranked = listed[exact[b, h, g, listed].argsort(descending=True)].tolist()
+        rest = [s for s in coarse_scores[b, h, g].argsort(descending=True).tolist() if s not in ranked]
+        assert set(picked[b, h, g].tolist()) == set((ranked + rest)[:k])
+
+
+def test_rerank_per_group_with_a_full_shortlist_is_exact_search():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 2, 10, 4, 8, generator=gen, dtype=F64)
+    queries = torch.randn(2, 2, 4, 8, generator=gen, dtype=F64)
+    full = TopK().select(score(Rerank(Centroid(), shortlist=10, per_group=True), keys, queries), 3, None)
+    exact = TopK().select(score(ExactScore(), keys, queries), 3, None)
+    assert torch.equal(full.sort(-1).values, exact.sort(-1).values)

@@ -32,11 +32,17 @@ class Rerank:
         factor: the shortlist grows to ``ceil(factor * top_k)`` when the step attends ``top_k``
             segments (a budget gives more segments at longer contexts); 2 is the cost-neutral
             choice described above.
+        per_group: one shortlist per KV group instead of per query head: the segments with the
+            highest group mass ``logsumexp_g coarse_g``, whose keys are read once for the group's
+            ``G`` query heads (G times fewer key bytes under grouped-query attention). Each head
+            still selects the exact top-k *within the group's shortlist*; what is no longer
+            guaranteed is that a segment only that head's coarse score ranks high is shortlisted.
     """
 
     coarse: Summary = field(default_factory=lambda: PerformerFeatures(n_features=256))
     shortlist: int = 16
     factor: float = 2.0
+    per_group: bool = False
 
     reads_keys = True  # only the shortlisted segments' keys are read (a view is passed)
     uses_top_k = True  # score() takes the step's top_k
@@ -48,6 +54,8 @@ class Rerank:
             raise ValueError(f"Rerank.shortlist must be an int >= 0, got {self.shortlist!r}")
         if not self.factor >= 0:
             raise ValueError(f"Rerank.factor must be >= 0, got {self.factor!r}")
+        if not isinstance(self.per_group, bool):
+            raise ValueError(f"Rerank.per_group must be a bool, got {self.per_group!r}")
 
     def prepare(self, kv_heads: int, head_dim: int, *, layer_idx: int, device: torch.device, dtype: torch.dtype) -> Any:
         return self.coarse.prepare(kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype)
@@ -73,13 +81,21 @@ class Rerank:
         if segment_keys is None:
             raise ValueError("Rerank.score needs the segments' keys")
         B, H, G, _ = scores.shape
-        short = scores.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
-        keys = take_keys(segment_keys, short.reshape(B, H, G * m))  # [B, H, G*m, c, D]: m segments per query head
-        keys = keys.view(B, H, G, m, *keys.shape[-2:]).to(queries.dtype)
-        c = keys.shape[-2]
-        # A matmul per query head ([m c, D] @ [D]); einsum would broadcast-multiply then sum on CPU.
-        logits = torch.matmul(keys.reshape(B, H, G, m * c, -1), queries.unsqueeze(-1)).view(B, H, G, m, c)
-        exact = torch.logsumexp(logits, dim=-1)
+        if self.per_group:
+            short = torch.logsumexp(scores, dim=2).topk(m, dim=-1, sorted=False).indices  # [B, H, m]
+            keys = take_keys(segment_keys, short).to(queries.dtype)  # [B, H, m, c, D]: read once per group
+            c = keys.shape[-2]
+            logits = torch.matmul(keys.reshape(B, H, m * c, -1), queries.transpose(-1, -2))  # [B, H, m c, G]
+            exact = torch.logsumexp(logits.view(B, H, m, c, G), dim=3).transpose(-1, -2)  # [B, H, G, m]
+            short = short.unsqueeze(2).expand(B, H, G, m)
+        else:
+            short = scores.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
+            keys = take_keys(segment_keys, short.reshape(B, H, G * m))  # [B, H, G*m, c, D]: m segments per query head
+            keys = keys.view(B, H, G, m, *keys.shape[-2:]).to(queries.dtype)
+            c = keys.shape[-2]
+            # A matmul per query head ([m c, D] @ [D]); einsum would broadcast-multiply then sum on CPU.
+            logits = torch.matmul(keys.reshape(B, H, G, m * c, -1), queries.unsqueeze(-1)).view(B, H, G, m, c)
+            exact = torch.logsumexp(logits, dim=-1)
         # Shift the coarse scores below the smallest exact one: the shortlist ranks first, and the order
         # outside it (the coarse order) is kept exactly (a huge constant would round it away).
         shift = (scores.amax(-1, keepdim=True) - exact.amin(-1, keepdim=True)).clamp(min=0) + 1.0
