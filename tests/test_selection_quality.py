@@ -24,12 +24,24 @@ def score(summary, keys, queries):
     return summary.score(params, summary.summarize(params, keys), queries, seg, keys.shape[-2])
 
 
+def random_segments(seed: int, spread: float, B=2, H=2, G=3, S=9, c=5, D=8):
+    """Keys ``[B, H, S, c, D]`` and queries ``[B, H, G, D]`` in float64, scaled by ``spread``."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = spread * torch.randn(B, H, S, c, D, generator=gen, dtype=F64)
+    return keys, spread * torch.randn(B, H, G, D, generator=gen, dtype=F64)
+
+
+def shortlist_then_coarse(listed, exact_row, coarse_row, k):
+    """The brute-force rerank: ``listed`` segments by exact mass, then the others by coarse score."""
+    ranked = listed[exact_row[listed].argsort(descending=True)].tolist()
+    rest = [s for s in coarse_row.argsort(descending=True).tolist() if s not in ranked]
+    return set((ranked + rest)[:k])
+
+
 @given(seed=st.integers(0, 2**31 - 1), shortlist=st.integers(0, 9), k=st.integers(1, 4), spread=st.floats(0.1, 3.0))
 def test_rerank_selects_the_exact_top_k_among_its_shortlist(seed, shortlist, k, spread):
-    gen = torch.Generator().manual_seed(seed)
-    B, H, G, S, c, D = 2, 2, 3, 9, 5, 8
-    keys = spread * torch.randn(B, H, S, c, D, generator=gen, dtype=F64)
-    queries = spread * torch.randn(B, H, G, D, generator=gen, dtype=F64)
+    keys, queries = random_segments(seed, spread)
+    B, H, G, S = *queries.shape[:3], keys.shape[2]
     coarse = Centroid()
     picked = TopK().select(score(Rerank(coarse, shortlist), keys, queries), k, None)
     coarse_scores = score(coarse, keys, queries)
@@ -42,10 +54,7 @@ def test_rerank_selects_the_exact_top_k_among_its_shortlist(seed, shortlist, k, 
         if m == 0:  # no rerank: the coarse ranking
             want = set(coarse_scores[b, h, g].topk(k).indices.tolist())
         else:
-            listed = short[b, h, g]
-            ranked = listed[exact[b, h, g, listed].argsort(descending=True)].tolist()
-            rest = [s for s in coarse_scores[b, h, g].argsort(descending=True).tolist() if s not in ranked]
-            want = set((ranked + rest)[:k])  # the shortlist by exact mass, then the others by coarse score
+            want = shortlist_then_coarse(short[b, h, g], exact[b, h, g], coarse_scores[b, h, g], k)
         assert got == want
 
 
@@ -140,13 +149,16 @@ def test_full_budget_segment_search_with_the_new_summaries_is_dense():
         assert torch.allclose(out.double(), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("gapped", [False, True])
 @pytest.mark.parametrize("use_workspace", [False, True])
 @pytest.mark.parametrize("B,H,S,c,D,m", [(1, 2, 7, 5, 16, 3), (2, 3, 12, 1, 8, 12), (2, 1, 4, 9, 32, 1)])
-def test_segment_keys_take_matches_indexing_of_a_cache_view(B, H, S, c, D, m, use_workspace):
-    """``take`` (row gathers from the cache's storage) equals plain indexing of the segments, scaled."""
-    sinks = 3
-    buffer = torch.randn(B, H, sinks + S * c + 11, D)  # a capacity buffer longer than what is sealed
-    raw = buffer[:, :, sinks : sinks + S * c].view(B, H, S, c, D)  # the view a decode state hands over
+def test_segment_keys_take_matches_indexing_of_a_cache_view(B, H, S, c, D, m, use_workspace, gapped):
+    """``take`` (row gathers from the cache's storage) equals plain indexing of the segments, scaled;
+    segments that are not one token axis (``gapped``: a token skipped between segments) take the
+    indexing path instead of copying every key."""
+    sinks, step = 3, c + 1 if gapped else c
+    buffer = torch.randn(B, H, sinks + S * step + 11, D)  # a capacity buffer longer than what is sealed
+    raw = buffer[:, :, sinks : sinks + S * step].view(B, H, S, step, D)[:, :, :, :c]  # the view a state hands over
     index = torch.stack([torch.randperm(S)[:m] for _ in range(B * H)]).view(B, H, m)
     workspace = Workspace() if use_workspace else None
     keys = SegmentKeys(raw, 0.5, torch.float64, workspace)
@@ -161,20 +173,16 @@ def test_segment_keys_take_matches_indexing_of_a_cache_view(B, H, S, c, D, m, us
 @given(seed=st.integers(0, 2**31 - 1), shortlist=st.integers(1, 9), k=st.integers(1, 4), spread=st.floats(0.1, 3.0))
 def test_rerank_per_group_selects_the_exact_top_k_among_the_groups_shortlist(seed, shortlist, k, spread):
     """One shortlist per KV group (by the group's summed coarse mass); each head the exact top-k of it."""
-    gen = torch.Generator().manual_seed(seed)
-    B, H, G, S, c, D = 2, 2, 3, 9, 5, 8
-    keys = spread * torch.randn(B, H, S, c, D, generator=gen, dtype=F64)
-    queries = spread * torch.randn(B, H, G, D, generator=gen, dtype=F64)
+    keys, queries = random_segments(seed, spread)
+    B, H, G, S = *queries.shape[:3], keys.shape[2]
     coarse = Centroid()
     picked = TopK().select(score(Rerank(coarse, shortlist, per_group=True), keys, queries), k, None)
     coarse_scores = score(coarse, keys, queries)
     exact = exact_log_mass(queries, keys)
     short = coarse_scores.logsumexp(2).topk(min(shortlist, S), dim=-1).indices  # [B, H, m]
     for b, h, g in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(G)).tolist():
-        listed = short[b, h]
-        ranked = listed[exact[b, h, g, listed].argsort(descending=True)].tolist()
-        rest = [s for s in coarse_scores[b, h, g].argsort(descending=True).tolist() if s not in ranked]
-        assert set(picked[b, h, g].tolist()) == set((ranked + rest)[:k])
+        want = shortlist_then_coarse(short[b, h], exact[b, h, g], coarse_scores[b, h, g], k)
+        assert set(picked[b, h, g].tolist()) == want
 
 
 def test_rerank_per_group_with_a_full_shortlist_is_exact_search():

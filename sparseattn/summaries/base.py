@@ -34,9 +34,15 @@ class SegmentKeys:
         """Segments ``index: [B, H, m]`` -> scaled keys ``[B, H, m, c, D]`` (a copy of those only)."""
         B, H, S, c, D = self.raw.shape
         m = index.shape[-1]
+        try:  # the segments as one token axis: a view of the cache (reshape could copy all t keys)
+            token_rows = self.raw.view(B, H, S * c, D)
+        except RuntimeError:  # segments not evenly strided: index the selected ones directly
+            b = torch.arange(B, device=index.device).view(B, 1, 1)
+            h = torch.arange(H, device=index.device).view(1, H, 1)
+            return self.raw[b, h, index].to(self.dtype) * self.factor
         tokens = (index.unsqueeze(-1) * c + torch.arange(c, device=index.device)).view(B, H, m * c)
         # Row gathers (index_select) of the cache's token rows: advanced indexing is ~10x slower on CPU.
-        taken = gather_tokens(self.raw.reshape(B, H, S * c, D), tokens, self.workspace, "segment_keys").view(B, H, m, c, D)
+        taken = gather_tokens(token_rows, tokens, self.workspace, "segment_keys").view(B, H, m, c, D)
         taken = taken.to(self.dtype) if taken.dtype != self.dtype else taken
         return taken.mul_(self.factor)  # our own copy: scaled in place
 
