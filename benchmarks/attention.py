@@ -3,9 +3,13 @@
 Llama-3-8B head shape (32 query heads, 8 KV heads, d = 128). For each batch size and context length
 t: dense attention (torch SDPA over the whole cache, a KV group's query heads as rows; the flash path
 on GPU), Radar with the paper's defaults (k = 64 segments, n = 2048 features) and Radar at a fixed
-budget of 4096 tokens, each with per-query-head selections and with one selection shared by a KV group. Before any
-timing, each method's output is checked against its float64 reference (on the batch's first sequence);
-a failed check is reported and no speed is claimed for that row.
+budget of 4096 tokens, each with per-query-head selections and with one selection shared by a KV group,
+and radar+ at the same budget. The methods run on the backend ``auto`` picks (on the CPU the C kernel
+of the ``cpu`` backend); a second dense row runs that same kernel over every token, so that the sparse
+rows can be compared with SDPA (the baseline) and with dense attention on the same kernel. Rows that
+force the torch backend (gather + SDPA) are available with ``--methods``. Before any timing, each
+method's output is checked against its float64 reference (on the batch's first sequence); a failed
+check is reported and no speed is claimed for that row.
 
 Per row: median step time over many runs after warm-up (CUDA events on GPU), the speedup over dense,
 the bytes the step must read (dense: the whole K/V; Radar: the K/V of the union of the selections of a
@@ -35,7 +39,9 @@ from pathlib import Path
 
 import torch
 
-from sparseattn import Radar, RadarPlus, Rerank
+import dataclasses
+
+from sparseattn import Dense, Radar, RadarPlus, Rerank
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -98,12 +104,22 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def bench_row(method_name, method, batch, t, dtype, device, repeats, warmup, tolerance) -> dict:
+def random_cache(batch: int, t: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values ``[batch, 8, t, 128]`` and a query ``[batch, 32, 128]``, drawn per (batch, t) and shared by the rows."""
     gen = torch.Generator(device="cpu").manual_seed(t + batch)
     shape = (batch, KV_HEADS, t, HEAD_DIM)
-    keys = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-    values = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    keys = torch.empty(shape, dtype=dtype, device=device)
+    values = torch.empty(shape, dtype=dtype, device=device)
+    for b in range(batch):  # one sequence at a time: no float32 copy of the whole batch on the side
+        keys[b] = torch.randn(shape[1:], generator=gen).to(device=device, dtype=dtype)
+        values[b] = torch.randn(shape[1:], generator=gen).to(device=device, dtype=dtype)
     query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(device=device, dtype=dtype)
+    return keys, values, query
+
+
+def bench_row(method_name, method, keys, values, query, repeats, warmup, tolerance) -> dict:
+    batch, _, t, _ = keys.shape
+    device = keys.device
     group = Q_HEADS // KV_HEADS
     row = {"method": method_name, "batch": batch, "t": t}
     itemsize = keys.element_size()
@@ -123,27 +139,39 @@ def bench_row(method_name, method, batch, t, dtype, device, repeats, warmup, tol
         row["attended"] = t
         row["bytes"] = 2 * batch * KV_HEADS * t * HEAD_DIM * itemsize
         row["rebuild_ms"] = 0.0
+    elif isinstance(method, Dense):  # dense on the cpu kernel: the same cache layout as the sparse rows
+        state = method.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=keys.dtype)
+        state.append(keys, values)
+        out, _ = state.attend(query)
+        ref = attention_ref(query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1])
+        row["rel_error"] = relative_error(out.view(batch, KV_HEADS, group, HEAD_DIM)[:1], ref)
+        row["attended"] = t
+        row["bytes"] = 2 * batch * KV_HEADS * t * HEAD_DIM * itemsize
+        row["rebuild_ms"] = 0.0
+
+        def step():
+            return state.attend(query)
     else:
-        state = method.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+        state = method.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=keys.dtype)
         synchronize(device)
         begin = time.perf_counter()
         state.append(keys, values)  # one O(t) build: the cost of a restructure at this t
         synchronize(device)
         row["rebuild_ms"] = 1e3 * (time.perf_counter() - begin)
-        del keys, values  # the state holds its own copy
         out, info = state.attend(query)
+        row["backend"] = state._backend.name
         ref = segment_attention_ref(
             query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], info.layout, info.segments[:1]
         )
         row["rel_error"] = relative_error(out.view(batch, KV_HEADS, group, HEAD_DIM)[:1], ref)
         row["attended"] = float(info.attended.float().mean())
         lay = info.layout
-        # The op gathers, per KV head, the union of its query heads' selected segments (read once).
+        # Each KV head reads the union of its query heads' selected segments, once.
         chosen = torch.zeros(batch, KV_HEADS, lay.n_segments, dtype=torch.bool, device=device)
         if info.segments.shape[-1] and lay.n_segments:
             chosen.scatter_(-1, info.segments.reshape(batch, KV_HEADS, -1), True)
         union_tokens = int(chosen.sum()) * lay.segment_size
-        if info.segments.shape[-1] == lay.n_segments:  # full selection: one dense pass, no gather
+        if info.segments.shape[-1] == lay.n_segments:  # full selection: one dense pass
             union_tokens = lay.n_segments * lay.segment_size
         kv_read = (union_tokens + batch * KV_HEADS * (lay.sink_end + lay.tail_size)) * HEAD_DIM * 2 * itemsize
         row["union_tokens_per_kv_head"] = union_tokens / (batch * KV_HEADS) + lay.sink_end + lay.tail_size
@@ -199,8 +227,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     lengths = args.lengths or ([4096, 16384, 65536, 131072] if device.type == "cpu" else [4096, 16384, 65536, 131072, 262144, 1048576])
     tolerance = {torch.float32: 1e-4, torch.float64: 1e-8}.get(dtype, 2e-2)
+    torch_backend = lambda m: dataclasses.replace(m, backend="torch")  # noqa: E731
     methods = {
         "dense": None,
+        "dense (cpu kernel)": Dense(backend="cpu") if device.type == "cpu" else None,
         "radar (k=64, n=2048)": Radar(top_k=64, n_features=2048),
         # One selection per KV group: the group's 4 query heads read the same segments. Independent
         # per-head selections read up to 4x the segments of one head (their union) under GQA.
@@ -209,38 +239,54 @@ def main() -> None:
         "radar (budget 4096, shared)": Radar(budget=4096, n_features=2048, shared_kv_selection=True),
         # issue 7's preset: centroid shortlist + exact rerank; its per-step cost against raw Radar's.
         "radar+ (budget 4096)": RadarPlus(budget=4096),
-        "radar+ (budget 4096, per group)": RadarPlus(budget=4096, per_group=True),
+    }
+    if device.type != "cpu":
+        del methods["dense (cpu kernel)"]
+    optional = {  # with --methods only
+        "radar+ (budget 4096, per head)": RadarPlus(budget=4096, per_group=False),
+        # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.
+        "radar (k=64, torch backend)": torch_backend(Radar(top_k=64)),
+        "radar (k=64, shared, torch backend)": torch_backend(Radar(top_k=64, shared_kv_selection=True)),
+        "radar (budget 4096, torch backend)": torch_backend(Radar(budget=4096)),
+        "radar (budget 4096, shared, torch backend)": torch_backend(Radar(budget=4096, shared_kv_selection=True)),
     }
     if args.methods:
-        unknown = set(args.methods) - set(methods)
+        unknown = set(args.methods) - set(methods) - set(optional)
         if unknown:
-            raise SystemExit(f"unknown --methods {sorted(unknown)}; choose from {list(methods)}")
-        methods = {name: m for name, m in methods.items() if name == "dense" or name in args.methods}
+            raise SystemExit(f"unknown --methods {sorted(unknown)}; choose from {list(methods) + list(optional)}")
+        methods = {name: m for name, m in {**methods, **optional}.items() if name == "dense" or name in args.methods}
     info = machine(device)
     info["bandwidth_GBps"] = memory_bandwidth(device)
     print(f"machine: {json.dumps(info)}")
     print(f"shape: {Q_HEADS} query heads, {KV_HEADS} KV heads, d = {HEAD_DIM}, {dtype}; median of {args.repeats} after {args.warmup} warm-up")
     rows = []
-    header = (f"{'method':<28}{'batch':>6}{'t':>9}{'attended':>10}{'ms/step':>10}{'speedup':>9}{'MB read':>10}"
-              f"{'floor ms':>10}{'of floor':>9}{'rebuild ms':>11}{'amortised':>10}{'rel.err':>10}")
+    header = (f"{'method':<36}{'batch':>6}{'t':>9}{'attended':>10}{'ms/step':>10}{'speedup':>9}{'vs kernel':>10}"
+              f"{'MB read':>10}{'floor ms':>10}{'of floor':>9}{'rebuild ms':>11}{'amortised':>10}{'rel.err':>10}")
     print(header)
     print("-" * len(header))
     for batch in args.batches:
         for t in lengths:
-            dense_ms = None
+            dense_ms = kernel_ms = None
+            keys, values, query = random_cache(batch, t, dtype, device)
             for name, method in methods.items():
                 gc.collect()  # the previous row's state (reference cycles) must be gone before the next allocates
-                row = bench_row(name, method, batch, t, dtype, device, args.repeats, args.warmup, tolerance)
+                row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance)
                 if name == "dense":
                     dense_ms = row["ms"]
-                row["speedup"] = dense_ms / row["ms"] if dense_ms and row["ms"] == row["ms"] else float("nan")
+                if name == "dense (cpu kernel)":
+                    kernel_ms = row["ms"]
+                measured = row["ms"] == row["ms"]
+                row["speedup"] = dense_ms / row["ms"] if dense_ms and measured else float("nan")
+                row["speedup_vs_kernel_dense"] = kernel_ms / row["ms"] if kernel_ms and measured else float("nan")
                 row["floor_ms"] = row["bytes"] / (info["bandwidth_GBps"] * 1e9) * 1e3
-                row["fraction_of_floor"] = row["floor_ms"] / row["ms"] if row["ms"] == row["ms"] else float("nan")
+                row["fraction_of_floor"] = row["floor_ms"] / row["ms"] if measured else float("nan")
                 rows.append(row)
                 flag = "" if row["correct"] else "  OUTPUT CHECK FAILED: no timing"
-                print(f"{name:<28}{batch:>6}{t:>9}{row['attended']:>10.0f}{row['ms']:>10.3f}{row['speedup']:>9.2f}"
-                      f"{row['bytes'] / 1e6:>10.1f}{row['floor_ms']:>10.3f}{row['fraction_of_floor']:>9.2f}"
-                      f"{row['rebuild_ms']:>11.1f}{row['rebuild_amortised_ms']:>10.3f}{row['rel_error']:>10.1e}{flag}")
+                print(f"{name:<36}{batch:>6}{t:>9}{row['attended']:>10.0f}{row['ms']:>10.3f}{row['speedup']:>9.2f}"
+                      f"{row['speedup_vs_kernel_dense']:>10.2f}{row['bytes'] / 1e6:>10.1f}{row['floor_ms']:>10.3f}"
+                      f"{row['fraction_of_floor']:>9.2f}{row['rebuild_ms']:>11.1f}{row['rebuild_amortised_ms']:>10.3f}"
+                      f"{row['rel_error']:>10.1e}{flag}", flush=True)
+            del keys, values, query
     exponents = {}
     for batch in args.batches:
         for name in methods:
@@ -249,7 +295,7 @@ def main() -> None:
                 exponents[f"{name}, batch {batch}"] = fit_exponent(points)
     print("\ngrowth exponent of ms/step over t >= 8k (dense ~ 1, O(sqrt t) ~ 0.5):")
     for key, value in exponents.items():
-        print(f"  {key:<36}{value:6.2f}")
+        print(f"  {key:<48}{value:6.2f}")
     out = args.out or Path(__file__).parent / "results" / f"attention-{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": info, "dtype": str(dtype), "rows": rows, "exponents": exponents}, indent=2))

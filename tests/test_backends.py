@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from sparseattn.backends import (  # noqa: E402
+    CpuBackend,
     TorchBackend,
     TritonBackend,
     XformersBackend,
@@ -24,6 +25,7 @@ from sparseattn.backends import (  # noqa: E402
     merge_partials_ref,
     select_backend,
 )
+from sparseattn.backends.cpu_kernels import cpu_kernel_refusal  # noqa: E402
 from sparseattn.backends.triton_backend import interpreting, segment_decode_partials  # noqa: E402
 from sparseattn.ops.attention import segment_attention_ref, segment_mask  # noqa: E402
 from sparseattn.ops.layout import SegmentLayout  # noqa: E402
@@ -32,6 +34,8 @@ from sparseattn.testing import assert_close  # noqa: E402
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = HAS_TRITON and interpreting()
 HAS_CUDA = torch.cuda.is_available()
+CPU_KERNEL = cpu_kernel_refusal()  # None when the C kernel built and loaded here
+AUTO_ON_CPU = "cpu" if CPU_KERNEL is None else "torch"
 
 
 def needs_interpreter(test):
@@ -172,6 +176,114 @@ def test_torch_backend_matches_reference(case, dtype, softcap):
     out = TorchBackend().segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(out, reference(case, q, keys, values, segments, softcap), dtype)
+
+
+# --- cpu kernel (C, compiled on first use) --------------------------------------------------------
+
+needs_cpu_kernel = pytest.mark.skipif(CPU_KERNEL is not None, reason=f"the C kernel is unavailable: {CPU_KERNEL}")
+
+# Enough tokens per KV head (>= 2 x 512) that a row is split into parts merged by log-sum-exp, head dims
+# with (64, 128) and without (96) a specialised body, MHA (G = 1) and a 7-head group.
+SPLIT_CASES = [
+    Case(1, 1, 4, 128, c=100, n_seg=40, sinks=4, window=64, buffer=37, k="all", shared=False),
+    Case(1, 2, 4, 64, c=64, n_seg=50, sinks=0, window=0, buffer=11, k="1", shared=True, cache="bthd"),
+    Case(2, 1, 7, 96, c=33, n_seg=70, sinks=3, window=9, buffer=5, k="all", shared=True),
+    Case(1, 1, 1, 128, c=300, n_seg=9, sinks=1, window=0, buffer=2, k="all", shared=False),
+]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES + SPLIT_CASES, ids=lambda c: c.id)
+def test_cpu_kernel_matches_reference(case, dtype, softcap):
+    # Poisoned views: a token the selection does not attend, or the capacity slack, is NaN.
+    q, keys, values, segments, clean_k, clean_v = make_inputs(case, dtype)
+    out = CpuBackend().segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    assert_close(out, reference(case, q, clean_k, clean_v, segments, softcap), dtype)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("case", SPLIT_CASES[:2], ids=lambda c: c.id)
+def test_cpu_kernel_any_thread_count_gives_the_reference(case, threads):
+    # The thread count sets how a row is split into parts: every split must merge to the same softmax.
+    before = torch.get_num_threads()
+    q, keys, values, segments, clean_k, clean_v = make_inputs(case, torch.float32, seed=threads)
+    try:
+        torch.set_num_threads(threads)
+        out = CpuBackend().segment_attention(q, keys, values, case.layout, segments)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(out, reference(case, q, clean_k, clean_v, segments, None), torch.float32)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_large_logits_do_not_overflow():
+    # Logits near 1e4: exp is taken after the running maximum is subtracted, so nothing overflows.
+    case = SPLIT_CASES[1]
+    q, keys, values, segments, clean_k, clean_v = make_inputs(case, torch.float32, poison=False)
+    q = q * 1000
+    out = CpuBackend().segment_attention(q, keys, values, case.layout, segments)
+    assert_close(out, reference(case, q, clean_k, clean_v, segments, None), torch.float32)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_rejects_an_out_of_range_segment():
+    call = small_call()
+    values = torch.randn_like(call["keys"])
+    bad = torch.tensor([2, 3]).view(1, 1, 1, 2).expand(1, 2, 1, 2)
+    with pytest.raises(ValueError, match=r"segment index is outside \[0, n_segments\)"):
+        CpuBackend().segment_attention(call["q"], call["keys"], values, call["layout"], bad)
+
+
+def test_cpu_backend_refusals_say_why():
+    call = small_call()
+    assert "dtype torch.float64 is not supported" in CpuBackend().refusal(**small_call(torch.float64))
+    q = call["q"].clone().requires_grad_()
+    with torch.enable_grad():
+        assert "no backward" in CpuBackend().refusal(q, call["keys"], call["layout"], call["segments"])
+    many = torch.randn(1, 2, 65, 16)
+    assert "at most 64" in CpuBackend().refusal(many, call["keys"], call["layout"], call["segments"])
+    if CPU_KERNEL is None:
+        strided = torch.randn(1, 2, 16, 12).transpose(-1, -2)
+        assert "head dim is not contiguous" in CpuBackend().refusal(call["q"], strided, call["layout"], call["segments"])
+
+
+@needs_cpu_kernel
+def test_loading_the_cpu_kernel_keeps_subnormal_floats():
+    # The kernel is compiled with -ffast-math; linked with it, its constructor would set flush-to-zero
+    # for the whole process. A fresh process, so that this one's state does not hide it.
+    script = (
+        "from sparseattn.backends.cpu_kernels import load_library\n"
+        "tiny = float.fromhex('0x1p-1074')\n"
+        "assert tiny * 2 == float.fromhex('0x1p-1073')\n"
+        "load_library()\n"
+        "print(tiny * 2 == float.fromhex('0x1p-1073'), tiny + 0.0 > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
+def test_cpu_backend_without_a_compiler_refuses_and_auto_falls_to_torch(tmp_path):
+    # A fresh process and an empty kernel cache, so that the kernel must be built, with a compiler that does not exist.
+    script = (
+        "import torch, sparseattn.backends as b\n"
+        "from sparseattn.ops.layout import SegmentLayout\n"
+        "lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)\n"
+        "kw = dict(q=torch.randn(1, 2, 3, 16), keys=torch.randn(1, 2, 12, 16), layout=lay,\n"
+        "          segments=torch.zeros(1, 2, 1, 1, dtype=torch.long))\n"
+        "print(b.CpuBackend().refusal(**kw))\n"
+        "print('auto:', b.select_backend(**kw).name)\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "SPARSEATTN_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    refusal, auto = done.stdout.splitlines()
+    assert refusal.startswith("the kernel is unavailable: the C compiler") and "no-such-cc" in refusal
+    assert auto == "auto: torch"
 
 
 # --- triton kernel, in the interpreter -------------------------------------------------------------
@@ -323,7 +435,7 @@ def small_call(dtype=torch.float32, D=16, device="cpu"):
     )
 
 
-def test_auto_without_the_interpreter_picks_torch_on_cpu_and_says_why_not_triton():
+def test_auto_without_the_interpreter_picks_the_cpu_kernel_on_cpu_and_says_why_not_triton():
     # A fresh process: triton's interpreter mode is fixed at its first import (see the top of this file).
     script = (
         "import sys, torch\n"
@@ -341,7 +453,7 @@ def test_auto_without_the_interpreter_picks_torch_on_cpu_and_says_why_not_triton
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "triton imported: False"
-    assert lines[1] == "auto: torch"
+    assert lines[1] == f"auto: {AUTO_ON_CPU}"
     if HAS_TRITON:
         assert lines[2].startswith("triton: tensors are on cpu; the kernel needs CUDA") and "TRITON_INTERPRET=1" in lines[2]
     else:
@@ -351,7 +463,7 @@ def test_auto_without_the_interpreter_picks_torch_on_cpu_and_says_why_not_triton
 @needs_interpreter
 def test_auto_never_picks_the_interpreter_but_a_named_triton_runs_in_it():
     # The interpreter is a test vehicle (orders of magnitude slower than torch): only by name.
-    assert select_backend(**small_call()).name == "torch"
+    assert select_backend(**small_call()).name == AUTO_ON_CPU
     assert select_backend("triton", **small_call()).name == "triton"
 
 
@@ -390,7 +502,7 @@ def test_triton_refuses_head_dims_below_16_and_mixed_dtypes():
 
 
 def test_unknown_backend_names_the_choices():
-    with pytest.raises(ValueError, match="unknown backend 'flash'; choose one of 'auto', 'triton', 'xformers', 'torch'"):
+    with pytest.raises(ValueError, match="unknown backend 'flash'; choose one of 'auto', 'triton', 'xformers', 'cpu', 'torch'"):
         select_backend("flash", **small_call())
 
 
@@ -428,9 +540,10 @@ def test_invalid_inputs_raise_whatever_the_backend(change, message):
 
 
 def test_backends_declare_what_they_support():
-    for backend in (TritonBackend(), XformersBackend(), TorchBackend()):
+    for backend in (TritonBackend(), XformersBackend(), CpuBackend(), TorchBackend()):
         assert isinstance(backend.name, str) and isinstance(backend.SUPPORTED_DTYPES, tuple)
     assert torch.float64 in TorchBackend.SUPPORTED_DTYPES and torch.float64 not in TritonBackend.SUPPORTED_DTYPES
+    assert CpuBackend.SUPPORTED_DEVICES == ("cpu",) and torch.float64 not in CpuBackend.SUPPORTED_DTYPES
     assert 64 in TritonBackend.SUPPORTED_HEAD_DIMS and 8 not in TritonBackend.SUPPORTED_HEAD_DIMS
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         TritonBackend(block_n=24)

@@ -51,6 +51,24 @@ def test_performer_scores_equal_their_float64_definition_even_when_the_fast_prod
     assert (got.double() - want).abs().max() <= tol
 
 
+@pytest.mark.parametrize("max_norm", [1.0, 30.0, 100.0])
+def test_performer_group_scores_equal_their_float64_definition_even_when_the_fast_product_underflows(max_norm):
+    # Definition: log sum_g (c * phi(q_g) . mean_j phi(k_j)), the KV group's summed mass, in float64.
+    gen = torch.Generator().manual_seed(4)
+    B, H, G, S, c, D = 1, 2, 4, 6, 5, 32
+    keys = vectors_with_norms((B, H, S, c, D), max_norm, gen) * D**-0.25
+    queries = vectors_with_norms((B, H, G, D), max_norm, gen) * D**-0.25
+    summary = PerformerFeatures(n_features=256)
+    omega = summary.prepare(H, D, layer_idx=0, device=torch.device("cpu"), dtype=torch.float32)
+    got = summary.score_group(omega, summary.summarize(omega, keys.float()), queries.float(), None, c)
+    log_k = summary.log_features(omega.double(), keys)  # [B, H, S, c, n]
+    log_q = summary.log_features(omega.double(), queries)  # [B, H, G, n]
+    want = torch.logsumexp(log_q[:, :, :, None, None, :] + log_k[:, :, None], dim=(2, -1, -2)).unsqueeze(2)
+    assert got.shape == want.shape == (B, H, 1, S) and torch.isfinite(got).all()
+    tol = 1e-5 * max(1.0, max_norm**2 / math.sqrt(D))
+    assert (got.double() - want).abs().max() <= tol
+
+
 def test_exact_score_is_finite_with_huge_logits():
     summary = ExactScore()
     keys = torch.full((1, 1, 2, 3, 4), 300.0)

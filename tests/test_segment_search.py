@@ -100,6 +100,24 @@ def test_shared_kv_selection_gives_every_query_head_of_a_group_the_same_segments
         assert_close(out, ref.view(B, H * G, D), torch.float32)
 
 
+@pytest.mark.parametrize("dtype, norm", [(torch.float64, 1.0), (torch.float32, 80.0)], ids=["f64-unit", "f32-norm80-underflow"])
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_a_groups_scores_are_the_logsumexp_of_its_heads_scores(summary, dtype, norm):
+    # Shared selections rank segments by the group's summed mass; a summary's score_group shortcut
+    # (Performer adds the heads' features) must equal the logsumexp of its per-head scores. In float32,
+    # keys of norm 80 make Performer's feature products underflow, so its exact fallback runs too.
+    gen = torch.Generator().manual_seed(7)
+    B, H, G, D = 2, 3, 4, 16
+    state = SegmentSearch(summary, top_k=2).new_state(B, H, D, dtype=dtype)
+    keys = torch.randn(B, H, 150, D, generator=gen, dtype=dtype)
+    state.prefill(norm * keys / keys.norm(dim=-1, keepdim=True), torch.randn(B, H, 150, D, generator=gen, dtype=dtype))
+    q = norm * torch.randn(B, H, G, D, generator=gen, dtype=dtype) / D**0.5
+    per_head = state.scores(q)
+    group = state.group_scores(q)
+    assert group.shape == (B, H, 1, per_head.shape[-1])
+    assert_close(group, torch.logsumexp(per_head, dim=2, keepdim=True), dtype)
+
+
 def test_chunked_prefill_builds_the_same_structure_as_one_prefill():
     torch.manual_seed(1)
     k, v = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
@@ -124,3 +142,29 @@ def test_radar_is_the_papers_composition():
     assert type(method.selector).__name__ == "TopK"
     assert type(method.schedule).__name__ == "SqrtSchedule" and method.schedule.aspect == 1.0
     assert (method.sinks, method.window) == (0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_on_the_cpu_kernel_is_dense_attention(dtype):
+    # Dense(backend="cpu") runs the C kernel over every token: the like-for-like dense baseline.
+    from sparseattn import Dense
+    from sparseattn.backends.cpu_kernels import cpu_kernel_refusal
+
+    if cpu_kernel_refusal() is not None:
+        pytest.skip(f"the C kernel is unavailable: {cpu_kernel_refusal()}")
+    shape = (2, 3, 3, 64, 700, 5, 0, 0)
+    B, H, G, D = shape[:4]
+    for state, q, out, _ in decode(Dense(backend="cpu"), shape, dtype=dtype):
+        ref = attention_ref(q.view(B, H, G, D), state.keys, state.values).view(B, H * G, D)
+        assert_close(out, ref, dtype)
+
+
+def test_dense_names_its_backends_and_says_when_the_kernel_cannot_run():
+    from sparseattn import Dense
+
+    with pytest.raises(ValueError, match=r"Dense.backend must be one of \('torch', 'cpu'\), got 'flash'"):
+        Dense(backend="flash")
+    state = Dense(backend="cpu").new_state(1, 1, 8, dtype=torch.float64)
+    state.prefill(torch.randn(1, 1, 5, 8, dtype=torch.float64), torch.randn(1, 1, 5, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"Dense\(backend='cpu'\) cannot run"):
+        state.attend(torch.randn(1, 1, 8, dtype=torch.float64))

@@ -120,13 +120,14 @@ def check_inputs(
 
 
 def default_backends() -> tuple[AttentionBackend, ...]:
-    """The priority list ``auto`` walks: the fused kernel first, the torch op last."""
+    """The priority list ``auto`` walks: the fused kernels first (Triton on CUDA, C on the CPU), the torch op last."""
     # Imported here: the backend modules import this one.
+    from sparseattn.backends.cpu_backend import CpuBackend
     from sparseattn.backends.torch_backend import TorchBackend
     from sparseattn.backends.triton_backend import TritonBackend
     from sparseattn.backends.xformers_backend import XformersBackend
 
-    return (TritonBackend(), XformersBackend(), TorchBackend())
+    return (TritonBackend(), XformersBackend(), CpuBackend(), TorchBackend())
 
 
 def select_backend(
@@ -144,7 +145,7 @@ def select_backend(
     ``"auto"`` never picks Triton for CPU tensors (that would be its interpreter); name it to test it.
 
     Args:
-        name: ``"auto"`` or a backend's ``name`` (``"triton"``, ``"xformers"``, ``"torch"``).
+        name: ``"auto"`` or a backend's ``name`` (``"triton"``, ``"xformers"``, ``"cpu"``, ``"torch"``).
         q, keys, layout, segments, softcap: the call to run (see the module docstring for shapes).
         backends: the priority list (default: :func:`default_backends`).
     Raises:

@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseattn.backends.base import describe
+from sparseattn.backends.cpu_kernels import cpu_kernel_refusal, segment_attention_cpu, supported_dtypes
 from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import dense_decode_attention
+from sparseattn.ops.layout import SegmentLayout
+
+DENSE_BACKENDS = ("torch", "cpu")
 
 
 @dataclass(frozen=True)
@@ -31,12 +36,23 @@ class AllTokens:
 class Dense(StatefulMethod):
     """Dense (vanilla) attention, decoding from capacity-doubling storage (no per-token copy of the cache).
 
+    Args:
+        backend: ``"torch"`` (default: torch's SDPA, the baseline every speed is measured against) or
+            ``"cpu"`` (the cpu backend's C kernel over all tokens, for comparing like with like: the
+            same kernel that runs the sparse methods on the CPU; float32/bfloat16/float16 on CPU).
+
     Example:
         >>> state = Dense().new_state(batch=1, kv_heads=2, head_dim=8)
         >>> out, info = state.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
         >>> info.attended.tolist()
         [[1, 1, 1, 1]]
     """
+
+    backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.backend not in DENSE_BACKENDS:
+            raise ValueError(f"Dense.backend must be one of {DENSE_BACKENDS}, got {self.backend!r}")
 
     def state_type(self) -> type:
         return DenseState
@@ -52,6 +68,22 @@ class DenseState(KVState):
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, AllTokens]:
         group = self._check_query(query)
         B, H, D = self.batch, self.kv_heads, self.head_dim
-        out = dense_decode_attention(query.reshape(B, H, group, D), self.keys, self.values, self.scale, self.softcap)
+        grouped = query.reshape(B, H, group, D)
+        if self.method.backend == "cpu":
+            self._check_cpu_kernel(grouped)
+            every = SegmentLayout(length=self.length, sinks=self.length, segment_size=1, n_segments=0)  # all tokens: sinks
+            none = torch.zeros(B, H, 1, 0, dtype=torch.long)
+            out = segment_attention_cpu(grouped, self.keys, self.values, every, none, self.scale, self.softcap)
+        else:
+            out = dense_decode_attention(grouped, self.keys, self.values, self.scale, self.softcap)
         info = AllTokens(self.length, B, H * group, self.device)
         return out.reshape(B, H * group, D), info
+
+    def _check_cpu_kernel(self, query: torch.Tensor) -> None:
+        reason = cpu_kernel_refusal()
+        if reason is None and (query.device.type != "cpu" or self.keys.dtype not in supported_dtypes()):
+            reason = f"it runs float32/bfloat16/float16 caches on cpu, got keys {describe(self.keys)}"
+        if reason is None and torch.is_grad_enabled() and query.requires_grad:
+            reason = "autograd is recording and the kernel has no backward"
+        if reason is not None:
+            raise ValueError(f"Dense(backend='cpu') cannot run: {reason}")

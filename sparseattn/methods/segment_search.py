@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseattn.backends.base import select_backend
+from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import segment_attention, segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
@@ -19,7 +20,7 @@ from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import SegmentKeys, Summary
 from sparseattn.summaries.performer import PerformerFeatures
 
-BACKEND_NAMES = ("auto", "torch", "triton", "xformers")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "xformers")
 
 # Tokens x heads summarised at once during a rebuild: bounds the [.., c, n_features] temporary.
 _SUMMARY_CHUNK = 8192
@@ -45,8 +46,9 @@ class SegmentSearch(StatefulMethod):
             ``tail`` is the buffer plus window it must keep and ``c`` the segment size. Below
             ``sinks + tail + c`` the floor of one segment exceeds the budget (reported by ``attended``).
         backend: which implementation attends over the selection: ``"auto"`` (the fastest that
-            accepts the inputs: the Triton kernel on CUDA, torch otherwise), ``"torch"``, ``"triton"``
-            or ``"xformers"`` (see :mod:`sparseattn.backends`); a named backend that refuses raises.
+            accepts the inputs: the Triton kernel on CUDA, the C kernel on the CPU, else torch), ``"torch"``,
+            ``"cpu"``, ``"triton"`` or ``"xformers"`` (see :mod:`sparseattn.backends`); a named backend
+            that refuses raises.
         sinks: first tokens, outside the segments, always attended.
         window: last tokens always attended (on top of the schedule's buffer).
         shared_kv_selection: one selection per KV head, from the group's summed estimated masses,
@@ -305,6 +307,18 @@ class SegmentSearchState(KVState):
             self._params, summaries, self._scaled(grouped_query), seg_keys, self.layout.segment_size, **extra
         )
 
+    def group_scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
+        """Log of each KV group's summed estimated masses ``[B, H_kv, 1, S]`` (the shared selection's scores).
+
+        A summary with a ``score_group`` method computes it directly (cheaper: PerformerFeatures adds
+        the heads' features first); otherwise it is the logsumexp of :meth:`scores` over the group.
+        """
+        summary = self.method.summary
+        if not hasattr(summary, "score_group") or self.layout.n_segments == 0:
+            return torch.logsumexp(self.scores(grouped_query, top_k), dim=2, keepdim=True)
+        summaries = tuple(buf.view() for buf in self._summaries)
+        return summary.score_group(self._params, summaries, self._scaled(grouped_query), None, self.layout.segment_size)
+
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SegmentSelection]:
         """Sparse attention of ``query: [B, H_q, D]`` over the stored tokens: ``([B, H_q, D], selection)``."""
         B, D = self.batch, self.head_dim
@@ -318,9 +332,7 @@ class SegmentSearchState(KVState):
         else:
             selector = self.method.selector
             if selector.uses_scores:
-                scores = self.scores(grouped, k)
-                if shared == 1:
-                    scores = torch.logsumexp(scores, dim=2, keepdim=True)
+                scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
             else:
                 scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
             segments = selector.select(scores, k, self._generator)
@@ -329,8 +341,11 @@ class SegmentSearchState(KVState):
             self._backend = select_backend(
                 self.method.backend, q=grouped, keys=self.keys, layout=lay, segments=segments, softcap=self.softcap
             )
-        if self._backend.name == "torch":  # the op itself: the state already guarantees what the backend checks
+        # The ops themselves where the state already guarantees what a backend checks.
+        if self._backend.name == "torch":
             out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap, self._workspace)
+        elif self._backend.name == "cpu":
+            out = segment_attention_cpu(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
         else:
             out = self._backend.segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
         info = SegmentSelection(

@@ -99,5 +99,9 @@ class Summary(Protocol):
         ``segment_keys`` (:class:`SegmentKeys`, ``[B, H, S, c, D]`` read on demand) is passed only
         when ``reads_keys`` is True; read it with :func:`scaled_keys` or :func:`take_keys`. A summary
         that declares ``uses_top_k = True`` also receives ``top_k=`` (the segments the step attends).
+
+        A summary may also define ``score_group`` with the same arguments, returning ``[B, H, 1, S]``:
+        the log of the group's summed masses, ``logsumexp_g score[..., g, :]``, computed more cheaply
+        (selections shared by a KV group use it; without it the state takes that logsumexp itself).
         """
         ...

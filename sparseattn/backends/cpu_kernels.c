@@ -1,0 +1,326 @@
+/*
+ * Segment-sparse decode attention on the CPU: the kernel of sparseattn's "cpu" backend.
+ *
+ * One decode step: every query head of a KV group attends to the sinks, to the segments its
+ * selection holds and to the tail (buffer + window), reading those key/value rows in place from
+ * the cache (no gathered copy). The Python reference is sparseattn.ops.attention.segment_attention_ref.
+ *
+ * Work plan, per (batch, KV head) row:
+ *   1. spans: the attended tokens as maximal runs [start, end) that the same query heads attend
+ *      (a bit per query head). Under grouped-query attention the G heads of a group may select
+ *      different segments; a run is read once for every head that attends it (flash-decoding's
+ *      GQA packing: the K/V rows are loaded once, the heads are the rows of the small product).
+ *   2. parts: a row's tokens are split into contiguous parts so that all threads have work
+ *      (flash-decoding's split-K); each part keeps an online softmax (max, sum, weighted values).
+ *   3. merge: a row's parts are combined by log-sum-exp.
+ *
+ * Built with -ffast-math (vectorised expf/tanhf from libmvec), which assumes finite numbers: the
+ * running maximum therefore starts at a finite -1e30, never at -inf.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef SA_BLOCK
+#define SA_BLOCK 32 /* tokens per online-softmax update */
+#endif
+#define SA_MIN_PART 512      /* fewest tokens worth a part of its own */
+#define SA_NO_SCORE (-1e30f) /* the running maximum before any token (finite: see above) */
+
+enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2 };
+enum { SA_OK = 0, SA_BAD_SEGMENT = 1, SA_NO_MEMORY = 2, SA_EMPTY_HEAD = 3, SA_BAD_DTYPE = 4 };
+
+typedef struct {
+    int64_t start, end; /* token range */
+    uint64_t heads;     /* bit g: query head g of the group attends it */
+} sa_span;
+
+typedef struct {
+    int64_t row, first, last; /* tokens [first, last) of the row's concatenated spans */
+} sa_part;
+
+int sa_float16_supported(void) {
+#ifdef SA_NO_FLOAT16
+    return 0;
+#else
+    return 1;
+#endif
+}
+
+/* Rows [j0, j0 + n) of a cache as float32: a pointer into the cache itself for float32, else a
+ * converted copy in buf (row stride D). Returns the row stride through *stride. */
+static const float *load_rows(const void *base, int dtype, int64_t row_stride, int64_t j0, int n, int D,
+                              float *buf, int64_t *stride) {
+    if (dtype == SA_F32) {
+        *stride = row_stride;
+        return (const float *)base + j0 * row_stride;
+    }
+    *stride = D;
+    for (int j = 0; j < n; ++j) {
+        float *dst = buf + (int64_t)j * D;
+        if (dtype == SA_BF16) {
+            const uint16_t *src = (const uint16_t *)base + (j0 + j) * row_stride;
+            for (int d = 0; d < D; ++d) {
+                uint32_t bits = (uint32_t)src[d] << 16;
+                memcpy(dst + d, &bits, 4);
+            }
+        }
+#ifndef SA_NO_FLOAT16
+        else {
+            const _Float16 *src = (const _Float16 *)base + (j0 + j) * row_stride;
+            for (int d = 0; d < D; ++d) dst[d] = (float)src[d];
+        }
+#endif
+    }
+    return buf;
+}
+
+/* One block of n tokens: scores of the attending heads, online-softmax update, weighted values.
+ * qs: [G, D] scaled queries; m, l: [G] running max and sum; acc: [G, D]; s: [G, SA_BLOCK] scratch.
+ * Token-major loops: a key or value row is read from memory once and used by every head that attends
+ * it while it sits in L1 (measured faster than head-major loops that keep a head in registers). The
+ * body is compiled for the common head dims (a constant D unrolls) and once for any D. */
+#define SA_DEFINE_ATTEND_BLOCK(NAME, DIM)                                                                        \
+    static void NAME(const float *qs, int D_, uint64_t heads, const float *k, int64_t ks, const float *v,       \
+                     int64_t vs, int n, float softcap, float *m, float *l, float *acc, float *s) {              \
+        const int D = DIM > 0 ? DIM : D_;                                                                      \
+        for (int j = 0; j < n; ++j) {                                                                          \
+            const float *kj = k + j * ks;                                                                      \
+            for (uint64_t b = heads; b; b &= b - 1) {                                                          \
+                const int g = __builtin_ctzll(b);                                                              \
+                const float *qg = qs + (int64_t)g * D;                                                         \
+                float dot = 0.f;                                                                               \
+                for (int d = 0; d < D; ++d) dot += qg[d] * kj[d];                                              \
+                s[g * SA_BLOCK + j] = dot;                                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (uint64_t b = heads; b; b &= b - 1) {                                                              \
+            const int g = __builtin_ctzll(b);                                                                  \
+            float *sg = s + g * SA_BLOCK;                                                                      \
+            if (softcap > 0.f) {                                                                               \
+                const float inv = 1.f / softcap;                                                               \
+                for (int j = 0; j < n; ++j) sg[j] = softcap * tanhf(sg[j] * inv);                              \
+            }                                                                                                  \
+            float top = SA_NO_SCORE;                                                                           \
+            for (int j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;                                       \
+            const float m_new = m[g] > top ? m[g] : top;                                                       \
+            const float alpha = expf(m[g] - m_new);                                                            \
+            float sum = 0.f;                                                                                   \
+            for (int j = 0; j < n; ++j) {                                                                      \
+                const float p = expf(sg[j] - m_new);                                                           \
+                sg[j] = p;                                                                                     \
+                sum += p;                                                                                      \
+            }                                                                                                  \
+            l[g] = l[g] * alpha + sum;                                                                         \
+            m[g] = m_new;                                                                                      \
+            if (alpha != 1.f) {                                                                                \
+                float *ag = acc + (int64_t)g * D;                                                              \
+                for (int d = 0; d < D; ++d) ag[d] *= alpha;                                                    \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int j = 0; j < n; ++j) {                                                                          \
+            const float *vj = v + j * vs;                                                                      \
+            for (uint64_t b = heads; b; b &= b - 1) {                                                          \
+                const int g = __builtin_ctzll(b);                                                              \
+                const float p = s[g * SA_BLOCK + j];                                                           \
+                float *ag = acc + (int64_t)g * D;                                                              \
+                for (int d = 0; d < D; ++d) ag[d] += p * vj[d];                                                \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+SA_DEFINE_ATTEND_BLOCK(attend_block_64, 64)
+SA_DEFINE_ATTEND_BLOCK(attend_block_128, 128)
+SA_DEFINE_ATTEND_BLOCK(attend_block_any, 0)
+
+typedef void (*sa_block_fn)(const float *, int, uint64_t, const float *, int64_t, const float *, int64_t, int, float,
+                            float *, float *, float *, float *);
+
+/* The attended spans of one row (sorted, disjoint, maximal). Returns the count, or -1 for a bad index. */
+static int64_t row_spans(const int64_t *sel, int64_t sets, int64_t k, int64_t G, int64_t sink_end, int64_t seg_size,
+                         int64_t n_segments, int64_t tail_start, int64_t length, uint64_t *mask, sa_span *out) {
+    const uint64_t all = G == 64 ? ~(uint64_t)0 : (((uint64_t)1 << G) - 1);
+    int64_t n = 0;
+    if (sink_end > 0) out[n++] = (sa_span){0, sink_end, all};
+    memset(mask, 0, (size_t)n_segments * sizeof(uint64_t));
+    for (int64_t set = 0; set < sets; ++set) {
+        uint64_t bits = sets == 1 ? all : (uint64_t)1 << set;
+        for (int64_t i = 0; i < k; ++i) {
+            int64_t seg = sel[set * k + i];
+            if (seg < 0 || seg >= n_segments) return -1;
+            mask[seg] |= bits;
+        }
+    }
+    for (int64_t seg = 0; seg < n_segments; ++seg) {
+        if (!mask[seg]) continue;
+        int64_t start = sink_end + seg * seg_size, end = start + seg_size;
+        if (end > tail_start) end = tail_start; /* the window reaches back into this segment */
+        if (end <= start) continue;
+        if (n > 0 && out[n - 1].end == start && out[n - 1].heads == mask[seg])
+            out[n - 1].end = end;
+        else
+            out[n++] = (sa_span){start, end, mask[seg]};
+    }
+    if (length > tail_start) {
+        if (n > 0 && out[n - 1].end == tail_start && out[n - 1].heads == all)
+            out[n - 1].end = length;
+        else
+            out[n++] = (sa_span){tail_start, length, all};
+    }
+    return n;
+}
+
+/*
+ * out[b, h, g, :] = softmax over the attended tokens of (scale * q . k_j, soft-capped) applied to v_j.
+ *
+ * q:        [B, H, G, D] float32, contiguous.
+ * keys:     element (b, h, j, d) at keys[b * ksb + h * ksh + j * kst + d] (d contiguous); values alike.
+ * segments: [B, H, sets, k] int64, contiguous; sets = 1 (shared by the group) or G (one per query head).
+ * layout:   sinks [0, sink_end), segment i = [sink_end + i * seg_size, + seg_size) clipped at tail_start,
+ *           tail [tail_start, length).
+ * softcap:  <= 0 for none. out: [B, H, G, D] float32, contiguous.
+ */
+int sa_segment_attention(const float *q, const void *keys, const void *values, int dtype, int64_t ksb, int64_t ksh,
+                         int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, int64_t B, int64_t H, int64_t G,
+                         int64_t D, const int64_t *segments, int64_t sets, int64_t k, int64_t sink_end,
+                         int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length, float scale,
+                         float softcap, float *out, int threads) {
+    if (dtype != SA_F32 && dtype != SA_BF16 && !(dtype == SA_F16 && sa_float16_supported())) return SA_BAD_DTYPE;
+    const int64_t rows = B * H, max_spans = n_segments + 2;
+    const size_t esize = dtype == SA_F32 ? 4 : 2;
+    int status = SA_OK;
+    sa_span *spans = malloc((size_t)rows * max_spans * sizeof(sa_span));
+    int64_t *n_spans = malloc((size_t)rows * sizeof(int64_t));
+    int64_t *tokens = malloc((size_t)rows * sizeof(int64_t));
+    uint64_t *mask = malloc((size_t)(n_segments > 0 ? n_segments : 1) * sizeof(uint64_t));
+    if (!spans || !n_spans || !tokens || !mask) status = SA_NO_MEMORY;
+
+    /* 1. spans and token counts per row */
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows && status == SA_OK; ++r) {
+        sa_span *sp = spans + r * max_spans;
+        int64_t n = row_spans(segments + r * sets * k, sets, k, G, sink_end, seg_size, n_segments, tail_start, length,
+                              mask, sp);
+        if (n < 0) {
+            status = SA_BAD_SEGMENT;
+            break;
+        }
+        n_spans[r] = n;
+        tokens[r] = 0;
+        for (int64_t i = 0; i < n; ++i) tokens[r] += sp[i].end - sp[i].start;
+        total += tokens[r];
+    }
+    free(mask);
+
+    /* 2. parts: about four per thread overall, none smaller than SA_MIN_PART tokens */
+    int64_t want = (4 * (int64_t)threads + rows - 1) / rows, n_parts = 0;
+    sa_part *parts = NULL;
+    if (status == SA_OK) {
+        parts = malloc((size_t)(rows * (want > 0 ? want : 1)) * sizeof(sa_part));
+        if (!parts) status = SA_NO_MEMORY;
+    }
+    int64_t *first_part = malloc((size_t)(rows + 1) * sizeof(int64_t));
+    if (!first_part) status = SA_NO_MEMORY;
+    for (int64_t r = 0; r < rows && status == SA_OK; ++r) {
+        int64_t p = tokens[r] / SA_MIN_PART;
+        p = p < 1 ? 1 : (p > want ? want : p);
+        first_part[r] = n_parts;
+        for (int64_t i = 0; i < p; ++i) parts[n_parts++] = (sa_part){r, tokens[r] * i / p, tokens[r] * (i + 1) / p};
+    }
+    if (status == SA_OK) first_part[rows] = n_parts;
+
+    float *pm = NULL, *pl = NULL, *pacc = NULL;
+    if (status == SA_OK) {
+        pm = malloc((size_t)(n_parts * G) * sizeof(float));
+        pl = malloc((size_t)(n_parts * G) * sizeof(float));
+        pacc = malloc((size_t)(n_parts * G * D) * sizeof(float));
+        if (!pm || !pl || !pacc) status = SA_NO_MEMORY;
+    }
+
+    /* 3. each part: an online softmax over its tokens */
+    const sa_block_fn attend = D == 64 ? attend_block_64 : D == 128 ? attend_block_128 : attend_block_any;
+    if (status == SA_OK) {
+#pragma omp parallel num_threads(threads)
+        {
+            float *qs = malloc((size_t)(G * D) * sizeof(float));
+            float *s = malloc((size_t)(G * SA_BLOCK) * sizeof(float));
+            float *kbuf = esize == 4 ? NULL : malloc((size_t)(SA_BLOCK * D) * sizeof(float));
+            float *vbuf = esize == 4 ? NULL : malloc((size_t)(SA_BLOCK * D) * sizeof(float));
+            int ok = qs && s && (esize == 4 || (kbuf && vbuf));
+            if (!ok) {
+#pragma omp atomic write
+                status = SA_NO_MEMORY;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < n_parts; ++it) {
+                if (!ok) continue;
+                const sa_part part = parts[it];
+                const int64_t r = part.row, b = r / H, h = r % H;
+                const float *qr = q + r * G * D;
+                for (int64_t i = 0; i < G * D; ++i) qs[i] = qr[i] * scale;
+                float *m = pm + it * G, *l = pl + it * G, *acc = pacc + it * G * D;
+                for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
+                memset(acc, 0, (size_t)(G * D) * sizeof(float));
+                const char *kr = (const char *)keys + (b * ksb + h * ksh) * esize;
+                const char *vr = (const char *)values + (b * vsb + h * vsh) * esize;
+                const sa_span *sp = spans + r * max_spans;
+                int64_t before = 0; /* tokens of the row's spans before span i */
+                for (int64_t i = 0; i < n_spans[r]; ++i) {
+                    int64_t len = sp[i].end - sp[i].start;
+                    int64_t lo = part.first > before ? part.first - before : 0;
+                    int64_t hi = part.last - before < len ? part.last - before : len;
+                    for (int64_t j0 = lo; j0 < hi; j0 += SA_BLOCK) {
+                        int n = (int)(hi - j0 < SA_BLOCK ? hi - j0 : SA_BLOCK);
+                        int64_t kstride, vstride;
+                        const float *kb = load_rows(kr, dtype, kst, sp[i].start + j0, n, (int)D, kbuf, &kstride);
+                        const float *vb = load_rows(vr, dtype, vst, sp[i].start + j0, n, (int)D, vbuf, &vstride);
+                        attend(qs, (int)D, sp[i].heads, kb, kstride, vb, vstride, n, softcap, m, l, acc, s);
+                    }
+                    before += len;
+                    if (before >= part.last) break;
+                }
+            }
+            free(qs);
+            free(s);
+            free(kbuf);
+            free(vbuf);
+        }
+    }
+
+    /* 4. merge a row's parts by log-sum-exp */
+    if (status == SA_OK) {
+        for (int64_t r = 0; r < rows && status == SA_OK; ++r) {
+            for (int64_t g = 0; g < G; ++g) {
+                float top = SA_NO_SCORE, norm = 0.f;
+                for (int64_t p = first_part[r]; p < first_part[r + 1]; ++p) top = pm[p * G + g] > top ? pm[p * G + g] : top;
+                float *o = out + (r * G + g) * D;
+                memset(o, 0, (size_t)D * sizeof(float));
+                for (int64_t p = first_part[r]; p < first_part[r + 1]; ++p) {
+                    float w = expf(pm[p * G + g] - top);
+                    norm += w * pl[p * G + g];
+                    const float *a = pacc + (p * G + g) * D;
+                    for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+                }
+                if (!(norm > 0.f)) {
+                    status = SA_EMPTY_HEAD;
+                    break;
+                }
+                float inv = 1.f / norm;
+                for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+            }
+        }
+    }
+    free(spans);
+    free(n_spans);
+    free(tokens);
+    free(parts);
+    free(first_part);
+    free(pm);
+    free(pl);
+    free(pacc);
+    return status;
+}

@@ -1,0 +1,199 @@
+"""The CPU kernel of the ``cpu`` backend: built from ``cpu_kernels.c`` on first use, called through ctypes.
+
+No library offers decode attention over a list of token ranges read in place on the CPU (torch's
+SDPA needs the tokens as one tensor, so the torch backend gathers a copy first; FlexAttention's CPU
+template skips blocks but measured 3x slower per byte here), so the kernel is ours: C with OpenMP,
+compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the
+host CPU (``-march=native``) and cached under ``$SPARSEATTN_CACHE`` (default
+``~/.cache/sparseattn``). The shared library links the ``libgomp.so.1`` that torch has already loaded,
+so the kernel runs on torch's own OpenMP threads (``torch.get_num_threads()``).
+
+Nothing here raises at import: :func:`cpu_kernel_refusal` says in words why the kernel cannot be
+built or loaded (no compiler, a failed compile), and the backend reports that as its refusal.
+The reference is :func:`sparseattn.ops.attention.segment_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from sparseattn.ops.layout import SegmentLayout
+
+#: Compile flags: vectorised for this CPU, fast math (libmvec's vector expf), OpenMP.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+#: Link flags: -lm brings glibc's libmvec (the vector expf/tanhf that -ffast-math calls). The link
+#: step has no -ffast-math: with it, gcc < 13 links crtfastmath.o into the library, whose constructor
+#: sets flush-to-zero for the whole process when the library loads (hypothesis caught that).
+LDFLAGS = ("-shared", "-fopenmp")
+LIBS = ("-lm",)
+
+#: Storage dtypes the kernel reads, as the codes ``cpu_kernels.c`` uses.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+#: Most query heads per KV head: the kernel keeps one bit per query head in a 64-bit mask.
+MAX_GROUP = 64
+
+_ERRORS = {
+    1: "a segment index is outside [0, n_segments)",
+    2: "the kernel could not allocate its scratch memory",
+    3: "a query head attends no token",
+    4: "the kernel was built without this storage dtype",
+}
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernel could not be built or loaded; the message says why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPARSEATTN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sparseattn"
+    )
+    return Path(root) / "kernels"
+
+
+def find_compiler() -> str | None:
+    """``$CC`` if set, else the first of cc, gcc, clang on the PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _host_signature() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux), else the machine."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return platform.machine() + line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _compile(compiler: str, source: Path, target: Path, extra: tuple[str, ...]) -> str | None:
+    """Compile to ``target`` atomically; the compiler's complaint on failure, else None."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    obj = tmp + ".o"
+    try:
+        for cmd in (
+            [compiler, *CFLAGS, *extra, "-c", "-o", obj, str(source)],
+            [compiler, *LDFLAGS, "-o", tmp, obj, *LIBS],
+        ):
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                return (result.stderr or result.stdout).strip()[-2000:] or f"{compiler} exited with {result.returncode}"
+        os.replace(tmp, target)
+        return None
+    finally:
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """Build (once per machine and source) and load the kernel library; raises :class:`KernelBuildError`."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc or clang)")
+    source_text = resources.files("sparseattn.backends").joinpath("cpu_kernels.c").read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise KernelBuildError(f"the C compiler {compiler!r} does not run: {err}") from err
+    key = hashlib.sha256(b"\0".join(
+        [source_text, version.encode(), " ".join(CFLAGS + LDFLAGS + LIBS).encode(), _host_signature().encode()]
+    )).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if not target.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "cpu_kernels.c"
+            source.write_bytes(source_text)
+            complaint = _compile(compiler, source, target, ())
+            if complaint is not None:  # e.g. a compiler without _Float16: build without float16 storage
+                fallback = _compile(compiler, source, target, ("-DSA_NO_FLOAT16",))
+                if fallback is not None:
+                    raise KernelBuildError(f"compiling cpu_kernels.c with {compiler} failed:\n{fallback}")
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:
+        raise KernelBuildError(f"loading the compiled kernel {target} failed: {err}") from err
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.sa_segment_attention.restype = ctypes.c_int
+    lib.sa_segment_attention.argtypes = [
+        ptr, ptr, ptr, ctypes.c_int, *[i64] * 6, *[i64] * 4, ptr, i64, i64, *[i64] * 5,
+        ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int,
+    ]  # fmt: skip
+    lib.sa_float16_supported.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def cpu_kernel_refusal() -> str | None:
+    """Why the kernel is unavailable on this machine, in words; None when it loads."""
+    try:
+        load_library()
+    except KernelBuildError as err:
+        return str(err)
+    return None
+
+
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    """Storage dtypes the built kernel reads (float16 only where the compiler has ``_Float16``)."""
+    if cpu_kernel_refusal() is not None:
+        return ()
+    lib = load_library()
+    return tuple(dt for dt, code in DTYPE_CODES.items() if code != 2 or lib.sa_float16_supported())
+
+
+def segment_attention_cpu(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: SegmentLayout,
+    segments: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`~sparseattn.ops.attention.segment_attention` by the C kernel, reading the cache in place.
+
+    ``q: [B, H_kv, G, D]`` (any float dtype; converted to float32, it is small), ``keys, values:
+    [B, H_kv, t_cap, D]`` float32/bfloat16/float16 CPU tensors whose last dimension is contiguous
+    (views of a capacity buffer are fine), ``segments: [B, H_kv, G', k]`` integer indices with
+    ``G'`` in ``{1, G}``. The caller checks shapes (the backend does, or the decode state guarantees
+    them). Returns ``[B, H_kv, G, D]`` float32.
+    """
+    lib = load_library()
+    B, H, G, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    qf = q.to(torch.float32).contiguous()
+    seg = segments.to(torch.int64).contiguous()
+    out = torch.empty(B, H, G, D, dtype=torch.float32)
+    ks, vs = keys.stride(), values.stride()
+    status = lib.sa_segment_attention(
+        qf.data_ptr(), keys.data_ptr(), values.data_ptr(), DTYPE_CODES[keys.dtype],
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], B, H, G, D,
+        seg.data_ptr(), seg.shape[2], seg.shape[3],
+        layout.sink_end, layout.segment_size, layout.n_segments, layout.tail_start, layout.length,
+        float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"cpu segment attention failed: {_ERRORS.get(status, f'status {status}')}")
+    return out
