@@ -11,7 +11,10 @@ force the torch backend (gather + SDPA) are available with ``--methods``. Before
 method's output is checked against its float64 reference (on the batch's first sequence); a failed
 check is reported and no speed is claimed for that row.
 
-Per row: median step time over many runs after warm-up (CUDA events on GPU), the speedup over dense,
+Per row: median step time over many runs after warm-up (CUDA events on GPU), timed in rounds that
+alternate the row's step with the dense baselines' steps on the same K/V (a shared machine's speed drifts;
+alternation exposes a method and its baselines to the same drift), the speedup over dense (SDPA) and
+over the cpu kernel run densely,
 the bytes the step must read (dense: the whole K/V; Radar: the K/V of the union of the selections of a
 KV group's query heads, gathered once per KV head, plus the segment summaries and the projection;
 radar+: plus the keys of every query head's, or KV group's, rerank shortlist), the bandwidth floor (bytes / measured memory
@@ -42,7 +45,9 @@ import torch
 import dataclasses
 
 from sparseattn import Dense, Radar, RadarPlus, Rerank
+from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
+from sparseattn.ops.layout import SegmentLayout
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -71,6 +76,37 @@ def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - begin))
     return statistics.median(times)
+
+
+def timed_ms(fn, device: torch.device) -> float:
+    """Wall time of one ``fn()`` in ms (CUDA events on GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - begin)
+
+
+def interleaved_medians(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict:
+    """Median ms of each ``fns[name]()``, timed round-robin (one call of each per round).
+
+    A shared machine's speed drifts over seconds; timing a method and its baselines in alternation
+    exposes them to the same drift, so their ratio is steadier than that of separate runs.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    synchronize(device)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed_ms(fn, device))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def memory_bandwidth(device: torch.device, gib: float = 1.0) -> float:
@@ -117,7 +153,8 @@ def random_cache(batch: int, t: int, dtype, device) -> tuple[torch.Tensor, torch
     return keys, values, query
 
 
-def bench_row(method_name, method, keys, values, query, repeats, warmup, tolerance) -> dict:
+def bench_row(method_name, method, keys, values, query, repeats, warmup, tolerance, baselines) -> dict:
+    """One row: build, check against the float64 reference, then time ``method`` interleaved with ``baselines``."""
     batch, _, t, _ = keys.shape
     device = keys.device
     group = Q_HEADS // KV_HEADS
@@ -139,18 +176,19 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         row["attended"] = t
         row["bytes"] = 2 * batch * KV_HEADS * t * HEAD_DIM * itemsize
         row["rebuild_ms"] = 0.0
-    elif isinstance(method, Dense):  # dense on the cpu kernel: the same cache layout as the sparse rows
-        state = method.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=keys.dtype)
-        state.append(keys, values)
-        out, _ = state.attend(query)
-        ref = attention_ref(query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1])
-        row["rel_error"] = relative_error(out.view(batch, KV_HEADS, group, HEAD_DIM)[:1], ref)
+    elif isinstance(method, Dense):  # Dense(backend="cpu"): the kernel over every token, on the shared K/V (no copy)
+        every = SegmentLayout(length=t, sinks=t, segment_size=1, n_segments=0)
+        none = torch.zeros(batch, KV_HEADS, 1, 0, dtype=torch.long)
+        q_rows = query.view(batch, KV_HEADS, group, HEAD_DIM)
+
+        def step():
+            return segment_attention_cpu(q_rows, keys, values, every, none)
+
+        ref = attention_ref(q_rows[:1], keys[:1], values[:1])
+        row["rel_error"] = relative_error(step()[:1], ref)
         row["attended"] = t
         row["bytes"] = 2 * batch * KV_HEADS * t * HEAD_DIM * itemsize
         row["rebuild_ms"] = 0.0
-
-        def step():
-            return state.attend(query)
     else:
         state = method.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=keys.dtype)
         synchronize(device)
@@ -191,7 +229,9 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
 
     row["correct"] = row["rel_error"] <= tolerance
     if row["correct"]:
-        row["ms"] = median_ms(step, device, repeats, warmup)
+        medians = interleaved_medians({"method": step, **baselines}, device, repeats, warmup)
+        row["ms"] = medians.pop("method")
+        row.update({f"{name}_ms": ms for name, ms in medians.items()})  # dense_ms, kernel_dense_ms: same rounds
     else:
         row["ms"] = float("nan")
     between_rebuilds = 2 * math.isqrt(t) + 1
@@ -266,18 +306,22 @@ def main() -> None:
     print("-" * len(header))
     for batch in args.batches:
         for t in lengths:
-            dense_ms = kernel_ms = None
             keys, values, query = random_cache(batch, t, dtype, device)
+            # Every row is timed in rounds with the dense baselines on the same K/V: SDPA (the baseline)
+            # and, on the CPU, the C kernel over every token (dense attention on the sparse rows' kernel).
+            q_rows = query.view(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
+            baselines = {"dense": lambda: torch.nn.functional.scaled_dot_product_attention(q_rows, keys, values)}
+            if device.type == "cpu":
+                every = SegmentLayout(length=t, sinks=t, segment_size=1, n_segments=0)
+                none = torch.zeros(batch, KV_HEADS, 1, 0, dtype=torch.long)
+                baselines["kernel_dense"] = lambda: segment_attention_cpu(q_rows, keys, values, every, none)
             for name, method in methods.items():
                 gc.collect()  # the previous row's state (reference cycles) must be gone before the next allocates
-                row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance)
-                if name == "dense":
-                    dense_ms = row["ms"]
-                if name == "dense (cpu kernel)":
-                    kernel_ms = row["ms"]
+                row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance, baselines)
                 measured = row["ms"] == row["ms"]
-                row["speedup"] = dense_ms / row["ms"] if dense_ms and measured else float("nan")
-                row["speedup_vs_kernel_dense"] = kernel_ms / row["ms"] if kernel_ms and measured else float("nan")
+                row["speedup"] = row["dense_ms"] / row["ms"] if measured else float("nan")
+                kernel = row.get("kernel_dense_ms")
+                row["speedup_vs_kernel_dense"] = kernel / row["ms"] if measured and kernel else float("nan")
                 row["floor_ms"] = row["bytes"] / (info["bandwidth_GBps"] * 1e9) * 1e3
                 row["fraction_of_floor"] = row["floor_ms"] / row["ms"] if measured else float("nan")
                 rows.append(row)

@@ -573,3 +573,45 @@ def test_compiled_kernel_matches_reference_on_gpu(case, dtype, softcap):
 @needs_compiled_gpu
 def test_auto_picks_triton_on_gpu():
     assert select_backend(**small_call(torch.float16, device="cuda")).name == "triton"
+
+
+# --- exact segment masses (Rerank), read in place by the cpu kernel --------------------------------
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shared", [True, False], ids=["one-list", "list-per-row"])
+@pytest.mark.parametrize("c, D", [(1, 16), (5, 64), (37, 128), (70, 96)], ids=lambda x: str(x))
+def test_cpu_segment_log_mass_matches_reference(c, D, shared, dtype):
+    from sparseattn.summaries.base import SegmentKeys, segment_log_mass
+
+    gen = torch.Generator().manual_seed(c + D)
+    B, H, R, S, m, sinks, factor = 2, 3, 4, 9, 4, 2, D**-0.25
+    cache = torch.randn(B, H, sinks + S * c + 3, D, generator=gen).to(dtype)
+    segment_view = cache[:, :, sinks : sinks + S * c].view(B, H, S, c, D)
+    sets = 1 if shared else R
+    index = torch.stack([torch.randperm(S, generator=gen)[:m] for _ in range(B * H * sets)]).view(B, H, sets, m)
+    listed = torch.zeros(B, H, S, dtype=torch.bool)
+    listed.scatter_(-1, index.flatten(2), True)
+    clean = segment_view.clone()
+    segment_view.masked_fill_(~listed[..., None, None], float("nan"))  # a key outside the lists is NaN
+    queries = torch.randn(B, H, R, D, generator=gen) * factor
+    got = segment_log_mass(SegmentKeys(segment_view, factor, torch.float32), queries, index)
+    keys = clean.double() * factor  # float64 brute force over every listed segment
+    logits = torch.einsum("bhrd,bhscd->bhrsc", queries.double(), keys)
+    want = torch.logsumexp(logits, dim=-1).gather(-1, index.expand(B, H, R, m))
+    assert got.shape == (B, H, R, m)
+    assert_close(got, want, dtype, what="log mass")
+
+
+def test_segment_log_mass_torch_path_is_the_reference_too():
+    # float64 queries take the torch path (take the keys, matmul, logsumexp): the same numbers.
+    from sparseattn.summaries.base import SegmentKeys, segment_log_mass
+
+    gen = torch.Generator().manual_seed(1)
+    raw = torch.randn(1, 2, 6, 5, 16, generator=gen, dtype=torch.float64)
+    index = torch.tensor([[[[4, 0]], [[1, 5]]]])
+    queries = torch.randn(1, 2, 3, 16, generator=gen, dtype=torch.float64)
+    got = segment_log_mass(SegmentKeys(raw, 0.5, torch.float64), queries, index)
+    want = torch.logsumexp(torch.einsum("bhrd,bhscd->bhrsc", queries, raw * 0.5), -1).gather(-1, index.expand(1, 2, 3, 2))
+    assert_close(got, want, torch.float64)

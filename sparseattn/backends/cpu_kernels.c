@@ -30,9 +30,10 @@
 #endif
 #define SA_MIN_PART 512      /* fewest tokens worth a part of its own */
 #define SA_NO_SCORE (-1e30f) /* the running maximum before any token (finite: see above) */
+#define SA_MAX_ROWS 64       /* query heads per KV head (one bit each in a 64-bit mask) */
 
 enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2 };
-enum { SA_OK = 0, SA_BAD_SEGMENT = 1, SA_NO_MEMORY = 2, SA_EMPTY_HEAD = 3, SA_BAD_DTYPE = 4 };
+enum { SA_OK = 0, SA_BAD_SEGMENT = 1, SA_NO_MEMORY = 2, SA_EMPTY_HEAD = 3, SA_BAD_DTYPE = 4, SA_TOO_MANY_ROWS = 5 };
 
 typedef struct {
     int64_t start, end; /* token range */
@@ -85,8 +86,9 @@ static const float *load_rows(const void *base, int dtype, int64_t row_stride, i
  * it while it sits in L1 (measured faster than head-major loops that keep a head in registers). The
  * body is compiled for the common head dims (a constant D unrolls) and once for any D. */
 #define SA_DEFINE_ATTEND_BLOCK(NAME, DIM)                                                                        \
-    static void NAME(const float *qs, int D_, uint64_t heads, const float *k, int64_t ks, const float *v,       \
-                     int64_t vs, int n, float softcap, float *m, float *l, float *acc, float *s) {              \
+    static void NAME(const float *restrict qs, int D_, uint64_t heads, const float *restrict k, int64_t ks,     \
+                     const float *restrict v, int64_t vs, int n, float softcap, float *restrict m,               \
+                     float *restrict l, float *restrict acc, float *restrict s) {                               \
         const int D = DIM > 0 ? DIM : D_;                                                                      \
         for (int j = 0; j < n; ++j) {                                                                          \
             const float *kj = k + j * ks;                                                                      \
@@ -322,5 +324,75 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
     free(pm);
     free(pl);
     free(pacc);
+    return status;
+}
+
+/*
+ * Exact log attention masses of listed segments (the rerank of sparseattn.summaries.Rerank):
+ * out[b, h, r, i] = log sum_{j in segment segments[b, h, set(r), i]} exp(factor * q[b, h, r] . k_j),
+ * the keys read in place. set(r) = 0 when sets == 1 (one list shared by the R query rows: each
+ * segment's keys are read once for all of them), else r.
+ *
+ * q: [B, H, R, D] float32 contiguous; key (b, h, segment s, token j, d) at
+ * keys[b * ksb + h * ksh + s * kss + j * kst + d]; segments: [B, H, sets, m] int64 contiguous;
+ * out: [B, H, R, m] float32 contiguous.
+ */
+int sa_segment_log_mass(const float *q, const void *keys, int dtype, int64_t ksb, int64_t ksh, int64_t kss, int64_t kst,
+                        int64_t B, int64_t H, int64_t R, int64_t D, const int64_t *segments, int64_t sets, int64_t m,
+                        int64_t seg_size, int64_t n_segments, float factor, float *out, int threads) {
+    if (dtype != SA_F32 && dtype != SA_BF16 && !(dtype == SA_F16 && sa_float16_supported())) return SA_BAD_DTYPE;
+    if (R > SA_MAX_ROWS) return SA_TOO_MANY_ROWS;
+    const size_t esize = dtype == SA_F32 ? 4 : 2;
+    const int64_t items = B * H * sets * m;
+    int status = SA_OK;
+#pragma omp parallel num_threads(threads)
+    {
+        float *kbuf = esize == 4 ? NULL : malloc((size_t)(SA_BLOCK * D) * sizeof(float));
+        if (esize != 4 && !kbuf) {
+#pragma omp atomic write
+            status = SA_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t it = 0; it < items; ++it) {
+            if (esize != 4 && !kbuf) continue;
+            const int64_t i = it % m, set = (it / m) % sets, h = (it / (m * sets)) % H, b = it / (m * sets * H);
+            const int64_t seg = segments[it];
+            if (seg < 0 || seg >= n_segments) {
+#pragma omp atomic write
+                status = SA_BAD_SEGMENT;
+                continue;
+            }
+            const int64_t r0 = sets == 1 ? 0 : set, rows = sets == 1 ? R : 1;
+            const char *base = (const char *)keys + (b * ksb + h * ksh + seg * kss) * esize;
+            const float *qr = q + ((b * H + h) * R + r0) * D;
+            float top[SA_MAX_ROWS], sum[SA_MAX_ROWS], s[SA_MAX_ROWS * SA_BLOCK];
+            for (int64_t r = 0; r < rows; ++r) top[r] = SA_NO_SCORE, sum[r] = 0.f;
+            for (int64_t j0 = 0; j0 < seg_size; j0 += SA_BLOCK) {
+                const int n = (int)(seg_size - j0 < SA_BLOCK ? seg_size - j0 : SA_BLOCK);
+                int64_t stride;
+                const float *kb = load_rows(base, dtype, kst, j0, n, (int)D, kbuf, &stride);
+                for (int j = 0; j < n; ++j) { /* a key row is read once for every row of the list */
+                    const float *kj = kb + j * stride;
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float *qv = qr + r * D;
+                        float dot = 0.f;
+                        for (int64_t d = 0; d < D; ++d) dot += qv[d] * kj[d];
+                        s[r * SA_BLOCK + j] = dot * factor;
+                    }
+                }
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float *sr = s + r * SA_BLOCK;
+                    float block_top = SA_NO_SCORE, block_sum = 0.f;
+                    for (int j = 0; j < n; ++j) block_top = sr[j] > block_top ? sr[j] : block_top;
+                    const float new_top = top[r] > block_top ? top[r] : block_top;
+                    for (int j = 0; j < n; ++j) block_sum += expf(sr[j] - new_top);
+                    sum[r] = sum[r] * expf(top[r] - new_top) + block_sum;
+                    top[r] = new_top;
+                }
+            }
+            for (int64_t r = 0; r < rows; ++r) out[((b * H + h) * R + r0 + r) * m + i] = top[r] + logf(sum[r]);
+        }
+        free(kbuf);
+    }
     return status;
 }

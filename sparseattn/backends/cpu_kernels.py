@@ -49,6 +49,7 @@ _ERRORS = {
     2: "the kernel could not allocate its scratch memory",
     3: "a query head attends no token",
     4: "the kernel was built without this storage dtype",
+    5: f"more than {MAX_GROUP} query rows per KV head",
 }
 
 
@@ -141,6 +142,10 @@ def load_library() -> ctypes.CDLL:
         ptr, ptr, ptr, ctypes.c_int, *[i64] * 6, *[i64] * 4, ptr, i64, i64, *[i64] * 5,
         ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int,
     ]  # fmt: skip
+    lib.sa_segment_log_mass.restype = ctypes.c_int
+    lib.sa_segment_log_mass.argtypes = [
+        ptr, ptr, ctypes.c_int, *[i64] * 4, *[i64] * 4, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int,
+    ]  # fmt: skip
     lib.sa_float16_supported.restype = ctypes.c_int
     return lib
 
@@ -196,4 +201,40 @@ def segment_attention_cpu(
     )  # fmt: skip
     if status:
         raise ValueError(f"cpu segment attention failed: {_ERRORS.get(status, f'status {status}')}")
+    return out
+
+
+def kernel_reads(x: torch.Tensor) -> bool:
+    """Whether the kernel can read ``x`` in place: a CPU tensor of a storage dtype it was built for, last dim contiguous."""
+    return (
+        x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and cpu_kernel_refusal() is None
+        and x.dtype in supported_dtypes()
+    )
+
+
+def segment_log_mass_cpu(queries: torch.Tensor, segment_keys: torch.Tensor, factor: float, index: torch.Tensor) -> torch.Tensor:
+    """Exact log masses ``logsumexp_j q . (factor k_j)`` of listed segments, the keys read in place.
+
+    ``queries: [B, H, R, D]`` float32; ``segment_keys: [B, H, S, c, D]`` (a view of the cache, last dim
+    contiguous, any strides otherwise; see :func:`kernel_reads`); ``index: [B, H, R', m]`` integer
+    segment indices with ``R'`` in ``{1, R}`` (one list shared by the R rows, each segment read once
+    for all of them, or one per row). Returns ``[B, H, R, m]`` float32. Reference: the torch path of
+    :func:`sparseattn.summaries.base.segment_log_mass`.
+    """
+    lib = load_library()
+    B, H, R, D = queries.shape
+    S, c = segment_keys.shape[2], segment_keys.shape[3]
+    q = queries.to(torch.float32).contiguous()
+    idx = index.to(torch.int64).contiguous()
+    out = torch.empty(B, H, R, idx.shape[-1], dtype=torch.float32)
+    st = segment_keys.stride()
+    status = lib.sa_segment_log_mass(
+        q.data_ptr(), segment_keys.data_ptr(), DTYPE_CODES[segment_keys.dtype], st[0], st[1], st[2], st[3],
+        B, H, R, D, idx.data_ptr(), idx.shape[2], idx.shape[3], c, S, float(factor), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"cpu segment log-mass failed: {_ERRORS.get(status, f'status {status}')}")
     return out

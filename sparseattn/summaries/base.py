@@ -6,6 +6,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from sparseattn.backends.cpu_kernels import MAX_GROUP, kernel_reads, segment_log_mass_cpu
 from sparseattn.ops.attention import gather_tokens
 from sparseattn.ops.buffers import Workspace
 
@@ -45,6 +46,34 @@ class SegmentKeys:
         taken = gather_tokens(token_rows, tokens, self.workspace, "segment_keys").view(B, H, m, c, D)
         taken = taken.to(self.dtype) if taken.dtype != self.dtype else taken
         return taken.mul_(self.factor)  # our own copy: scaled in place
+
+
+def segment_log_mass(segment_keys: SegmentKeys | torch.Tensor, queries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Exact log attention masses ``logsumexp_{j in segment} q . k_j`` of listed segments: ``[B, H, R, m]``.
+
+    ``queries: [B, H, R, D]`` (pre-scaled, compute dtype); ``index: [B, H, R', m]`` with ``R'`` in
+    ``{1, R}``: one list shared by the R query rows (its keys read once for all of them) or one list
+    per row. A :class:`SegmentKeys` view of a CPU cache is read in place by the cpu backend's kernel
+    (float32 queries); otherwise the listed segments' keys are copied out and multiplied (the reference).
+    """
+    B, H, R, D = queries.shape
+    sets, m = index.shape[2], index.shape[3]
+    if sets not in (1, R):
+        raise ValueError(f"segment lists must be [B, H, 1 or {R}, m], got {tuple(index.shape)}")
+    fast = isinstance(segment_keys, SegmentKeys) and queries.dtype == torch.float32 and R <= MAX_GROUP
+    if fast and kernel_reads(segment_keys.raw):
+        return segment_log_mass_cpu(queries, segment_keys.raw, segment_keys.factor, index)
+    if sets == 1:
+        keys = take_keys(segment_keys, index[:, :, 0]).to(queries.dtype)  # [B, H, m, c, D]: read once for the rows
+        c = keys.shape[-2]
+        logits = torch.matmul(keys.reshape(B, H, m * c, D), queries.transpose(-1, -2))  # [B, H, m c, R]
+        return torch.logsumexp(logits.view(B, H, m, c, R), dim=3).transpose(-1, -2)
+    keys = take_keys(segment_keys, index.reshape(B, H, R * m))  # [B, H, R m, c, D]: m segments per row
+    keys = keys.view(B, H, R, m, *keys.shape[-2:]).to(queries.dtype)
+    c = keys.shape[-2]
+    # A matmul per row ([m c, D] @ [D]); einsum would broadcast-multiply then sum on CPU.
+    logits = torch.matmul(keys.reshape(B, H, R, m * c, D), queries.unsqueeze(-1)).view(B, H, R, m, c)
+    return torch.logsumexp(logits, dim=-1)
 
 
 def scaled_keys(segment_keys: SegmentKeys | torch.Tensor) -> torch.Tensor:

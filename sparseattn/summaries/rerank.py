@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sparseattn.summaries.base import Summary, take_keys
+from sparseattn.summaries.base import Summary, segment_log_mass
 from sparseattn.summaries.performer import PerformerFeatures
 
 @dataclass(frozen=True)
@@ -80,22 +80,12 @@ class Rerank:
             return scores
         if segment_keys is None:
             raise ValueError("Rerank.score needs the segments' keys")
-        B, H, G, _ = scores.shape
-        if self.per_group:
-            short = torch.logsumexp(scores, dim=2).topk(m, dim=-1, sorted=False).indices  # [B, H, m]
-            keys = take_keys(segment_keys, short).to(queries.dtype)  # [B, H, m, c, D]: read once per group
-            c = keys.shape[-2]
-            logits = torch.matmul(keys.reshape(B, H, m * c, -1), queries.transpose(-1, -2))  # [B, H, m c, G]
-            exact = torch.logsumexp(logits.view(B, H, m, c, G), dim=3).transpose(-1, -2)  # [B, H, G, m]
-            short = short.unsqueeze(2).expand(B, H, G, m)
+        if self.per_group:  # one shortlist per KV group: its keys are read once for the G query heads
+            short = torch.logsumexp(scores, dim=2).topk(m, dim=-1, sorted=False).indices.unsqueeze(2)  # [B, H, 1, m]
         else:
             short = scores.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
-            keys = take_keys(segment_keys, short.reshape(B, H, G * m))  # [B, H, G*m, c, D]: m segments per query head
-            keys = keys.view(B, H, G, m, *keys.shape[-2:]).to(queries.dtype)
-            c = keys.shape[-2]
-            # A matmul per query head ([m c, D] @ [D]); einsum would broadcast-multiply then sum on CPU.
-            logits = torch.matmul(keys.reshape(B, H, G, m * c, -1), queries.unsqueeze(-1)).view(B, H, G, m, c)
-            exact = torch.logsumexp(logits, dim=-1)
+        exact = segment_log_mass(segment_keys, queries, short)  # [B, H, G, m]
+        short = short.expand_as(exact)
         # Shift the coarse scores below the smallest exact one: the shortlist ranks first, and the order
         # outside it (the coarse order) is kept exactly (a huge constant would round it away).
         shift = (scores.amax(-1, keepdim=True) - exact.amin(-1, keepdim=True)).clamp(min=0) + 1.0
