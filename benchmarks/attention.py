@@ -310,11 +310,12 @@ def main() -> None:
             # Every row is timed in rounds with the dense baselines on the same K/V: SDPA (the baseline)
             # and, on the CPU, the C kernel over every token (dense attention on the sparse rows' kernel).
             q_rows = query.view(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
-            baselines = {"dense": lambda: torch.nn.functional.scaled_dot_product_attention(q_rows, keys, values)}
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            baselines = {"dense": lambda q=q_rows, k=keys, v=values: sdpa(q, k, v)}
             if device.type == "cpu":
                 every = SegmentLayout(length=t, sinks=t, segment_size=1, n_segments=0)
                 none = torch.zeros(batch, KV_HEADS, 1, 0, dtype=torch.long)
-                baselines["kernel_dense"] = lambda: segment_attention_cpu(q_rows, keys, values, every, none)
+                baselines["kernel_dense"] = lambda q=q_rows, k=keys, v=values: segment_attention_cpu(q, k, v, every, none)
             for name, method in methods.items():
                 gc.collect()  # the previous row's state (reference cycles) must be gone before the next allocates
                 row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance, baselines)
@@ -330,7 +331,7 @@ def main() -> None:
                       f"{row['speedup_vs_kernel_dense']:>10.2f}{row['bytes'] / 1e6:>10.1f}{row['floor_ms']:>10.3f}"
                       f"{row['fraction_of_floor']:>9.2f}{row['rebuild_ms']:>11.1f}{row['rebuild_amortised_ms']:>10.3f}"
                       f"{row['rel_error']:>10.1e}{flag}", flush=True)
-            del keys, values, query
+            del keys, values, query, q_rows, baselines  # free this t's K/V before the next is drawn
     exponents = {}
     for batch in args.batches:
         for name in methods:

@@ -146,3 +146,27 @@ def test_sweep_runs_every_panel_and_draws_it(workspace):
     sweep = json.loads((root_dir / "sweep.json").read_text())
     assert [len(points) for points in sweep["panels"].values()] == [2, 2, 5]
     assert (root_dir / "sweep.png").exists() and "selection" in result.output
+
+
+@pytest.mark.parametrize("method", ["dense", "radar:top_k=2,n_features=32"])
+def test_a_batch_of_rows_scores_each_row_as_its_own_run_does(workspace, tmp_path, method):
+    # run_ppl on [B, T] ids decodes the rows together; each row's NLLs must be those of its own run.
+    import torch
+
+    from sparseattn.evaluation.ppl import run_ppl
+    from sparseattn.evaluation.runs import RunDir
+    from sparseattn.hf import load_model
+
+    _, model_dir, _ = workspace
+    model, tokenizer = load_model(model_dir)
+    ids = torch.stack([tokenizer(TEXT[a : a + 400], return_tensors="pt")["input_ids"][0][:161] for a in (0, 977)])
+    spec = parse_method(method)[1]
+    batch = run_ppl(model, spec, ids, 150, 10, RunDir(tmp_path / "batch", {"m": method, "b": 2}), progress=False)
+    assert batch["batch"] == 2 and batch["n_tokens"] == 10
+    records = RunDir(tmp_path / "batch", {"m": method, "b": 2}).records("tokens.jsonl")
+    for row in range(2):
+        alone = run_ppl(model, spec, ids[row], 150, 10, RunDir(tmp_path / f"row{row}", {"m": method, "r": row}), progress=False)
+        want = [r["nll"] for r in RunDir(tmp_path / f"row{row}", {"m": method, "r": row}).records("tokens.jsonl")]
+        got = [r["nlls"][row] for r in records]
+        assert got == pytest.approx(want, abs=1e-4)
+        assert alone["batch"] == 1

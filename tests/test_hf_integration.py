@@ -15,7 +15,6 @@ from sparseattn import (
     ExactScore,
     FixedSchedule,
     MinMaxBound,
-    PerformerFeatures,
     Radar,
     Random,
     Recent,

@@ -4,6 +4,9 @@ Prefill the first ``prefill`` tokens densely as a prompt, then feed the ground-t
 one through the method's decode path, recording each next-token NLL and the elapsed decode time.
 ``prefill = 0`` is the paper's "generation without prompts": every token is a decode step.
 
+``ids`` may hold several rows (``[B, T]``, no padding: equal lengths) decoded as one batch; a step's
+record then holds every row's NLL, and tokens/s counts the tokens of all rows.
+
 Records go to ``tokens.jsonl`` in the run directory as they are computed. An interrupted run resumes
 by replaying the recorded steps (decode is deterministic; each replayed NLL is checked against the
 record) and continuing; a finished run is skipped.
@@ -11,6 +14,7 @@ record) and continuing; a finished run is skipped.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from typing import Any
@@ -65,22 +69,26 @@ def run_ppl(
     Args:
         model: a transformers causal LM.
         method: the sparse method (``Dense()`` for vanilla attention).
-        ids: ``[prefill + steps + 1]`` token ids (the ground truth).
+        ids: ``[prefill + steps + 1]`` token ids (the ground truth), or ``[B, prefill + steps + 1]`` for
+            B sequences decoded together (ppl is then over every row's tokens).
         prefill: prompt tokens prefilled densely (0: every token is decoded).
         steps: decode steps; step i feeds token ``prefill + i`` and scores token ``prefill + i + 1``.
         run: the run directory (its config must describe all of the above).
     """
     if run.finished:
         return run.summary()
-    if ids.dim() != 1 or ids.numel() < prefill + steps + 1:
-        raise ValueError(f"need {prefill + steps + 1} token ids, got shape {tuple(ids.shape)}")
+    if ids.dim() not in (1, 2) or ids.shape[-1] < prefill + steps + 1 or ids.numel() == 0:
+        raise ValueError(f"need [prefill + steps + 1] = [{prefill + steps + 1}] token ids (or [B, {prefill + steps + 1}]), got shape {tuple(ids.shape)}")
+    rows = ids.reshape(-1, ids.shape[-1])  # [B, T]
     window = getattr(model.config, "max_position_embeddings", None)
     if window is not None and prefill + steps + 1 > window:
         raise ValueError(
             f"prefill {prefill} + steps {steps} exceeds the model's {window} positions; use fewer steps or a shorter prefill"
         )
     device = model.device
-    ids = ids.to(device)
+    rows = rows.to(device)
+    # Prefill logits are never scored: ask for the last position's only (a [B, T, vocab] tensor otherwise).
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     done = run.records("tokens.jsonl")
     if len(done) > steps:
         raise ValueError(f"{run.path}/tokens.jsonl has {len(done)} records, more than the {steps} steps configured")
@@ -89,7 +97,7 @@ def run_ppl(
         start = time.perf_counter()
         logits = None
         if prefill:
-            logits = model(ids[None, :prefill], past_key_values=cache, use_cache=True).logits
+            logits = model(rows[:, :prefill], past_key_values=cache, use_cache=True, **keep_last).logits
         prefill_seconds = time.perf_counter() - start
         elapsed = done[-1]["elapsed"] if done else 0.0
         bar = _progress() if progress else None
@@ -100,9 +108,10 @@ def run_ppl(
             for i in range(steps):
                 position = prefill + i
                 begin = time.perf_counter()
-                logits = model(ids[None, position : position + 1], past_key_values=cache, use_cache=True).logits
+                logits = model(rows[:, position : position + 1], past_key_values=cache, use_cache=True).logits
                 seconds = time.perf_counter() - begin
-                nll = float(torch.nn.functional.cross_entropy(logits[0, -1].float(), ids[position + 1]))
+                row_nlls = torch.nn.functional.cross_entropy(logits[:, -1].float(), rows[:, position + 1], reduction="none")
+                nll = float(row_nlls.mean())
                 if i < len(done):
                     if abs(nll - done[i]["nll"]) > REPLAY_TOLERANCE:
                         raise RuntimeError(
@@ -111,10 +120,11 @@ def run_ppl(
                         )
                     continue
                 elapsed += seconds
-                out.write(
-                    {"position": position + 1, "token": int(ids[position + 1]), "nll": nll, "elapsed": elapsed,
-                     "seconds": seconds, "attended": _step_attended(cache), "context": position + 1}
-                )
+                record = {"position": position + 1, "token": int(rows[0, position + 1]), "nll": nll, "elapsed": elapsed,
+                          "seconds": seconds, "attended": _step_attended(cache), "context": position + 1}
+                if rows.shape[0] > 1:
+                    record["nlls"] = row_nlls.tolist()
+                out.write(record)
                 if bar:
                     bar.advance(task)
         finally:
@@ -130,7 +140,8 @@ def run_ppl(
         "mean_nll": sum(nlls) / len(nlls),
         "n_tokens": len(nlls),
         "seconds": seconds,
-        "tokens_per_second": len(nlls) / seconds if seconds else float("nan"),
+        "batch": rows.shape[0],
+        "tokens_per_second": rows.shape[0] * len(nlls) / seconds if seconds else float("nan"),
         "prefill_seconds": prefill_seconds,
         "mean_attended_tokens": sum(attended) / len(attended) if attended else float("nan"),
         "mean_context_tokens": sum(r["context"] for r in records) / len(records),
