@@ -75,25 +75,31 @@ class PerformerFeatures:
         n = self.n_features
         # Sum (not mean) over the segment, so the score is a log-mass without knowing c.
         log_sum = keys.new_empty(B, H, S, n)  # logsumexp_j log phi(k_j), [B, H, S, n]
-        per_block = max(1, _BLOCK_ELEMENTS // (c * n))
-        block = keys.new_empty(per_block * c, n)  # one buffer: a fresh one per block would page-fault
+        # A block: some segments of one head, or every segment of several heads (many small heads, as
+        # the theory tests draw), holding at most _BLOCK_ELEMENTS exponents.
+        if S * c * n <= _BLOCK_ELEMENTS:
+            per_block, heads = S, min(H, max(1, _BLOCK_ELEMENTS // (S * c * n)))
+        else:
+            per_block, heads = max(1, _BLOCK_ELEMENTS // (c * n)), 1
+        buffer = keys.new_empty(heads * per_block * c * n)  # one buffer: a fresh one per block would page-fault
         omega_t = omega.transpose(-1, -2)  # [H, D, m]
         for b in range(B):
-            for h in range(H):
+            for h0 in range(0, H, heads):
+                h1 = min(H, h0 + heads)
                 for first in range(0, S, per_block):
                     last = min(S, first + per_block)
-                    rows = keys[b, h, first:last].reshape(-1, D)  # [s * c, D]
-                    # log phi = omega . k - ||k||^2 / 2 - log(n) / 2: the bias rides in the GEMM (addmm).
+                    rows = keys[b, h0:h1, first:last].reshape(h1 - h0, -1, D)  # [h, s * c, D]
+                    # log phi = omega . k - ||k||^2 / 2 - log(n) / 2: the bias rides in the GEMM (baddbmm).
                     bias = (rows * rows).sum(-1, keepdim=True).mul_(-0.5).sub_(0.5 * math.log(n))
-                    out = block[: rows.shape[0]]
+                    out = buffer[: rows.shape[0] * rows.shape[1] * n].view(rows.shape[0], rows.shape[1], n)
                     if self.antithetic:
-                        proj = rows @ omega_t[h]
+                        proj = torch.bmm(rows, omega_t[h0:h1])
                         torch.cat([proj + bias, bias - proj], dim=-1, out=out)
                     else:
-                        torch.addmm(bias, rows, omega_t[h], out=out)
-                    log_phi = out.view(last - first, c, n)
-                    top = log_phi.amax(dim=-2, keepdim=True)  # [s, 1, n]: a logsumexp over the c tokens
-                    log_sum[b, h, first:last] = log_phi.sub_(top).exp_().sum(dim=-2).log_().add_(top.squeeze(-2))
+                        torch.baddbmm(bias, rows, omega_t[h0:h1], out=out)
+                    log_phi = out.view(h1 - h0, last - first, c, n)
+                    top = log_phi.amax(dim=-2, keepdim=True)  # [h, s, 1, n]: a logsumexp over the c tokens
+                    log_sum[b, h0:h1, first:last] = log_phi.sub_(top).exp_().sum(dim=-2).log_().add_(top.squeeze(-2))
         shift = log_sum.amax(dim=-1)  # [B, H, S]
         return torch.exp(log_sum - shift.unsqueeze(-1)).to(self.feature_dtype), shift
 
