@@ -2,7 +2,8 @@
 
 CPU (default): the embedded SmolLM2-135M-Instruct, prompts of 2k, 4k and 8k tokens of CPython's
 ``_pydecimal.py``; then ``--steps`` ground-truth tokens are fed one at a time (the perplexity
-protocol of ``sparseattn ppl``), timing each decode step and scoring each next token. Methods: dense
+protocol of ``sparseattn ppl``), timing each decode step and scoring each next token; the methods'
+steps are interleaved (one step of each in turn), so that the machine's drift hits them alike. Methods: dense
 (the toolkit's dense state: the same storage, SDPA over everything), dense on the cpu backend's kernel
 (the same kernel the sparse methods attend with), Radar with the paper's defaults (k = 64, n = 2048),
 Radar at a budget of 1024 tokens (one selection per query head, and shared by a KV group), radar+
@@ -35,7 +36,7 @@ import torch
 
 from sparseattn import Dense, Radar, RadarPlus, StreamingLLM
 from sparseattn.data.sources import load_text
-from sparseattn.evaluation.ppl import run_ppl, tokenize
+from sparseattn.evaluation.ppl import run_ppl_together, tokenize
 from sparseattn.evaluation.runs import RunDir, environment
 from sparseattn.hf import load_model
 
@@ -125,18 +126,23 @@ def main() -> None:
     print("-" * len(header))
     rows = []
     for length in lengths:
-        dense = None
+        # All methods decode the same tokens with their steps interleaved (see run_ppl_together): on a
+        # shared machine, methods timed one after the other meet different drifts and do not compare.
+        runs = {}
         for name, method in methods.items():
             config = {"command": "e2e", "model": model_name, "prefill": length, "steps": args.steps, "method": name,
-                      "params": repr(method), "dtype": args.dtype, "device": device.type, "threads": torch.get_num_threads()}
+                      "params": repr(method), "dtype": args.dtype, "device": device.type, "threads": torch.get_num_threads(),
+                      "interleaved": sorted(methods)}  # fmt: skip
             where = f"{model_name}-{device.type}-t{torch.get_num_threads()}"
             if args.batch > 1:
                 config["batch"] = args.batch
                 where += f"-b{args.batch}"
-            run = RunDir(args.runs / where / f"p{length}" / slug(name), config)
-            rows_ids = ids[:, : length + args.steps + 1]
-            summary = run_ppl(model, method, rows_ids if args.batch > 1 else rows_ids[0], length, args.steps, run,
-                              label=f"{name} @ {length}")
+            runs[name] = (method, RunDir(args.runs / where / f"p{length}" / slug(name), config))
+        rows_ids = ids[:, : length + args.steps + 1]
+        summaries = run_ppl_together(model, runs, rows_ids if args.batch > 1 else rows_ids[0], length, args.steps)
+        dense = None
+        for name in methods:
+            summary = summaries[name]
             row = {"method": name, "context": length, "batch": args.batch,
                    **{k: summary[k] for k in ("tokens_per_second", "ppl", "mean_attended_tokens")}}
             if dense is None:

@@ -170,3 +170,30 @@ def test_a_batch_of_rows_scores_each_row_as_its_own_run_does(workspace, tmp_path
         got = [r["nlls"][row] for r in records]
         assert got == pytest.approx(want, abs=1e-4)
         assert alone["batch"] == 1
+
+
+def test_methods_decoded_together_score_as_they_do_alone(workspace, tmp_path):
+    # run_ppl_together interleaves the methods' steps (for fair timing); the NLLs must not change.
+    import torch
+
+    from sparseattn.evaluation.ppl import run_ppl, run_ppl_together
+    from sparseattn.evaluation.runs import RunDir
+    from sparseattn.hf import load_model
+
+    _, model_dir, _ = workspace
+    model, tokenizer = load_model(model_dir)
+    ids = tokenizer(TEXT[:400], return_tensors="pt")["input_ids"][0][:141]
+    methods = {name: parse_method(name)[1] for name in ("dense", "radar:top_k=2,n_features=32", "streamingllm:budget=40")}
+    together = run_ppl_together(model, {n: (m, RunDir(tmp_path / "t" / str(i), {"m": n})) for i, (n, m) in enumerate(methods.items())},
+                                ids, 120, 12, progress=False)
+    for i, (name, method) in enumerate(methods.items()):
+        alone = run_ppl(model, method, ids, 120, 12, RunDir(tmp_path / "a" / str(i), {"m": name}), progress=False)
+        got = [r["nll"] for r in RunDir(tmp_path / "t" / str(i), {"m": name}).records("tokens.jsonl")]
+        want = [r["nll"] for r in RunDir(tmp_path / "a" / str(i), {"m": name}).records("tokens.jsonl")]
+        assert got == pytest.approx(want, abs=1e-4)
+        assert together[name]["ppl"] == pytest.approx(alone["ppl"], rel=1e-4)
+        assert together[name]["interleaved_with"] == sorted(set(methods) - {name})
+    # Finished runs are skipped: the same call returns the saved summaries.
+    again = run_ppl_together(model, {n: (m, RunDir(tmp_path / "t" / str(i), {"m": n})) for i, (n, m) in enumerate(methods.items())},
+                             ids, 120, 12, progress=False)
+    assert {n: s["ppl"] for n, s in again.items()} == {n: s["ppl"] for n, s in together.items()}

@@ -14,6 +14,7 @@ record) and continuing; a finished run is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -75,77 +76,121 @@ def run_ppl(
         steps: decode steps; step i feeds token ``prefill + i`` and scores token ``prefill + i + 1``.
         run: the run directory (its config must describe all of the above).
     """
-    if run.finished:
-        return run.summary()
+    return run_ppl_together(model, {label: (method, run)}, ids, prefill, steps, progress=progress)[label]
+
+
+def run_ppl_together(
+    model,
+    runs: dict[str, tuple[Any, RunDir]],
+    ids: torch.Tensor,
+    prefill: int,
+    steps: int,
+    *,
+    progress: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """:func:`run_ppl` for several methods on the same tokens, their decode steps interleaved.
+
+    Every method gets its own cache and prefill; then each step is run for every method in turn (the
+    order rotating from step to step). A shared machine's speed drifts over seconds to minutes, so
+    methods measured one after the other are not comparable; interleaved, each meets the same drift.
+    Each method keeps its own run directory (``runs[label] = (method, run)``): finished ones are
+    skipped, unfinished ones resumed by replay, as :func:`run_ppl` does. Returns the summaries by label.
+    """
     if ids.dim() not in (1, 2) or ids.shape[-1] < prefill + steps + 1 or ids.numel() == 0:
-        raise ValueError(f"need [prefill + steps + 1] = [{prefill + steps + 1}] token ids (or [B, {prefill + steps + 1}]), got shape {tuple(ids.shape)}")
+        raise ValueError(
+            f"need [prefill + steps + 1] = [{prefill + steps + 1}] token ids (or [B, {prefill + steps + 1}]), "
+            f"got shape {tuple(ids.shape)}"
+        )
     rows = ids.reshape(-1, ids.shape[-1])  # [B, T]
     window = getattr(model.config, "max_position_embeddings", None)
     if window is not None and prefill + steps + 1 > window:
         raise ValueError(
             f"prefill {prefill} + steps {steps} exceeds the model's {window} positions; use fewer steps or a shorter prefill"
         )
-    device = model.device
-    rows = rows.to(device)
+    pending = {label: (method, run) for label, (method, run) in runs.items() if not run.finished}
+    if pending:
+        rows = rows.to(model.device)
+        done = {label: run.records("tokens.jsonl") for label, (_, run) in pending.items()}
+        for label, records in done.items():
+            if len(records) > steps:
+                raise ValueError(f"{pending[label][1].path}/tokens.jsonl has {len(records)} records, more than the {steps} steps configured")
+        prefill_seconds = _decode_together(model, pending, done, rows, prefill, steps, progress)
+    summaries = {}
+    for label, (_, run) in runs.items():
+        if run.finished:
+            summaries[label] = run.summary()
+            continue
+        records = run.records("tokens.jsonl")
+        nlls = [r["nll"] for r in records]
+        seconds = sum(r["seconds"] for r in records)
+        attended = [r["attended"] for r in records if not math.isnan(r["attended"])]
+        summaries[label] = {
+            **run.config,
+            "ppl": math.exp(sum(nlls) / len(nlls)),
+            "mean_nll": sum(nlls) / len(nlls),
+            "n_tokens": len(nlls),
+            "seconds": seconds,
+            "batch": rows.shape[0],
+            "tokens_per_second": rows.shape[0] * len(nlls) / seconds if seconds else float("nan"),
+            "prefill_seconds": prefill_seconds[label],
+            "mean_attended_tokens": sum(attended) / len(attended) if attended else float("nan"),
+            "mean_context_tokens": sum(r["context"] for r in records) / len(records),
+            "interleaved_with": sorted(set(runs) - {label}),
+            "environment": environment(),
+        }
+        run.finish(summaries[label])
+    return summaries
+
+
+def _decode_together(model, pending, done, rows, prefill, steps, progress) -> dict[str, float]:
+    """Prefill every pending method's cache, then decode step by step, one method after the other."""
     # Prefill logits are never scored: ask for the last position's only (a [B, T, vocab] tensor otherwise).
     keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    done = run.records("tokens.jsonl")
-    if len(done) > steps:
-        raise ValueError(f"{run.path}/tokens.jsonl has {len(done)} records, more than the {steps} steps configured")
-    with apply(model, method) as sparse, torch.no_grad(), run.appender("tokens.jsonl") as out:
-        cache = sparse.new_cache()
-        start = time.perf_counter()
-        logits = None
-        if prefill:
-            logits = model(rows[:, :prefill], past_key_values=cache, use_cache=True, **keep_last).logits
-        prefill_seconds = time.perf_counter() - start
-        elapsed = done[-1]["elapsed"] if done else 0.0
+    labels = list(pending)
+    first_method = pending[labels[0]][0]
+    with apply(model, first_method), torch.no_grad(), contextlib.ExitStack() as stack:
+        outs = {label: stack.enter_context(run.appender("tokens.jsonl")) for label, (_, run) in pending.items()}
+        caches, prefill_seconds = {}, {}
+        for label, (method, _) in pending.items():  # each cache carries its own method
+            caches[label] = SparseCache(method, config=model.config)
+            start = time.perf_counter()
+            if prefill:
+                model(rows[:, :prefill], past_key_values=caches[label], use_cache=True, **keep_last)
+            prefill_seconds[label] = time.perf_counter() - start
+        elapsed = {label: records[-1]["elapsed"] if records else 0.0 for label, records in done.items()}
         bar = _progress() if progress else None
-        task = bar.add_task(label, total=steps, completed=len(done)) if bar else None
+        title = labels[0] if len(labels) == 1 else f"{len(labels)} methods"
+        task = bar.add_task(title, total=steps * len(labels), completed=sum(map(len, done.values()))) if bar else None
         if bar:
             bar.start()
         try:
             for i in range(steps):
                 position = prefill + i
-                begin = time.perf_counter()
-                logits = model(rows[:, position : position + 1], past_key_values=cache, use_cache=True).logits
-                seconds = time.perf_counter() - begin
-                row_nlls = torch.nn.functional.cross_entropy(logits[:, -1].float(), rows[:, position + 1], reduction="none")
-                nll = float(row_nlls.mean())
-                if i < len(done):
-                    if abs(nll - done[i]["nll"]) > REPLAY_TOLERANCE:
-                        raise RuntimeError(
-                            f"resuming {run.path}: step {i} replays to NLL {nll:.5f} but {done[i]['nll']:.5f} was recorded; "
-                            "the run is not reproducible here (different threads or machine?): delete the directory"
-                        )
-                    continue
-                elapsed += seconds
-                record = {"position": position + 1, "token": int(rows[0, position + 1]), "nll": nll, "elapsed": elapsed,
-                          "seconds": seconds, "attended": _step_attended(cache), "context": position + 1}
-                if rows.shape[0] > 1:
-                    record["nlls"] = row_nlls.tolist()
-                out.write(record)
-                if bar:
-                    bar.advance(task)
+                for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                    begin = time.perf_counter()
+                    logits = model(rows[:, position : position + 1], past_key_values=caches[label], use_cache=True).logits
+                    seconds = time.perf_counter() - begin
+                    row_nlls = torch.nn.functional.cross_entropy(logits[:, -1].float(), rows[:, position + 1], reduction="none")
+                    nll = float(row_nlls.mean())
+                    records = done[label]
+                    if i < len(records):
+                        if abs(nll - records[i]["nll"]) > REPLAY_TOLERANCE:
+                            raise RuntimeError(
+                                f"resuming {pending[label][1].path}: step {i} replays to NLL {nll:.5f} but "
+                                f"{records[i]['nll']:.5f} was recorded; the run is not reproducible here "
+                                "(different threads or machine?): delete the directory"
+                            )
+                        continue
+                    elapsed[label] += seconds
+                    record = {"position": position + 1, "token": int(rows[0, position + 1]), "nll": nll,
+                              "elapsed": elapsed[label], "seconds": seconds, "attended": _step_attended(caches[label]),
+                              "context": position + 1}  # fmt: skip
+                    if rows.shape[0] > 1:
+                        record["nlls"] = row_nlls.tolist()
+                    outs[label].write(record)
+                    if bar:
+                        bar.advance(task)
         finally:
             if bar:
                 bar.stop()
-    records = run.records("tokens.jsonl")
-    nlls = [r["nll"] for r in records]
-    seconds = sum(r["seconds"] for r in records)
-    attended = [r["attended"] for r in records if not math.isnan(r["attended"])]
-    summary = {
-        **run.config,
-        "ppl": math.exp(sum(nlls) / len(nlls)),
-        "mean_nll": sum(nlls) / len(nlls),
-        "n_tokens": len(nlls),
-        "seconds": seconds,
-        "batch": rows.shape[0],
-        "tokens_per_second": rows.shape[0] * len(nlls) / seconds if seconds else float("nan"),
-        "prefill_seconds": prefill_seconds,
-        "mean_attended_tokens": sum(attended) / len(attended) if attended else float("nan"),
-        "mean_context_tokens": sum(r["context"] for r in records) / len(records),
-        "environment": environment(),
-    }
-    run.finish(summary)
-    return summary
+    return prefill_seconds
