@@ -174,7 +174,6 @@ def test_a_batch_of_rows_scores_each_row_as_its_own_run_does(workspace, tmp_path
 
 def test_methods_decoded_together_score_as_they_do_alone(workspace, tmp_path):
     # run_ppl_together interleaves the methods' steps (for fair timing); the NLLs must not change.
-    import torch
 
     from sparseattn.evaluation.ppl import run_ppl, run_ppl_together
     from sparseattn.evaluation.runs import RunDir

@@ -192,6 +192,7 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
                          int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length, float scale,
                          float softcap, float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && !(dtype == SA_F16 && sa_float16_supported())) return SA_BAD_DTYPE;
+    if (G > SA_MAX_ROWS) return SA_TOO_MANY_ROWS;
     const int64_t rows = B * H, max_spans = n_segments + 2;
     const size_t esize = dtype == SA_F32 ? 4 : 2;
     int status = SA_OK;
@@ -202,7 +203,6 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
     if (!spans || !n_spans || !tokens || !mask) status = SA_NO_MEMORY;
 
     /* 1. spans and token counts per row */
-    int64_t total = 0;
     for (int64_t r = 0; r < rows && status == SA_OK; ++r) {
         sa_span *sp = spans + r * max_spans;
         int64_t n = row_spans(segments + r * sets * k, sets, k, G, sink_end, seg_size, n_segments, tail_start, length,
@@ -214,7 +214,6 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
         n_spans[r] = n;
         tokens[r] = 0;
         for (int64_t i = 0; i < n; ++i) tokens[r] += sp[i].end - sp[i].start;
-        total += tokens[r];
     }
     free(mask);
 
