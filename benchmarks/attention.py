@@ -63,20 +63,7 @@ def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     synchronize(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times)
+    return statistics.median(timed_ms(fn, device) for _ in range(repeats))
 
 
 def timed_ms(fn, device: torch.device) -> float:

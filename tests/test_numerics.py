@@ -32,41 +32,47 @@ def test_scores_are_finite_for_any_dtype_and_norms_up_to_100(summary, dtype, max
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("max_norm", [1.0, 30.0, 100.0])
-def test_performer_scores_equal_their_float64_definition_even_when_the_fast_product_underflows(max_norm):
-    # Definition: log(c * phi(q) . mean_j phi(k_j)) computed directly with float64 logsumexp.
-    gen = torch.Generator().manual_seed(3)
-    B, H, G, S, c, D = 1, 2, 2, 6, 5, 32
+def performer_against_its_definition(max_norm, G, seed):
+    """Performer's fp32 summaries of random keys/queries with norms up to ``max_norm``, and the float64 terms.
+
+    Returns ``(summary, omega, summaries, queries, c, terms)``: ``terms[b, h, g, s, j, i] = log phi_i(q_g)
+    + log phi_i(k_sj)``, whose logsumexp over (j, i) is the definition of a segment's score.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    B, H, S, c, D = 1, 2, 6, 5, 32
     keys = vectors_with_norms((B, H, S, c, D), max_norm, gen) * D**-0.25
     queries = vectors_with_norms((B, H, G, D), max_norm, gen) * D**-0.25
     summary = PerformerFeatures(n_features=256)
     omega = summary.prepare(H, D, layer_idx=0, device=torch.device("cpu"), dtype=torch.float32)
-    got = summary.score(omega, summary.summarize(omega, keys.float()), queries.float(), None, c)
     log_k = summary.log_features(omega.double(), keys)  # [B, H, S, c, n]
     log_q = summary.log_features(omega.double(), queries)  # [B, H, G, n]
-    want = torch.logsumexp(log_q[:, :, :, None, None, :] + log_k[:, :, None], dim=(-1, -2))
-    assert torch.isfinite(got).all()
+    terms = log_q[:, :, :, None, None, :] + log_k[:, :, None]
+    return summary, omega, summary.summarize(omega, keys.float()), queries.float(), c, terms
+
+
+def log_domain_tolerance(max_norm, D=32):
     # fp32 rounding of exponents of size ~max_norm^2 / sqrt(D): absolute error in the log domain
-    tol = 1e-5 * max(1.0, max_norm**2 / math.sqrt(D))
-    assert (got.double() - want).abs().max() <= tol
+    return 1e-5 * max(1.0, max_norm**2 / math.sqrt(D))
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 30.0, 100.0])
+def test_performer_scores_equal_their_float64_definition_even_when_the_fast_product_underflows(max_norm):
+    # Definition: log(c * phi(q) . mean_j phi(k_j)) computed directly with float64 logsumexp.
+    summary, omega, summaries, queries, c, terms = performer_against_its_definition(max_norm, G=2, seed=3)
+    got = summary.score(omega, summaries, queries, None, c)
+    want = torch.logsumexp(terms, dim=(-1, -2))
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= log_domain_tolerance(max_norm)
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 30.0, 100.0])
 def test_performer_group_scores_equal_their_float64_definition_even_when_the_fast_product_underflows(max_norm):
     # Definition: log sum_g (c * phi(q_g) . mean_j phi(k_j)), the KV group's summed mass, in float64.
-    gen = torch.Generator().manual_seed(4)
-    B, H, G, S, c, D = 1, 2, 4, 6, 5, 32
-    keys = vectors_with_norms((B, H, S, c, D), max_norm, gen) * D**-0.25
-    queries = vectors_with_norms((B, H, G, D), max_norm, gen) * D**-0.25
-    summary = PerformerFeatures(n_features=256)
-    omega = summary.prepare(H, D, layer_idx=0, device=torch.device("cpu"), dtype=torch.float32)
-    got = summary.score_group(omega, summary.summarize(omega, keys.float()), queries.float(), None, c)
-    log_k = summary.log_features(omega.double(), keys)  # [B, H, S, c, n]
-    log_q = summary.log_features(omega.double(), queries)  # [B, H, G, n]
-    want = torch.logsumexp(log_q[:, :, :, None, None, :] + log_k[:, :, None], dim=(2, -1, -2)).unsqueeze(2)
-    assert got.shape == want.shape == (B, H, 1, S) and torch.isfinite(got).all()
-    tol = 1e-5 * max(1.0, max_norm**2 / math.sqrt(D))
-    assert (got.double() - want).abs().max() <= tol
+    summary, omega, summaries, queries, c, terms = performer_against_its_definition(max_norm, G=4, seed=4)
+    got = summary.score_group(omega, summaries, queries, None, c)
+    want = torch.logsumexp(terms, dim=(2, -1, -2)).unsqueeze(2)
+    assert got.shape == want.shape == (1, 2, 1, 6) and torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= log_domain_tolerance(max_norm)
 
 
 def test_exact_score_is_finite_with_huge_logits():
