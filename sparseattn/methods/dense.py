@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseattn.backends.base import describe
-from sparseattn.backends.cpu_kernels import cpu_kernel_refusal, segment_attention_cpu, supported_dtypes
+from sparseattn.backends.cpu_backend import CpuBackend
+from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import dense_decode_attention
 from sparseattn.ops.layout import SegmentLayout
@@ -70,20 +70,13 @@ class DenseState(KVState):
         B, H, D = self.batch, self.kv_heads, self.head_dim
         grouped = query.reshape(B, H, group, D)
         if self.method.backend == "cpu":
-            self._check_cpu_kernel(grouped)
             every = SegmentLayout(length=self.length, sinks=self.length, segment_size=1, n_segments=0)  # all tokens: sinks
             none = torch.zeros(B, H, 1, 0, dtype=torch.long)
+            reason = CpuBackend().refusal(grouped, self.keys, every, none, self.softcap)
+            if reason is not None:
+                raise ValueError(f"Dense(backend='cpu') cannot run: {reason}")
             out = segment_attention_cpu(grouped, self.keys, self.values, every, none, self.scale, self.softcap)
         else:
             out = dense_decode_attention(grouped, self.keys, self.values, self.scale, self.softcap)
         info = AllTokens(self.length, B, H * group, self.device)
         return out.reshape(B, H * group, D), info
-
-    def _check_cpu_kernel(self, query: torch.Tensor) -> None:
-        reason = cpu_kernel_refusal()
-        if reason is None and (query.device.type != "cpu" or self.keys.dtype not in supported_dtypes()):
-            reason = f"it runs float32/bfloat16/float16 caches on cpu, got keys {describe(self.keys)}"
-        if reason is None and torch.is_grad_enabled() and query.requires_grad:
-            reason = "autograd is recording and the kernel has no backward"
-        if reason is not None:
-            raise ValueError(f"Dense(backend='cpu') cannot run: {reason}")
