@@ -45,7 +45,7 @@ import torch
 
 import dataclasses
 
-from sparseattn import Dense, Radar, RadarPlus, Rerank
+from sparseattn import Dense, RadarAlg1, RadarPlus, Rerank
 from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
 from sparseattn.ops.layout import SegmentLayout
@@ -259,12 +259,12 @@ def main() -> None:
     methods = {
         "dense": None,
         "dense (cpu kernel)": Dense(backend="cpu") if device.type == "cpu" else None,
-        "radar (k=64, n=2048)": Radar(top_k=64, n_features=2048),
+        "radar-alg1 (k=64, n=2048)": RadarAlg1(top_k=64, n_features=2048),
         # One selection per KV group: the group's 4 query heads read the same segments. Independent
         # per-head selections read up to 4x the segments of one head (their union) under GQA.
-        "radar (k=64, shared)": Radar(top_k=64, n_features=2048, shared_kv_selection=True),
-        "radar (budget 4096)": Radar(budget=4096, n_features=2048),
-        "radar (budget 4096, shared)": Radar(budget=4096, n_features=2048, shared_kv_selection=True),
+        "radar-alg1 (k=64, shared)": RadarAlg1(top_k=64, n_features=2048, shared_kv_selection=True),
+        "radar-alg1 (budget 4096)": RadarAlg1(budget=4096, n_features=2048),
+        "radar-alg1 (budget 4096, shared)": RadarAlg1(budget=4096, n_features=2048, shared_kv_selection=True),
         # issue 7's preset: centroid shortlist + exact rerank; its per-step cost against raw Radar's.
         "radar+ (budget 4096)": RadarPlus(budget=4096),
     }
@@ -273,10 +273,10 @@ def main() -> None:
     optional = {  # with --methods only
         "radar+ (budget 4096, per head)": RadarPlus(budget=4096, per_group=False),
         # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.
-        "radar (k=64, torch backend)": torch_backend(Radar(top_k=64)),
-        "radar (k=64, shared, torch backend)": torch_backend(Radar(top_k=64, shared_kv_selection=True)),
-        "radar (budget 4096, torch backend)": torch_backend(Radar(budget=4096)),
-        "radar (budget 4096, shared, torch backend)": torch_backend(Radar(budget=4096, shared_kv_selection=True)),
+        "radar-alg1 (k=64, torch backend)": torch_backend(RadarAlg1(top_k=64)),
+        "radar-alg1 (k=64, shared, torch backend)": torch_backend(RadarAlg1(top_k=64, shared_kv_selection=True)),
+        "radar-alg1 (budget 4096, torch backend)": torch_backend(RadarAlg1(budget=4096)),
+        "radar-alg1 (budget 4096, shared, torch backend)": torch_backend(RadarAlg1(budget=4096, shared_kv_selection=True)),
     }
     if args.methods:
         unknown = set(args.methods) - set(methods) - set(optional)

@@ -34,36 +34,22 @@ from pathlib import Path
 
 import torch
 
-from sparseattn import Dense, Radar, RadarPlus, StreamingLLM
-from sparseattn.data.sources import load_text
-from sparseattn.evaluation.ppl import run_ppl_together, tokenize
+from sparseattn import Dense, RadarAlg1, RadarPlus, StreamingLLM
+from sparseattn.evaluation.batches import stdlib_rows
+from sparseattn.evaluation.ppl import run_ppl_together
 from sparseattn.evaluation.runs import RunDir, environment
 from sparseattn.hf import load_model
 
 METHODS = {
     "dense": Dense(),
     "dense (cpu kernel)": Dense(backend="cpu"),
-    "radar (k=64, n=2048)": Radar(top_k=64, n_features=2048),
-    "radar (budget 1024)": Radar(budget=1024, n_features=2048),
-    "radar (budget 1024, shared)": Radar(budget=1024, n_features=2048, shared_kv_selection=True),
+    "radar-alg1 (k=64, n=2048)": RadarAlg1(top_k=64, n_features=2048),
+    "radar-alg1 (budget 1024)": RadarAlg1(budget=1024, n_features=2048),
+    "radar-alg1 (budget 1024, shared)": RadarAlg1(budget=1024, n_features=2048, shared_kv_selection=True),
     "radar+ (budget 1024)": RadarPlus(budget=1024),
     # Attends 64 tokens: what a step costs with (almost) no attention, the ceiling of every sparse row.
     "streamingllm (budget 64)": StreamingLLM(budget=64),
 }
-#: Texts of the rows of a batch (stdlib modules long enough for 8k-token windows).
-BATCH_TEXTS = ("pydecimal", "inspect", "typing", "tarfile", "doctest", "argparse", "pyio")
-
-
-def batch_ids(tokenizer, batch: int, n_tokens: int) -> torch.Tensor:
-    """``[batch, n_tokens]``: row i is window ``i // 7`` of text ``BATCH_TEXTS[i % 7]`` (code, no padding)."""
-    rows = []
-    for i in range(batch):
-        name, window = BATCH_TEXTS[i % len(BATCH_TEXTS)], i // len(BATCH_TEXTS)
-        ids = tokenize(tokenizer, load_text(name), (window + 1) * n_tokens, name=name)
-        rows.append(ids[window * n_tokens :])
-    return torch.stack(rows)
-
-
 def slug(text: str) -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in text).strip("-")
 
@@ -115,7 +101,7 @@ def main() -> None:
     else:
         lengths = args.lengths or [2048, 4096, 8192 - args.steps - 1]
         model, tokenizer = load_model("default", dtype=getattr(torch, args.dtype), device=device)
-        ids = batch_ids(tokenizer, args.batch, max(lengths) + args.steps + 1)
+        ids = stdlib_rows(tokenizer, args.batch, max(lengths) + args.steps + 1)
         model_name = "default"
     info = environment()
     info["platform"] = platform.platform()

@@ -3,8 +3,8 @@
 Radar (Hao et al., ICLR 2025) and its relatives are assembled from parts:
 
 >>> import torch
->>> from sparseattn import Radar
->>> state = Radar(top_k=4, n_features=64).new_state(batch=1, kv_heads=2, head_dim=16)
+>>> from sparseattn import RadarAlg1
+>>> state = RadarAlg1(top_k=4, n_features=64).new_state(batch=1, kv_heads=2, head_dim=16)
 >>> state.prefill(torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16))
 >>> out, info = state.step(torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16))
 >>> tuple(out.shape), int(info.attended.max()) <= 4 * 10 + 2 * 10
@@ -25,6 +25,7 @@ from sparseattn.methods import (
     RadarCentered,
     RadarExact,
     RadarLowest,
+    RadarAlg1,
     RadarPlus,
     RadarRandom,
     RadarRecent,
@@ -40,7 +41,7 @@ from sparseattn.methods import (
     SubGen,
 )
 from sparseattn.ops import SegmentLayout, attention_ref, segment_attention, segment_attention_ref, segment_mask
-from sparseattn.schedules import DoublingSchedule, FixedSchedule, Schedule, SegmentGrid, SqrtSchedule
+from sparseattn.schedules import AspectSchedule, DoublingSchedule, FixedSchedule, Schedule, SegmentGrid, SqrtSchedule
 from sparseattn.selectors import Lowest, Random, Recent, Selector, TopK
 from sparseattn.summaries import CenteredFeatures, Centroid, ExactScore, MinMaxBound, PerformerFeatures, Rerank, SegmentKeys, Summary
 
@@ -54,6 +55,7 @@ __all__ = [
     "DenseState",
     "KVState",
     "DecodeState",
+    "AspectSchedule",
     "DoublingSchedule",
     "EvictingState",
     "ExactScore",
@@ -68,6 +70,7 @@ __all__ = [
     "RadarCentered",
     "RadarExact",
     "RadarLowest",
+    "RadarAlg1",
     "RadarPlus",
     "RadarRandom",
     "RadarRecent",

@@ -38,22 +38,45 @@ CPU_KERNEL = cpu_kernel_refusal()  # None when the C kernel built and loaded her
 AUTO_ON_CPU = "cpu" if CPU_KERNEL is None else "torch"
 
 
+#: How to run the interpreter tests when this process cannot (see needs_interpreter).
+RUN_INTERPRETED = "run them alone with `TRITON_INTERPRET=1 python -m pytest tests/test_backends.py`"
+
+
 def needs_interpreter(test):
     """The kernel tests on CPU: skipped, with the reason, when triton is missing or runs compiled."""
-    test = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton==3.9.0)")(test)
+    test = pytest.mark.skipif(
+        not HAS_TRITON,
+        reason="needs triton, which is not installed: these tests run the Triton kernel on CPU in its interpreter; "
+        "install it with `pip install -e '.[dev]'` (triton==3.9.0, Linux x86-64)",
+    )(test)
     return pytest.mark.skipif(
         HAS_TRITON and not INTERPRETING,
-        reason="triton runs compiled in this process (TRITON_INTERPRET=0, or triton was imported before this module "
-        "set it); test_interpreter_tests_in_a_fresh_process runs the CPU kernel tests",
+        reason="needs triton in interpreter mode (TRITON_INTERPRET=1), but it was imported compiled in this process "
+        "(TRITON_INTERPRET=0 was set, or another test module imported triton first, as in a full run); "
+        "test_interpreter_tests_in_a_fresh_process runs these tests in a fresh process instead, or "
+        + RUN_INTERPRETED,
     )(test)
+
+
+#: Why the compiled-kernel tests skip on a machine without a GPU, and where their code is tested instead.
+NO_GPU = (
+    "needs a CUDA GPU: the compiled Triton kernel runs only on a GPU; on CPU the same kernel code runs in "
+    "the Triton interpreter in the tests of test_backends.py that are not marked gpu (run with TRITON_INTERPRET=1)"
+)
 
 
 def needs_compiled_gpu(test):
     """The compiled kernel on CUDA: run with ``TRITON_INTERPRET=0 pytest -m gpu tests/test_backends.py``."""
     test = pytest.mark.gpu(test)
-    test = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")(test)
-    test = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")(test)
-    return pytest.mark.skipif(INTERPRETING, reason="the compiled kernel needs TRITON_INTERPRET=0; this run interprets")(test)
+    test = pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU)(test)
+    test = pytest.mark.skipif(
+        not HAS_TRITON, reason="needs triton, which is not installed: `pip install -e '.[gpu]'` on a CUDA machine"
+    )(test)
+    return pytest.mark.skipif(
+        INTERPRETING,
+        reason="needs triton compiled, but this process runs it in the interpreter (TRITON_INTERPRET=1); on a GPU "
+        "run `TRITON_INTERPRET=0 python -m pytest -m gpu tests/test_backends.py`",
+    )(test)
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -286,6 +309,105 @@ def test_cpu_backend_without_a_compiler_refuses_and_auto_falls_to_torch(tmp_path
     assert auto == "auto: torch"
 
 
+# A foreign or corrupt library at the kernel's cached path (defect 5 of issue 14): it must be rebuilt
+# (or, where the build itself gives a foreign library, refused with the reason), never crash the process.
+
+KERNEL_PROBE = (
+    "import torch, sparseattn.backends as b\n"
+    "from sparseattn.ops.layout import SegmentLayout\n"
+    "from sparseattn.ops.attention import segment_attention_ref\n"
+    "lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)\n"
+    "q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)\n"
+    "seg = torch.zeros(1, 2, 1, 1, dtype=torch.long)\n"
+    "print('refusal:', b.CpuBackend().refusal(q, k, lay, seg))\n"
+    "print('auto:', b.select_backend(q=q, keys=k, layout=lay, segments=seg).name)\n"
+    "if b.CpuBackend().refusal(q, k, lay, seg) is None:\n"
+    "    out = b.CpuBackend().segment_attention(q, k, v, lay, seg)\n"
+    "    ref = segment_attention_ref(q.double(), k.double(), v.double(), lay, seg)\n"
+    "    print('max error:', float((out.double() - ref).abs().max()))\n"
+)
+
+
+def run_kernel_probe(cache, **env):
+    """KERNEL_PROBE in a fresh process (the dynamic loader and the load cache start empty) with the
+    kernel cached under ``cache``; returns its output lines."""
+    env = {**os.environ, "SPARSEATTN_CACHE": str(cache), **env}
+    done = subprocess.run([sys.executable, "-c", KERNEL_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the probe crashed instead of refusing:\n{done.stderr[-3000:]}"
+    return done.stdout.splitlines()
+
+
+@pytest.fixture
+def foreign_library(tmp_path):
+    """A real shared library that exports none of the kernel's symbols."""
+    from sparseattn.backends.cpu_kernels import find_compiler
+
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("needs a C compiler (gcc, clang or $CC) to build a foreign library for the kernel cache")
+    source = tmp_path / "foreign.c"
+    source.write_text("int not_the_kernel(void) { return 42; }\n")
+    library = tmp_path / "foreign.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=120)
+    return library
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("intruder", ["foreign-library", "garbage"])
+def test_a_foreign_file_at_the_cached_kernel_path_is_rebuilt(tmp_path, foreign_library, intruder):
+    cache = tmp_path / "cache"
+    first = run_kernel_probe(cache)
+    assert first[:2] == ["refusal: None", "auto: cpu"]
+    (library,) = (cache / "kernels").glob("cpu_kernels-*.so")
+    # The intruder takes the kernel's exact file name (the name's hash matches; only the content differs).
+    library.write_bytes(foreign_library.read_bytes() if intruder == "foreign-library" else b"\x7fELF not a library")
+    again = run_kernel_probe(cache)
+    assert again[:2] == ["refusal: None", "auto: cpu"], again
+    assert float(again[2].removeprefix("max error: ")) < 1e-5
+    assert list((cache / "kernels").glob("cpu_kernels-*.so")) == [library]  # rebuilt in place, no stray files
+    assert library.read_bytes() != foreign_library.read_bytes()
+
+
+@needs_cpu_kernel
+def test_a_build_that_yields_a_foreign_library_is_refused_with_the_reason(tmp_path, foreign_library):
+    # A "compiler" that builds another source than the one it is given: the library loads but lacks the
+    # kernel's symbols. The backend refuses, naming them, and auto falls back to torch.
+    from sparseattn.backends.cpu_kernels import find_compiler
+
+    wrapper = tmp_path / "wrong-cc"
+    wrapper.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        f"args = [{str(tmp_path / 'foreign.c')!r} if a.endswith('cpu_kernels.c') else a for a in sys.argv[1:]]\n"
+        f"os.execv({find_compiler()!r}, [{find_compiler()!r}, *args])\n"
+    )
+    wrapper.chmod(0o755)
+    refusal, auto = run_kernel_probe(tmp_path / "cache", CC=str(wrapper))
+    assert refusal.startswith("refusal: the kernel is unavailable: the library ")
+    assert "does not export sa_segment_attention, sa_segment_log_mass, sa_float16_supported" in refusal
+    assert auto == "auto: torch"
+
+
+@needs_cpu_kernel
+def test_a_foreign_library_with_a_forged_manifest_is_refused_then_rebuilt(tmp_path, foreign_library):
+    # The checksum passes (the manifest was rewritten to match), so the process loads the library, finds
+    # no kernel symbols and refuses; it drops the manifest so that the next process rebuilds.
+    import hashlib
+    import json
+
+    cache = tmp_path / "cache"
+    run_kernel_probe(cache)
+    (library,) = (cache / "kernels").glob("cpu_kernels-*.so")
+    manifest = library.with_suffix(".json")
+    library.write_bytes(foreign_library.read_bytes())
+    forged = {**json.loads(manifest.read_text()), "library_sha256": hashlib.sha256(library.read_bytes()).hexdigest()}
+    manifest.write_text(json.dumps(forged))
+    refusal, auto = run_kernel_probe(cache)
+    assert "does not export sa_segment_attention" in refusal and "the next run rebuilds it" in refusal
+    assert auto == "auto: torch" and not manifest.exists()
+    assert run_kernel_probe(cache)[:2] == ["refusal: None", "auto: cpu"]
+
+
 # --- triton kernel, in the interpreter -------------------------------------------------------------
 
 
@@ -398,7 +520,7 @@ print("compiled")
 """
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton, which is not installed: `pip install -e '.[dev]'` (Linux x86-64)")
 def test_kernels_compile_for_sm90_without_a_gpu():
     # The interpreter skips triton's type checks and lowering; compiling ahead of time (triton ships
     # ptxas) checks the compiled path on a machine with no GPU. A fresh process: compiled mode.
@@ -407,8 +529,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     assert done.returncode == 0 and done.stdout.strip() == "compiled", done.stderr[-3000:]
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(INTERPRETING, reason="the interpreter tests ran in this process")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton, which is not installed: `pip install -e '.[dev]'` (Linux x86-64)")
+@pytest.mark.skipif(INTERPRETING, reason="not needed: the interpreter tests already ran in this process (it reruns them "
+                    "in a fresh process only when triton was imported compiled first, as in a full run)")
 def test_interpreter_tests_in_a_fresh_process():
     # In a full run something imports triton (transformers' model classes do) before this module can
     # set TRITON_INTERPRET, so triton runs compiled and the CPU kernel tests above skip: run them

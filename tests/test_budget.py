@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from parts import SCHEDULES, part_id
-from sparseattn import PerformerFeatures, Radar, SegmentLayout, SegmentSearch, SqrtSchedule, TopK
+from sparseattn import PerformerFeatures, SegmentLayout, SegmentSearch, SqrtSchedule, TopK
+from sparseattn.methods.presets import Radar, RadarAlg1
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=part_id)
@@ -36,12 +37,29 @@ def test_sqrt_schedule_attends_a_bounded_multiple_of_sqrt_t_up_to_1e5_tokens(top
 
 @pytest.mark.parametrize("t", [1_000, 10_000, 100_000])
 def test_reported_attention_counts_match_the_layout_at_long_contexts(t):
-    # Cheap dims: the structure, not the arithmetic, is under test.
+    # Cheap dims: the structure, not the arithmetic, is under test. Algorithm 1 over the t - 1 past
+    # tokens (the current one is never sealed): sqrt(t - 1) segments of sqrt(t - 1) tokens.
+    method = RadarAlg1(top_k=4, n_features=8)
+    state = method.new_state(1, 1, 4)
+    state.prefill(torch.randn(1, 1, t - 1, 4), torch.randn(1, 1, t - 1, 4))
+    _, info = state.step(torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    lay = info.layout
+    assert lay.segment_size == lay.n_segments == math.isqrt(t - 1)
+    assert int(info.attended) == 4 * math.isqrt(t - 1) + lay.buffer_size
+    assert int(info.attended) / math.sqrt(t) <= 4 + 2
+
+
+@pytest.mark.parametrize("t", [4_000, 20_000, 100_000])
+def test_as_run_radar_attends_a_sink_k_segments_of_sqrt_t_over_4_the_window_and_the_remainder(t):
+    # After a prefill of t - 1 and one step: t - 1 sink - 1024 window tokens are segmentable, cut
+    # into segments of floor(sqrt(that) / 4) by the first (prefill) rebuild, then sealed as they fill.
     method = Radar(top_k=4, n_features=8)
     state = method.new_state(1, 1, 4)
     state.prefill(torch.randn(1, 1, t - 1, 4), torch.randn(1, 1, t - 1, 4))
     _, info = state.step(torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
     lay = info.layout
-    assert lay.segment_size == lay.n_segments == math.isqrt(t)
-    assert int(info.attended) == 4 * math.isqrt(t) + lay.buffer_size
-    assert int(info.attended) / math.sqrt(t) <= 4 + 2
+    c = math.isqrt(t - 2 - 1024) // 4
+    remainder = (t - 1 - 1024) - lay.n_segments * c
+    assert lay.segment_size == c and 0 <= remainder < c
+    assert int(info.attended) == 1 + 4 * c + 1024 + remainder
+    assert lay.tail_size == 1024 + remainder

@@ -33,7 +33,7 @@ def invoke(*args: str):
 def test_ppl_writes_records_and_summary_then_skips_and_resumes(workspace):
     root, model, text = workspace
     out = root / "ppl"
-    invoke("ppl", "--model", model, "-m", "dense", "-m", "radar:top_k=2,n_features=32", "--text", text,
+    invoke("ppl", "--model", model, "-m", "dense", "-m", "radar:top_k=2,n_features=32,window=16", "--text", text,
            "--prefill", "300", "--steps", "12", "--out", str(out))
     runs = sorted(p.parent for p in out.glob("*/*/summary.json"))
     assert len(runs) == 2
@@ -51,20 +51,21 @@ def test_ppl_writes_records_and_summary_then_skips_and_resumes(workspace):
     lines = tokens.read_text().splitlines(keepends=True)
     tokens.write_text("".join(lines[:5]) + lines[5][:7])
     (runs[1] / "summary.json").unlink()
-    invoke("ppl", "--model", model, "-m", "radar:top_k=2,n_features=32", "--text", text, "--prefill", "300", "--steps", "12",
+    invoke("ppl", "--model", model, "-m", "radar:top_k=2,n_features=32,window=16", "--text", text, "--prefill", "300", "--steps", "12",
            "--out", str(out))
     resumed = json.loads((runs[1] / "summary.json").read_text())
     assert resumed["ppl"] == pytest.approx(radar["ppl"], rel=1e-6)
-    # A different config in the same directory is refused, not mixed.
-    result = runner.invoke(app, ["ppl", "--model", model, "-m", "dense", "--text", text, "--prefill", "300", "--steps", "12",
-                                 "--out", str(out), "--dtype", "bfloat16"])
-    assert result.exit_code != 0 and "different config" in str(result.exception)
+    # A different config in the same directory (here: the same model named by another spec) is refused, not mixed;
+    # before anything runs, as a usage error.
+    result = runner.invoke(app, ["ppl", "--model", model + "/", "-m", "dense", "--text", text, "--prefill", "300", "--steps", "12",
+                                 "--out", str(out)])
+    assert result.exit_code == 2 and "different config" in result.output
 
 
 def test_plot_draws_the_figure_and_the_table(workspace):
     root, model, text = workspace
     out = root / "plotted"
-    invoke("ppl", "--model", model, "-m", "dense", "-m", "radar:top_k=2,n_features=32", "--text", text,
+    invoke("ppl", "--model", model, "-m", "dense", "-m", "radar:top_k=2,n_features=32,window=16", "--text", text,
            "--prefill", "0", "--steps", "40", "--out", str(out))
     png = root / "ppl.png"
     result = invoke("plot", str(next(out.iterdir())), "--out", str(png))
@@ -89,7 +90,7 @@ def test_needle_runs_scores_and_draws_a_heatmap(workspace):
 def test_diagnose_reports_hit_rates_and_the_exact_oracle_always_hits(workspace):
     root, model, text = workspace
     out = root / "diagnose"
-    result = invoke("diagnose", "--model", model, "-m", "radar:top_k=2,n_features=32", "-m", "radar-exact:top_k=2",
+    result = invoke("diagnose", "--model", model, "-m", "radar:top_k=2,n_features=32,window=16", "-m", "radar-exact:top_k=2",
                     "--text", text, "--prefill", "400", "--steps", "4", "--head", "0", "--out", str(out))
     runs = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/*/summary.json")}
     exact = next(v for k, v in runs.items() if k.startswith("radar-exact"))
@@ -148,7 +149,7 @@ def test_sweep_runs_every_panel_and_draws_it(workspace):
     assert (root_dir / "sweep.png").exists() and "selection" in result.output
 
 
-@pytest.mark.parametrize("method", ["dense", "radar:top_k=2,n_features=32"])
+@pytest.mark.parametrize("method", ["dense", "radar:top_k=2,n_features=32,window=16"])
 def test_a_batch_of_rows_scores_each_row_as_its_own_run_does(workspace, tmp_path, method):
     # run_ppl on [B, T] ids decodes the rows together; each row's NLLs must be those of its own run.
     import torch
@@ -182,7 +183,7 @@ def test_methods_decoded_together_score_as_they_do_alone(workspace, tmp_path):
     _, model_dir, _ = workspace
     model, tokenizer = load_model(model_dir)
     ids = tokenizer(TEXT[:400], return_tensors="pt")["input_ids"][0][:141]
-    methods = {name: parse_method(name)[1] for name in ("dense", "radar:top_k=2,n_features=32", "streamingllm:budget=40")}
+    methods = {name: parse_method(name)[1] for name in ("dense", "radar:top_k=2,n_features=32,window=16", "streamingllm:budget=40")}
     together = run_ppl_together(model, {n: (m, RunDir(tmp_path / "t" / str(i), {"m": n})) for i, (n, m) in enumerate(methods.items())},
                                 ids, 120, 12, progress=False)
     for i, (name, method) in enumerate(methods.items()):

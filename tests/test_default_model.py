@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparseattn import Radar
+from sparseattn import Radar, RadarAlg1
 from sparseattn.hf import apply, default_model_unavailable_reason, load_model
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def test_radar_at_a_small_budget_attends_a_fraction_of_the_context(default_model
     model, tokenizer = default_model
     text = Path(sysconfig.get_paths()["stdlib"], "_pydecimal.py").read_text()[:8000]
     ids = tokenizer(text, return_tensors="pt")["input_ids"]
-    with apply(model, Radar(top_k=4)) as sparse:
+    with apply(model, RadarAlg1(top_k=4)) as sparse:
         cache = sparse.new_cache()
         model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8, do_sample=False,
                        pad_token_id=tokenizer.eos_token_id)

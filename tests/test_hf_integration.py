@@ -16,6 +16,7 @@ from sparseattn import (
     FixedSchedule,
     MinMaxBound,
     Radar,
+    RadarAlg1,
     Random,
     Recent,
     SegmentSearch,
@@ -81,7 +82,7 @@ def test_a_left_padded_batch_decodes_each_row_as_it_would_alone_at_a_small_budge
 def test_sparse_decoding_at_a_small_budget_attends_fewer_tokens_and_still_generates():
     model = tiny_model("llama")
     ids = prompts(1, [300])[0]
-    with apply(model, Radar(top_k=2, n_features=32)) as sparse:
+    with apply(model, RadarAlg1(top_k=2, n_features=32)) as sparse:
         cache = sparse.new_cache()
         out = greedy(model, ids, torch.ones_like(ids), cache, new_tokens=20)
     assert out.sequences.shape[1] == 320
@@ -170,13 +171,14 @@ def test_beam_search_reorders_the_sparse_states():
 def test_summaries_add_order_sqrt_t_bytes_not_a_second_cache():
     model = tiny_model("llama")
     sizes = {}
-    for t in (400, 1600):  # perfect squares: 20 and 40 segments
+    # 400 and 1600 past tokens (the newest token is never segmented): perfect squares, 20 and 40 segments
+    for t in (401, 1601):
         ids = prompts(1, [t])[0]  # the prefill stores t tokens; the one generated token is never fed back
-        with apply(model, Radar(top_k=2, n_features=64)) as sparse:
+        with apply(model, RadarAlg1(top_k=2, n_features=64)) as sparse:
             cache = sparse.new_cache()
             greedy(model, ids, torch.ones_like(ids), cache, new_tokens=1)
         sizes[t] = cache.nbytes()
         kv_bytes = 2 * t * 2 * 8 * 4 * model.config.num_hidden_layers  # K and V, 2 KV heads, head_dim 8, fp32
         assert sizes[t]["kv"] == pytest.approx(kv_bytes, rel=0.01)
-    assert sizes[1600]["summaries"] == 2 * sizes[400]["summaries"]  # segments grow like sqrt(t)
-    assert sizes[1600]["summaries"] < sizes[1600]["kv"]
+    assert sizes[1601]["summaries"] == 2 * sizes[401]["summaries"]  # segments grow like sqrt(t)
+    assert sizes[1601]["summaries"] < sizes[1601]["kv"]

@@ -35,6 +35,7 @@ from sparseattn import (
     TopK,
 )
 from sparseattn.cli import app
+from sparseattn.methods.presets import RadarAlg1
 from sparseattn.cli.methods import METHODS, MethodOptions, build_method
 from tiny_checkpoint import save_tiny_checkpoint
 
@@ -46,7 +47,7 @@ B, H, G, D = 2, 2, 3, 8
 
 @given(
     seed=st.integers(0, 2**31 - 1),
-    length=st.integers(16, 90),  # at least one sealed page
+    length=st.integers(17, 90),  # at least one sealed page before the newest token (never sealed)
     head_dim=st.sampled_from([1, 3, 8, 17]),
     key_scale=st.floats(0.01, 30.0),
     page_size=st.sampled_from([1, 2, 5, 16]),
@@ -82,8 +83,8 @@ def test_quest_is_min_max_pages_of_16_ranked_by_their_bound():
 # -- the selection ablations (Figure 7) ----------------------------------------------------------
 
 
-def test_ablation_presets_swap_only_the_selection_of_radar():
-    radar = Radar(top_k=5, budget=300)
+def test_ablation_presets_swap_only_the_selection_of_algorithm_1():
+    radar = RadarAlg1(top_k=5, budget=300)
     for preset, summary, selector in (
         (RadarExact(top_k=5, budget=300), ExactScore(), TopK()),
         (RadarRandom(top_k=5, budget=300, seed=2), ExactScore(), Random(seed=2)),
@@ -135,7 +136,7 @@ def test_random_ablation_draws_different_segments_per_step_reproducibly():
 
 
 def test_snapkv_compressed_prompt_is_handed_to_radar_which_appends_new_tokens():
-    prefill, decode = SnapKV(budget=40, observation_window=8), Radar(top_k=2, n_features=16)
+    prefill, decode = SnapKV(budget=40, observation_window=8), Radar(top_k=2, n_features=16, window=4)
     composed = PrefillEviction(prefill=prefill, decode=decode).new_state(B, H, D)
     alone = prefill.new_state(B, H, D)
     keys, values, queries = torch.randn(B, H, 150, D), torch.randn(B, H, 150, D), torch.randn(B, H * G, 150, D)
@@ -170,7 +171,7 @@ def test_prefill_eviction_accepts_only_methods_that_hand_over_tokens():
 # -- the CLI's names -----------------------------------------------------------------------------
 
 NAMES = [
-    "dense", "radar", "streamingllm", "h2o", "snapkv", "subgen", "quest",
+    "dense", "radar", "radar-alg1", "streamingllm", "h2o", "snapkv", "subgen", "subgen-guarded", "quest",
     "radar-exact", "radar-random", "radar-lowest", "radar-recent", "radar+", "radar-centered", "radar-rerank",
     "snapkv+radar",
 ]  # fmt: skip
@@ -189,12 +190,16 @@ def test_without_a_budget_each_method_runs_at_its_paper_default():
     assert defaults["snapkv"] == SnapKV(budget=2048, observation_window=32)
     assert defaults["subgen"] == SubGen()
     assert defaults["quest"] == Quest(top_k=64, page_size=16)
-    assert defaults["radar"] == Radar(top_k=64)
+    assert defaults["radar"] == Radar()  # as the authors ran it: k = 64, 1 sink, window 1024, aspect 4
+    assert defaults["radar-alg1"] == RadarAlg1()  # the paper's Algorithm 1
     assert defaults["snapkv+radar"] == PrefillEviction(prefill=SnapKV(), decode=Radar())
     options = MethodOptions(budget=300, heavy_ratio=0.25, observation_window=16, page_size=8, sinks=2, window=10)
     assert build_method("h2o", options) == H2O(budget=300, heavy_ratio=0.25)
     assert build_method("snapkv", options) == SnapKV(budget=300, observation_window=16)
     assert build_method("quest", options) == Quest(page_size=8, sinks=2, window=10, budget=300)
+    assert build_method("radar", options) == Radar(sinks=2, window=10, budget=300)
+    assert build_method("radar", MethodOptions(budget=512)) == Radar(budget=512)  # window min(1024, 512 // 4)
+    assert build_method("radar-alg1", options) == RadarAlg1(sinks=2, window=10, budget=300)
     assert build_method("subgen", options) == SubGen(budget=300, window=10, sinks=2)
 
 

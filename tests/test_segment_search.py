@@ -5,9 +5,27 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from parts import SCHEDULES, SELECTORS, SUMMARIES, part_id
-from sparseattn import Radar, SegmentSearch, TopK, attention_ref, segment_attention_ref
+from sparseattn import Centroid, SegmentSearch, TopK, attention_ref, segment_attention_ref
+from sparseattn.methods.presets import (
+    Quest,
+    Radar,
+    RadarAlg1,
+    RadarCentered,
+    RadarExact,
+    RadarLowest,
+    RadarPlus,
+    RadarRandom,
+    RadarRecent,
+    RadarRerank,
+)
+from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.testing import assert_close
+
+ALL_SCHEDULES = [*SCHEDULES, AspectSchedule(4), AspectSchedule(1.5)]
 
 # (batch, kv_heads, group, head_dim, prefill, decode steps, sinks, window): odd sizes, GQA, batch > 1.
 SHAPES = [
@@ -92,7 +110,7 @@ def test_low_and_high_precision_inputs_match_the_reference(dtype):
 def test_shared_kv_selection_gives_every_query_head_of_a_group_the_same_segments():
     shape = (2, 3, 4, 16, 200, 10, 1, 0)
     B, H, G, D = shape[:4]
-    method = Radar(top_k=3, n_features=64, sinks=1, shared_kv_selection=True)
+    method = Radar(top_k=3, n_features=64, window=4, shared_kv_selection=True)
     for state, q, out, info in decode(method, shape):
         per_head = info.per_query_head.view(B, H, G, -1).sort(-1).values
         assert torch.equal(per_head, per_head[:, :, :1].expand_as(per_head))
@@ -119,10 +137,12 @@ def test_a_groups_scores_are_the_logsumexp_of_its_heads_scores(summary, dtype, n
 
 
 def test_chunked_prefill_builds_the_same_structure_as_one_prefill():
+    # Holds for schedules whose grid depends on t alone (Algorithm 1's squares, fixed pages); a
+    # doubling rule's grid depends on where the rebuilds fell, so chunking legitimately changes it.
     torch.manual_seed(1)
     k, v = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
     q = torch.randn(1, 2, 16)
-    method = Radar(top_k=4, n_features=64)
+    method = RadarAlg1(top_k=4, n_features=64)
     whole = method.new_state(1, 2, 16)
     whole.prefill(k, v)
     chunked = method.new_state(1, 2, 16)
@@ -135,8 +155,8 @@ def test_chunked_prefill_builds_the_same_structure_as_one_prefill():
     assert_close(out_chunked, out_whole.double(), torch.float32)
 
 
-def test_radar_is_the_papers_composition():
-    method = Radar()
+def test_radar_alg1_is_the_papers_composition():
+    method = RadarAlg1()
     assert method.top_k == 64
     assert method.summary.n_features == 2048
     assert type(method.selector).__name__ == "TopK"
@@ -168,3 +188,83 @@ def test_dense_names_its_backends_and_says_when_the_kernel_cannot_run():
     state.prefill(torch.randn(1, 1, 5, 8, dtype=torch.float64), torch.randn(1, 1, 5, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"Dense\(backend='cpu'\) cannot run"):
         state.attend(torch.randn(1, 1, 8, dtype=torch.float64))
+
+
+# -- what is segmented: never the always-attended tail, never the current token ------------------
+
+
+def selected_token_ranges(info):
+    """``[(start, end)]`` of every selected segment, over all rows and heads."""
+    lay = info.layout
+    starts = lay.sink_end + info.segments.flatten() * lay.segment_size
+    return [(int(a), int(a) + lay.segment_size) for a in starts.unique()]
+
+
+@given(
+    schedule=st.sampled_from(ALL_SCHEDULES),
+    selector=st.sampled_from(SELECTORS),
+    sinks=st.integers(0, 6),
+    window=st.integers(0, 50),
+    prefill=st.integers(1, 400),
+    top_k=st.integers(1, 6),
+)
+def test_no_selected_segment_overlaps_the_always_attended_tail(schedule, selector, sinks, window, prefill, top_k):
+    # The tail (the window, at least the current token, plus the unsegmented remainder) is attended
+    # anyway: a segment inside it would waste the budget. So k segments are k segments outside it,
+    # and the tokens attended add up without overlap.
+    method = SegmentSearch(Centroid(), selector, schedule, top_k=top_k, sinks=sinks, window=window)
+    state = method.new_state(1, 2, 4)
+    state.prefill(torch.randn(1, 2, prefill, 4), torch.randn(1, 2, prefill, 4))
+    for _ in range(3):
+        _, info = state.step(torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 4))
+        lay, t = info.layout, state.length
+        assert lay.segment_end <= max(lay.sink_end, t - max(window, 1)) and lay.tail_start == lay.segment_end
+        for a, b in selected_token_ranges(info):
+            assert lay.sink_end <= a and b <= lay.tail_start
+        k = min(top_k, lay.n_segments)
+        assert torch.equal(info.attended, torch.full_like(info.attended, lay.sink_end + k * lay.segment_size + lay.tail_size))
+
+
+@given(
+    schedule=st.sampled_from(ALL_SCHEDULES),
+    selector=st.sampled_from(SELECTORS),
+    sinks=st.integers(0, 3),
+    prefill=st.integers(1, 300),
+)
+def test_the_current_token_is_attended_at_every_t_even_without_a_window(schedule, selector, sinks, prefill):
+    # Literal Algorithm 1 seals the current token into a segment at every perfect square, where a
+    # selector may then skip it; here it is never sealed.
+    method = SegmentSearch(Centroid(), selector, schedule, top_k=1, sinks=sinks, window=0)
+    state = method.new_state(1, 1, 4)
+    state.prefill(torch.randn(1, 1, prefill, 4), torch.randn(1, 1, prefill, 4))
+    for _ in range(12):
+        _, info = state.step(torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+        assert info.to_mask()[..., -1].all()
+        assert info.layout.n_segments == 0 or info.layout.segment_end < state.length  # never sealed
+
+
+WINDOWLESS_PRESETS = {
+    "radar-alg1": RadarAlg1(top_k=1, n_features=16),
+    "radar": Radar(top_k=1, n_features=16, sinks=0, window=0),
+    "quest": Quest(top_k=1, page_size=4),
+    "radar+": RadarPlus(top_k=1, sinks=0),
+    "radar-exact": RadarExact(top_k=1),
+    "radar-lowest": RadarLowest(top_k=1, n_features=16),
+    "radar-random": RadarRandom(top_k=1, seed=1),
+    "radar-recent": RadarRecent(top_k=1),
+    "radar-centered": RadarCentered(top_k=1, n_features=16),
+    "radar-rerank": RadarRerank(top_k=1, n_features=16, shortlist=1, factor=0.0),
+}
+
+
+@pytest.mark.parametrize("name", WINDOWLESS_PRESETS)
+def test_every_segment_preset_attends_the_current_token_at_every_t_from_the_first(name):
+    # Walks t = 1, 2, ..., 300 one token at a time: every perfect square and every rebuild of the
+    # authors' rule (64, 144, 288) is crossed. The current token's key is made the least attractive
+    # (far from every query) so a selector attends it only if it is always attended.
+    state = WINDOWLESS_PRESETS[name].new_state(1, 2, 8)
+    state.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    for t in range(2, 301):
+        q = torch.randn(1, 2, 8)
+        _, info = state.step(q, -10 * q, torch.randn(1, 2, 8))
+        assert info.to_mask()[..., t - 1].all(), t

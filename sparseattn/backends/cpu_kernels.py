@@ -4,12 +4,20 @@ No library offers decode attention over a list of token ranges read in place on 
 SDPA needs the tokens as one tensor, so the torch backend gathers a copy first; FlexAttention's CPU
 template skips blocks but measured 3x slower per byte here), so the kernel is ours: C with OpenMP,
 compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the
-host CPU (``-march=native``) and cached under ``$SPARSEATTN_CACHE`` (default
-``~/.cache/sparseattn``). The shared library links the ``libgomp.so.1`` that torch has already loaded,
-so the kernel runs on torch's own OpenMP threads (``torch.get_num_threads()``).
+host CPU (``-march=native``) and cached in :func:`sparseattn.paths.kernel_cache_dir`
+(``$SPARSEATTN_HOME/kernels``, default ``~/.cache/sparseattn/kernels``; ``$SPARSEATTN_CACHE/kernels``
+where that older variable is set). The shared library links the ``libgomp.so.1`` that torch has
+already loaded, so the kernel runs on torch's own OpenMP threads (``torch.get_num_threads()``).
+
+A cached library is not trusted by its name: the build writes a manifest beside it
+(``cpu_kernels-<key>.json``: the build key over source, compiler, flags and CPU, and the library's
+sha256), and a library whose manifest is missing or does not match is rebuilt (to a temporary name,
+then renamed), under a file lock so that two processes build once. After loading, the entry points
+are looked up; a library without them is refused.
 
 Nothing here raises at import: :func:`cpu_kernel_refusal` says in words why the kernel cannot be
-built or loaded (no compiler, a failed compile), and the backend reports that as its refusal.
+built or loaded (no compiler, a failed compile, a library without the kernel's symbols), and the
+backend reports that as its refusal, so ``auto`` falls back to the torch backend and says why.
 The reference is :func:`sparseattn.ops.attention.segment_attention_ref`.
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -29,6 +38,8 @@ from pathlib import Path
 import torch
 
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.paths import file_lock, kernel_cache_dir
+from sparseattn.progress import progress
 
 #: Compile flags: vectorised for this CPU, fast math (libmvec's vector expf), OpenMP.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
@@ -57,11 +68,13 @@ class KernelBuildError(RuntimeError):
     """The C kernel could not be built or loaded; the message says why."""
 
 
+#: The entry points the library must export; a library without one of them is not this kernel.
+SYMBOLS = ("sa_segment_attention", "sa_segment_log_mass", "sa_float16_supported")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("SPARSEATTN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sparseattn"
-    )
-    return Path(root) / "kernels"
+    """Where the kernel is cached: see :func:`sparseattn.paths.kernel_cache_dir`."""
+    return kernel_cache_dir()
 
 
 def find_compiler() -> str | None:
@@ -108,6 +121,86 @@ def _compile(compiler: str, source: Path, target: Path, extra: tuple[str, ...]) 
                 os.remove(path)
 
 
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _manifest_path(library: Path) -> Path:
+    return library.with_suffix(".json")
+
+
+def _is_verified(library: Path, key: str) -> bool:
+    """Whether ``library`` is what this module's build wrote for ``key``: its manifest names the key and
+    the library's sha256. A file merely carrying the right name (copied in, half written, another
+    project's) fails, and is rebuilt."""
+    try:
+        manifest = json.loads(_manifest_path(library).read_text())
+        return manifest.get("key") == key and manifest.get("library_sha256") == _file_sha256(library)
+    except (OSError, ValueError, AttributeError):  # missing, unreadable, not JSON, not an object
+        return False
+
+
+def _write_manifest(library: Path, key: str, compiler: str, version: str, extra: tuple[str, ...]) -> None:
+    """Record what built ``library`` beside it, atomically (written after the library is in place)."""
+    manifest = {
+        "key": key,
+        "library": library.name,
+        "library_sha256": _file_sha256(library),
+        "compiler": compiler,
+        "compiler_version": version.strip().splitlines()[0] if version.strip() else "",
+        "flags": [*CFLAGS, *extra, *LDFLAGS, *LIBS],
+    }
+    fd, tmp = tempfile.mkstemp(suffix=".json.tmp", dir=library.parent)
+    try:
+        with os.fdopen(fd, "w") as stream:
+            json.dump(manifest, stream, indent=2)
+        os.replace(tmp, _manifest_path(library))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _build(compiler: str, version: str, source_text: bytes, target: Path, key: str) -> None:
+    """Compile ``source_text`` to ``target`` and write its manifest; raises :class:`KernelBuildError`."""
+    with tempfile.TemporaryDirectory() as tmp, progress(f"compiling the cpu kernel with {Path(compiler).name}"):
+        source = Path(tmp) / "cpu_kernels.c"
+        source.write_bytes(source_text)
+        extra: tuple[str, ...] = ()
+        complaint = _compile(compiler, source, target, extra)
+        if complaint is not None:  # e.g. a compiler without _Float16: build without float16 storage
+            extra = ("-DSA_NO_FLOAT16",)
+            fallback = _compile(compiler, source, target, extra)
+            if fallback is not None:
+                raise KernelBuildError(f"compiling cpu_kernels.c with {compiler} failed:\n{fallback}")
+    _write_manifest(target, key, compiler, version, extra)
+
+
+def _ensure_built(compiler: str, version: str, source_text: bytes, target: Path, key: str) -> bool:
+    """Make ``target`` a verified build of ``source_text``; True when this call built it."""
+    if _is_verified(target, key):
+        return False
+    # Another process may be building the same key right now: wait for it rather than build twice.
+    with file_lock(target.with_suffix(".lock"), f"another process building the cpu kernel {target.name}"):
+        if _is_verified(target, key):  # it finished while we waited
+            return False
+        _build(compiler, version, source_text, target, key)
+        return True
+
+
+def _open(target: Path) -> ctypes.CDLL:
+    """Load ``target`` and check that it exports the kernel's entry points; raises :class:`KernelBuildError`."""
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:
+        raise KernelBuildError(f"loading the compiled kernel {target} failed: {err}") from err
+    missing = [name for name in SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        raise KernelBuildError(
+            f"the library {target} does not export {', '.join(missing)}: it is not a build of cpu_kernels.c"
+        )
+    return lib
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """Build (once per machine and source) and load the kernel library; raises :class:`KernelBuildError`."""
@@ -121,21 +214,20 @@ def load_library() -> ctypes.CDLL:
         raise KernelBuildError(f"the C compiler {compiler!r} does not run: {err}") from err
     key = hashlib.sha256(b"\0".join(
         [source_text, version.encode(), " ".join(CFLAGS + LDFLAGS + LIBS).encode(), _host_signature().encode()]
-    )).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
-    if not target.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            source = Path(tmp) / "cpu_kernels.c"
-            source.write_bytes(source_text)
-            complaint = _compile(compiler, source, target, ())
-            if complaint is not None:  # e.g. a compiler without _Float16: build without float16 storage
-                fallback = _compile(compiler, source, target, ("-DSA_NO_FLOAT16",))
-                if fallback is not None:
-                    raise KernelBuildError(f"compiling cpu_kernels.c with {compiler} failed:\n{fallback}")
+    )).hexdigest()
+    target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
+    built = _ensure_built(compiler, version, source_text, target, key)
     try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as err:
-        raise KernelBuildError(f"loading the compiled kernel {target} failed: {err}") from err
+        lib = _open(target)
+    except KernelBuildError as err:
+        if built:  # a fresh build that does not load: rebuilding would give the same
+            raise
+        # A cached library with a matching manifest that still fails (the pair was copied in, or a
+        # library it links changed). The process cannot load a rebuild under the same path (the
+        # dynamic loader hands back the library it already opened by that name), so drop the
+        # manifest: the next process rebuilds it.
+        _manifest_path(target).unlink(missing_ok=True)
+        raise KernelBuildError(f"{err}; its manifest was removed, so the next run rebuilds it") from err
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.sa_segment_attention.restype = ctypes.c_int
     lib.sa_segment_attention.argtypes = [

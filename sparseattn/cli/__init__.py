@@ -1,15 +1,18 @@
-"""The ``sparseattn`` command line: ``generate``, ``demo``, ``methods``, and the evaluation sub-commands."""
+"""The ``sparseattn`` command line: ``compare`` (the main job), ``generate``, ``demo``, ``methods``, and the evaluation sub-commands."""
 
 from __future__ import annotations
 
 import platform
+import sys
 
 import torch
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand, TyperGroup
 
 import sparseattn
+from sparseattn.cli.compare import compare
 from sparseattn.cli.demo import demo
 from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, sweep
 from sparseattn.cli.generate import generate
@@ -17,8 +20,46 @@ from sparseattn.cli.methods import METHODS
 from sparseattn.data.cli import app as data_app
 from sparseattn.evaluation.longbench_cli import app as longbench_app
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-console = Console()
+
+class _Layout:
+    """What every command and group of the CLI shares: how its help and its errors are laid out.
+
+    * Typer 0.29 vendors its own copy of click (``typer._click``; the installed click is not used)
+      and prints every option's type in help, flags included, so ``--help`` read ``--help <bool>``
+      as if it took a value. A flag takes none: its type column is left empty.
+    * Rich's boxes are for a terminal. In a log or a pipe they wrap at 80 columns and split an error
+      message from its values, so there help and errors are plain click text: an error is then the
+      usage and one ``Error: ...`` line.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not (sys.stdout.isatty() and sys.stderr.isatty()):
+            self.rich_markup_mode = None
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""  # shown instead of the type: nothing
+        return params
+
+
+class Command(_Layout, TyperCommand):
+    """A ``sparseattn`` command (see :class:`_Layout`)."""
+
+
+class Group(_Layout, TyperGroup):
+    """A ``sparseattn`` command group (see :class:`_Layout`)."""
+
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, cls=Group,
+    help="sparseattn: composable sparse attention for long-context decoding.",
+)
+# Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
+# labels: lines stay whole (soft_wrap) and so do table cells (a wide width).
+console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 
 @app.callback()
@@ -26,7 +67,7 @@ def main() -> None:
     """sparseattn: composable sparse attention for long-context decoding."""
 
 
-@app.command()
+@app.command(cls=Command)
 def version() -> None:
     """Print the package, torch and transformers versions."""
     import transformers
@@ -37,9 +78,9 @@ def version() -> None:
     )
 
 
-@app.command("methods")
+@app.command("methods", cls=Command)
 def list_methods() -> None:
-    """List the method names ``--method`` accepts, with their options and a one-line description."""
+    """List the method names --method accepts, with the options each takes and a one-line description."""
     table = Table(title="methods")
     for column in ("name", "options", "description"):
         table.add_column(column)
@@ -48,10 +89,11 @@ def list_methods() -> None:
     console.print(table)
 
 
-app.command()(demo)
-app.command()(generate)
-for command in (ppl, plot, needle, diagnose, sweep):
-    app.command()(command)
-longbench_app.command("run")(longbench_run)
-app.add_typer(data_app, name="data")
-app.add_typer(longbench_app, name="longbench")
+for command in (compare, demo, generate, ppl, plot, needle, diagnose, sweep):
+    app.command(cls=Command)(command)
+longbench_app.command("run", cls=Command)(longbench_run)
+for sub_app in (data_app, longbench_app):
+    for info in sub_app.registered_commands:
+        info.cls = info.cls or Command  # registered in their own modules, which cannot import this one
+app.add_typer(data_app, name="data", cls=Group)
+app.add_typer(longbench_app, name="longbench", cls=Group)

@@ -1,3 +1,3 @@
 from sparseattn.cli import app
 
-app()
+app(prog_name="sparseattn")  # `python -m sparseattn.cli` is the same command as `sparseattn`

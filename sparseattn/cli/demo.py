@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -13,9 +14,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sparseattn import Radar, Recent, SegmentSearch, attention_ref
+from sparseattn import RadarAlg1, Recent, SegmentSearch, attention_ref
 
-console = Console()
+# Not a terminal (a log, a pipe): no 80-column default, so table cells and long lines are never split.
+console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 
 def _retrieval_stream(length: int, steps: int, heads: int, kv_heads: int, head_dim: int, seed: int):
@@ -61,7 +63,7 @@ def demo(
     keys, values, queries = _retrieval_stream(length, steps, heads, kv_heads, head_dim, seed)
     group = heads // kv_heads
     methods = {
-        "radar": Radar(top_k=top_k, n_features=n_features, seed=seed),
+        "radar (Algorithm 1)": RadarAlg1(top_k=top_k, n_features=n_features, seed=seed),
         "recent segments": SegmentSearch(selector=Recent(), top_k=top_k),
     }
     console.print(

@@ -1,87 +1,268 @@
 """The evaluation commands: ``ppl``, ``plot``, ``needle``, ``diagnose``, ``sweep`` and ``longbench run``.
 
 Methods are named on the command line as ``NAME[:key=value,...]`` with the keys of
-:class:`~sparseattn.cli.methods.MethodOptions`, e.g. ``radar:top_k=8,n_features=256`` or
-``h2o:heavy_ratio=0.25``; ``--budget`` sets the budget of every method that has none in its spec.
-Every run writes a directory (``--out``) holding its resolved config, its records as they are
-produced, and a summary; rerunning skips what is finished and resumes what is not.
+:class:`~sparseattn.cli.methods.MethodOptions` that the method takes (``sparseattn methods`` lists
+them), e.g. ``radar:top_k=8,n_features=256`` or ``h2o:heavy_ratio=0.25``; ``--budget`` sets the
+budget of every method that has one and whose spec sets neither ``budget`` nor ``top_k`` (dense has
+no budget and runs without one). Every run writes a directory (``--out``) holding its resolved
+config, its records as they are produced, and a summary; rerunning skips what is finished and
+resumes what is not. The runs in another ``--dtype`` than float32 go to their own directories.
+
+Every command checks all of its input before any work starts (the model's weights are loaded last):
+a mistake ends with one line naming the option, the value and what is allowed, and exit code 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from sparseattn.cli.methods import METHODS, MethodOptions, build_method
-from sparseattn.hf import DEFAULT_MODEL, load_model
+from sparseattn.cli.methods import METHODS, MethodOptions, build_method, check_method_options, range_problem
+from sparseattn.progress import forward_progress, progress
 
-console = Console()
+#: The spec of the embedded default model: ``sparseattn.hf.DEFAULT_MODEL``, repeated rather than
+#: imported because importing ``sparseattn.hf`` loads transformers (seconds), which a mistyped
+#: option should not wait for.
+DEFAULT_MODEL = "default"
+
+# Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
+# labels: lines stay whole (soft_wrap) and so do table cells (a wide width).
+console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 QUICK = "quick defaults finish in minutes on a 2-core CPU; raise them for full-size runs"
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -- input checks: every mistake is refused before any work starts ---------------------------------------
+
+
+def bad(options: str | Sequence[str], message: str) -> typer.BadParameter:
+    """A usage error (exit code 2) naming ``options``: ``Invalid value for '--steps': ...``."""
+    return typer.BadParameter(message, param_hint=[options] if isinstance(options, str) else list(options))
+
+
+def check_range(option: str, value: float | None, low: float, high: float | None = None) -> None:
+    """Refuse ``value`` outside ``[low, high]`` (no upper end when ``high`` is None); None passes."""
+    if value is None or (low <= value and (high is None or value <= high)):
+        return
+    allowed = f">= {_number(low)}" if high is None else f"from {_number(low)} to {_number(high)}"
+    raise bad(option, f"{_number(value)} is out of range; allowed: {allowed}")
+
+
+def _number(value: float) -> str:
+    """``150`` for 150.0 and for 150 (however large), ``2.5`` for 2.5."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def check_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise bad("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def check_out(out: Path, option: str = "--out") -> None:
+    """Refuse an ``out`` directory that cannot be created or written, without creating anything.
+
+    A directory is made and removed again in the nearest existing ancestor: only that shows what the
+    file system allows (permissions, a read-only mount, a file where a directory should be).
+    """
+    path = out.expanduser()
+    if path.exists() and not path.is_dir():
+        raise bad(option, f"{out} exists and is not a directory")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise bad(option, f"cannot create {out}: {ancestor} is a file, not a directory")
+    try:
+        Path(tempfile.mkdtemp(prefix=".sparseattn-write-check-", dir=ancestor)).rmdir()
+    except OSError as err:
+        raise bad(option, f"cannot create or write {out}: {ancestor} is not writable ({err.strerror})") from None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model spec resolved to its local directory and config, its weights not loaded."""
+
+    spec: str
+    directory: Path
+    config: Any
+
+    @property
+    def window(self) -> int | None:
+        """The positions the model was trained for (``max_position_embeddings``), None if unknown."""
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise bad("--model", f"{self.spec!r}: no tokenizer that transformers can load in {self.directory}: {err}") from None
+
+    def load(self, dtype: torch.dtype):
+        """The model's weights, in eval mode (the last step of every command: checks come first)."""
+        from sparseattn.hf import load_model
+
+        return load_model(self.spec, dtype=dtype)[0]
+
+
+def inspect_model(model: str) -> ModelInfo:
+    """Resolve ``--model`` and read its config, without loading weights (a GGUF spec converts once)."""
+    from transformers import AutoConfig
+
+    from sparseattn.hf.models import ModelSourceError, local_model_dir
+
+    try:
+        directory = local_model_dir(model)
+    except ModelSourceError as err:
+        raise bad("--model", str(err)) from None
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise bad("--model", f"{model!r}: cannot read the config in {directory}: {err}") from None
+    return ModelInfo(model, directory, config)
+
+
+def check_positions(info: ModelInfo, options: str | Sequence[str], needed: int, how: str, allowed: str) -> None:
+    """Refuse a run that needs more positions than the model has: ``how`` says how ``needed`` adds up."""
+    if info.window is not None and needed > info.window:
+        raise bad(options, f"{how} = {needed} positions, beyond the model's {info.window}; allowed: {allowed}")
+
+
+def read_text(name: str, option: str = "--text") -> str:
+    """A text by name (``sparseattn data list``) or a file; a text not fetched yet is fetched (with progress)."""
+    from sparseattn.data.sources import TEXTS, FetchError, get_text, load_text
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    try:
+        entry = get_text(name)
+    except ValueError:
+        close = difflib.get_close_matches(name, TEXTS, n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise bad(option, f"{name!r} is neither a file nor a known text; {hint}allowed: a file or a name from "
+                  "`sparseattn data list`") from None
+    try:
+        if entry.fetched:
+            return load_text(name)
+        with progress(f"fetching the text {name} (once)"):
+            return load_text(name)
+    except FetchError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}")
+        raise typer.Exit(1) from None
+
+
+def text_ids(tokenizer, text: str, name: str, needed: int, how: str) -> torch.Tensor:
+    """The first ``needed`` tokens of ``text``; a usage error naming ``--text`` when it has fewer."""
+    from sparseattn.evaluation.ppl import tokenize
+
+    try:
+        return tokenize(tokenizer, text, needed, name=name)
+    except ValueError as err:
+        raise bad("--text", f"{err} ({how}); use a longer text or fewer steps") from None
+
+
+def check_runs(runs: Sequence[tuple[Path, dict]]) -> None:
+    """Refuse to mix a run into a directory that holds another experiment's run (nothing is written)."""
+    from sparseattn.evaluation.runs import RunDir
+
+    for path, config in runs:
+        try:
+            RunDir.check(path, config)
+        except ValueError as err:
+            raise bad("--out", str(err)) from None
+
+
+def run_name(kind: str, dtype: str, *parts: object) -> str:
+    """The directory of one experiment under ``--out``: ``ppl-pydecimal-p2048-s256`` (float32), and
+    ``...-bfloat16`` in another dtype, so that runs in two dtypes never meet in one directory while
+    float32 runs keep the names they always had (and stay resumable)."""
+    name = "-".join([kind, *map(str, parts)])
+    return name if dtype == "float32" else f"{name}-{dtype}"
+
+
+def wrote(paths: Sequence[Path], what: str = "") -> None:
+    """The last line of every command that writes files: where they are."""
+    console.print(f"wrote {', '.join(map(str, paths))}{f' ({what})' if what else ''}", markup=False)
+
 
 def parse_method(spec: str, budget: int | None = None) -> tuple[str, object, dict]:
-    """``"radar:top_k=8"`` -> ``(label, method instance, options given)``; ``budget`` fills in a missing budget."""
+    """``"radar:top_k=8"`` -> ``(label, method instance, options given)``; ``budget`` fills in a missing budget.
+
+    The options must be ones the method takes, in range; ``budget`` (the commands' ``--budget``)
+    applies to every method that has a budget and whose spec sets neither its budget nor its
+    ``top_k`` (a method without a budget, dense, runs without one).
+    """
     name, _, rest = spec.partition(":")
     if name not in METHODS:
-        raise typer.BadParameter(f"unknown method {name!r}; known: {', '.join(METHODS)}", param_hint="--method")
+        raise bad("--method", f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
     fields = {f.name: f for f in dataclasses.fields(MethodOptions)}
     given: dict = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not eq or key not in fields:
-            raise typer.BadParameter(
-                f"bad option {item!r} in {spec!r}; options are key=value with key in {', '.join(fields)}", param_hint="--method"
-            )
+            raise bad("--method", f"bad option {item!r} in {spec!r}; options are key=value with key in {', '.join(fields)}")
         kind = float if "float" in str(fields[key].type) else int
         try:
             given[key] = kind(value)
         except ValueError:
-            raise typer.BadParameter(f"option {key} in {spec!r} must be a {kind.__name__}, got {value!r}") from None
-    if budget is not None and "budget" in METHODS[name].options and "budget" not in given:
-        given["budget"] = budget  # only methods that have a budget (dense has none)
+            raise bad("--method", f"option {key} in {spec!r} must be a {kind.__name__}, got {value!r}") from None
     try:
-        method = build_method(name, MethodOptions(**given))
+        check_method_options(name, given, spell=str)
     except ValueError as err:
-        raise typer.BadParameter(f"{spec}: {err}", param_hint="--method") from None
+        raise bad("--method", f"{spec!r}: {err}") from None
+    if budget is not None and "budget" in METHODS[name].options and not {"budget", "top_k"} & set(given):
+        given["budget"] = budget
+    method = build_method(name, MethodOptions(**given))
     label = name + ("" if not given else ":" + ",".join(f"{k}={v}" for k, v in sorted(given.items())))
     return label, method, given
+
+
+def parse_methods(specs: Sequence[str], budget: int | None) -> list[tuple[str, object, dict]]:
+    """Every ``--method`` spec, after checking ``--budget``; two specs with one label are refused."""
+    problem = None if budget is None else range_problem("budget", budget)
+    if problem:
+        raise bad("--budget", problem)
+    resolved = [parse_method(spec, budget) for spec in specs]
+    labels = [label for label, _, _ in resolved]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        also = "" if budget is None else f" (with --budget {budget})"
+        raise bad("--method", f"{', '.join(twice)} given twice{also}; each method once")
+    return resolved
 
 
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", label)
 
 
-def _load(model: str, dtype: str):
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise typer.BadParameter(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return load_model(model, dtype=torch_dtype)
-
-
-def _text(name: str) -> str:
-    from sparseattn.data import load_text
-
-    path = Path(name)
-    if path.is_file():
-        return path.read_text(encoding="utf-8", errors="replace")
-    try:
-        return load_text(name)
-    except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--text") from None
-
-
 MODEL = typer.Option(DEFAULT_MODEL, help="'default' (SmolLM2-135M-Instruct), a local HF directory or a .gguf file")
 METHOD = typer.Option(["dense", "radar"], "--method", "-m", help="NAME[:key=value,...]; repeat for several methods")
-BUDGET = typer.Option(None, help="past KV tokens a decode step may attend, for every method (sinks and window included)")
+BUDGET = typer.Option(
+    None,
+    help="past KV tokens a decode step may attend (>= 1, sinks and window included), for every method with a budget "
+    "whose spec sets neither budget nor top_k",
+)
 DTYPE = typer.Option("float32", help="float32, bfloat16 or float16")
 OUT = typer.Option(Path("results"), help="root directory of the runs")
 
@@ -91,49 +272,79 @@ def ppl(
     method: list[str] = METHOD,
     budget: int | None = BUDGET,
     text: str = typer.Option("pydecimal", help="a text name (`sparseattn data list`) or a file"),
-    prefill: int = typer.Option(2048, help="prompt tokens prefilled densely (0: generation without prompts)"),
-    steps: int = typer.Option(256, help=f"decode steps ({QUICK}; the paper: prefill 16384 + the whole text)"),
+    prefill: int = typer.Option(2048, help="prompt tokens prefilled densely (>= 0; 0: generation without prompts)"),
+    steps: int = typer.Option(256, help=f"decode steps (>= 1; {QUICK}; the paper: prefill 16384 + the whole text)"),
     out: Path = OUT,
     dtype: str = DTYPE,
 ) -> None:
-    """Perplexity as the paper's Sec. 4.1: prefill a prompt, then feed the text token by token with the method."""
-    from sparseattn.evaluation.plots import ppl_table
-    from sparseattn.evaluation.ppl import run_ppl, tokenize
-    from sparseattn.evaluation.runs import RunDir
-
-    resolved = [parse_method(spec, budget) for spec in method]
-    hf_model, tokenizer = _load(model, dtype)
-    ids = tokenize(tokenizer, _text(text), prefill + steps + 1, name=text)
-    dirs = []
+    """Perplexity as in the paper's section 4.1: prefill a prompt, then feed the text token by token with the method."""
+    torch_dtype = check_dtype(dtype)
+    check_range("--prefill", prefill, 0)
+    check_range("--steps", steps, 1)
+    resolved = parse_methods(method, budget)
+    check_out(out)
+    info = inspect_model(model)
+    needed = prefill + steps + 1
+    how = f"--prefill {prefill} + --steps {steps} + 1"
+    allowed = "--prefill + --steps <= " + str((info.window or 0) - 1)
+    check_positions(info, ["--prefill", "--steps"], needed, how, allowed)
+    ids = text_ids(info.tokenizer(), read_text(text), text, needed, how)
+    root = out / run_name("ppl", dtype, _slug(text), f"p{prefill}", f"s{steps}")
+    runs = []
     for label, sparse_method, given in resolved:
         config = {"command": "ppl", "model": model, "text": text, "prefill": prefill, "steps": steps, "dtype": dtype,
                   "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
-        run = RunDir(out / f"ppl-{_slug(text)}-p{prefill}-s{steps}" / _slug(label), config)
+        runs.append((label, sparse_method, root / _slug(label), config))
+    check_runs([(path, config) for _, _, path, config in runs])
+
+    from sparseattn.evaluation.plots import ppl_table
+    from sparseattn.evaluation.ppl import run_ppl
+    from sparseattn.evaluation.runs import RunDir
+
+    hf_model = info.load(torch_dtype)
+    dirs = []
+    for label, sparse_method, path, config in runs:
+        run = RunDir(path, config)
         summary = run_ppl(hf_model, sparse_method, ids, prefill, steps, run, label=label)
         console.print(f"{label}: ppl {summary['ppl']:.3f}, {summary['tokens_per_second']:.2f} tokens/s, "
-                      f"{summary['mean_attended_tokens']:.0f} KV tokens attended per step -> {run.path}")
+                      f"{summary['mean_attended_tokens']:.0f} KV tokens attended per step -> {run.path}", markup=False)
         dirs.append(run.path)
-    console.print(ppl_table(dirs))
+    console.print(ppl_table(dirs), markup=False)
+    wrote(dirs, "config.json, tokens.jsonl, summary.json in each")
 
 
 def plot(
     runs: list[Path] = typer.Argument(..., help="perplexity run directories (or parents of them)"),
-    out: Path = typer.Option(Path("ppl.png"), help="the PNG to write; a markdown table goes beside it (.md)"),
+    out: Path = typer.Option(
+        Path("ppl.png"), help="the picture to write (.png, .pdf, .svg, ...); a markdown table goes beside it (.md)"
+    ),
     title: str | None = typer.Option(None),
 ) -> None:
     """Perplexity and cumulative time vs position (the paper's Figure 3 layout) and a markdown table."""
-    from sparseattn.evaluation.plots import ppl_figure, ppl_table
+    missing = [str(path) for path in runs if not path.exists()]
+    if missing:
+        raise bad("RUNS", f"{', '.join(missing)} does not exist")
+    from matplotlib.backend_bases import FigureCanvasBase
 
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise bad("--out", f"{out}: {out.suffix or 'no suffix'} is not a picture format; allowed: "
+                  f"{', '.join('.' + f for f in sorted(formats))}")
+    check_out(out.parent)
     found = []
     for path in runs:
         found += [path] if (path / "summary.json").exists() else sorted(p.parent for p in path.glob("*/summary.json"))
     if not found:
-        raise typer.BadParameter("no finished run (summary.json) under the given paths")
+        raise bad("RUNS", f"no finished run (a directory with summary.json) in or under {', '.join(map(str, runs))}")
+
+    from sparseattn.evaluation.plots import ppl_figure, ppl_table
+
+    out.parent.mkdir(parents=True, exist_ok=True)
     ppl_figure(found, out, title)
     table = ppl_table(found)
     out.with_suffix(".md").write_text(table + "\n")
-    console.print(table)
-    console.print(f"wrote {out} and {out.with_suffix('.md')}")
+    console.print(table, markup=False)
+    wrote([out, out.with_suffix(".md")])
 
 
 def needle(
@@ -141,11 +352,11 @@ def needle(
     method: list[str] = METHOD,
     budget: int | None = BUDGET,
     task: str = typer.Option("passkey", help="passkey or a RULER task (niah_single_1, niah_multikey_1, ...)"),
-    lengths: list[int] = typer.Option([4096], "--length", help="target prompt lengths in tokens (repeatable)"),
-    depths: list[float] = typer.Option([10.0, 50.0, 90.0], "--depth", help="needle depths in percent (repeatable)"),
-    samples: int = typer.Option(2, help=f"samples per length x depth ({QUICK})"),
+    lengths: list[int] = typer.Option([4096], "--length", help="target prompt lengths in tokens, answer included (repeatable)"),
+    depths: list[float] = typer.Option([10.0, 50.0, 90.0], "--depth", help="needle depths in percent, 0 to 100 (repeatable)"),
+    samples: int = typer.Option(2, help=f"samples per length x depth (>= 1; {QUICK})"),
     haystack: str = typer.Option("paradise-lost", help="text for RULER's prose haystack (tasks with haystack='prose')"),
-    max_new_tokens: int = typer.Option(16),
+    max_new_tokens: int = typer.Option(16, help="answer tokens generated (>= 1)"),
     chat: bool = typer.Option(False, help="wrap prompts in the tokenizer's chat template"),
     seed: int = typer.Option(0),
     out: Path = OUT,
@@ -153,19 +364,55 @@ def needle(
 ) -> None:
     """Retrieval accuracy (passkey / RULER NIAH) by length x depth: a table, JSON and a heatmap per method."""
     from sparseattn.data.needle import RULER_NIAH, PasskeyTask
-    from sparseattn.evaluation.generation import accuracy_grid, run_needle
-    from sparseattn.evaluation.plots import heatmap
-    from sparseattn.evaluation.runs import RunDir, write_json
 
+    torch_dtype = check_dtype(dtype)
     if task == "passkey":
         retrieval = PasskeyTask()
     elif task in RULER_NIAH:
         retrieval = RULER_NIAH[task]
     else:
-        raise typer.BadParameter(f"unknown task {task!r}; known: passkey, {', '.join(RULER_NIAH)}", param_hint="--task")
-    resolved = [parse_method(spec, budget) for spec in method]
-    hf_model, tokenizer = _load(model, dtype)
-    haystack_text = _text(haystack) if getattr(retrieval, "haystack", None) == "prose" else None
+        raise bad("--task", f"unknown task {task!r}; known: passkey, {', '.join(RULER_NIAH)}")
+    for length in lengths:
+        check_range("--length", length, 1)
+    for depth in depths:
+        check_range("--depth", depth, 0, 100)
+    check_range("--samples", samples, 1)
+    check_range("--max-new-tokens", max_new_tokens, 1)
+    resolved = parse_methods(method, budget)
+    check_out(out)
+    info = inspect_model(model)
+    for length in lengths:  # before any sample is built
+        if info.window is not None and length > info.window:
+            raise bad("--length", f"{length} is beyond the model's {info.window} positions; allowed: up to {info.window}")
+    haystack_text = read_text(haystack, "--haystack") if getattr(retrieval, "haystack", None) == "prose" else None
+    tokenizer = info.tokenizer()
+    if chat and getattr(tokenizer, "chat_template", None) is None:
+        raise bad("--chat", f"the tokenizer of {model!r} has no chat template")
+
+    from sparseattn.evaluation.generation import needle_plan, shortest_lengths
+
+    plan = needle_plan(retrieval, lengths, depths, samples, seed)
+    shortest = shortest_lengths(retrieval, tokenizer, plan, max_new_tokens=max_new_tokens, haystack_text=haystack_text, chat=chat)
+    for length in lengths:
+        if length < shortest[length]:
+            raise bad("--length", f"{length} is too short for {task}: its prompt without any haystack has "
+                      f"{shortest[length] - max_new_tokens} tokens, and --max-new-tokens {max_new_tokens} come on top; "
+                      f"allowed: {shortest[length]} to {info.window}")
+    root = out / run_name(f"needle-{task}", dtype)
+    runs = []
+    for label, sparse_method, given in resolved:
+        # Lengths, depths and samples say how much of the grid to run: more of them extends the run.
+        config = {"command": "needle", "model": model, "task": task, "max_new_tokens": max_new_tokens, "chat": chat,
+                  "seed": seed, "dtype": dtype, "method": label, "budget": given.get("budget"), "params": repr(sparse_method),
+                  "haystack": haystack if haystack_text else None}
+        runs.append((label, sparse_method, root / _slug(label), config))
+    check_runs([(path, config) for _, _, path, config in runs])
+
+    from sparseattn.evaluation.generation import accuracy_grid, run_needle
+    from sparseattn.evaluation.plots import heatmap
+    from sparseattn.evaluation.runs import RunDir, write_json
+
+    hf_model = info.load(torch_dtype)
     table = Table(title=f"{task}: accuracy (%) by length and depth")
     table.add_column("method")
     table.add_column("length", justify="right")
@@ -173,12 +420,9 @@ def needle(
     for d in shown_depths:
         table.add_column("spread" if d < 0 else f"{d:g}%", justify="right")
     table.add_column("mean", justify="right")
-    for label, sparse_method, given in resolved:
-        # Lengths, depths and samples say how much of the grid to run: more of them extends the run.
-        config = {"command": "needle", "model": model, "task": task, "max_new_tokens": max_new_tokens, "chat": chat,
-                  "seed": seed, "dtype": dtype, "method": label, "budget": given.get("budget"), "params": repr(sparse_method),
-                  "haystack": haystack if haystack_text else None}
-        run = RunDir(out / f"needle-{task}" / _slug(label), config)
+    dirs = []
+    for label, sparse_method, path, config in runs:
+        run = RunDir(path, config)
         records = run_needle(hf_model, tokenizer, sparse_method, retrieval, lengths, depths, samples, run,
                              max_new_tokens=max_new_tokens, haystack_text=haystack_text, chat=chat, seed=seed)
         grid = accuracy_grid(records, lengths, shown_depths)
@@ -191,105 +435,146 @@ def needle(
         heatmap(grid, [str(n) for n in lengths], ["spread" if d < 0 else f"{d:g}%" for d in shown_depths],
                 run.path / "heatmap.png", f"{task}, {label}", "needle depth", "prompt tokens")
         write_json(run.path / "grid.json", {"lengths": lengths, "depths": shown_depths, "accuracy": grid})
+        dirs.append(run.path)
     console.print(table)
+    wrote(dirs, "config.json, samples.jsonl, summary.json, grid.json, heatmap.png in each")
 
 
 def diagnose(
     model: str = MODEL,
     method: list[str] = typer.Option(["radar", "radar-exact", "radar-recent", "radar-random"], "--method", "-m",
                                      help="NAME[:key=value,...]; repeat for several methods"),
-    budget: int | None = typer.Option(512, help="past KV tokens per decode step for every method (recall and error depend on it)"),
+    budget: int | None = typer.Option(
+        512, help="past KV tokens per decode step (>= 1) for every method with a budget whose spec sets neither budget "
+        "nor top_k (recall and error depend on it)"
+    ),
     text: str = typer.Option("paradise-lost", help="a text name or a file"),
-    prefill: int = typer.Option(2048),
-    steps: int = typer.Option(16, help=f"decode steps measured ({QUICK})"),
+    prefill: int = typer.Option(2048, help="prompt tokens prefilled (>= 1)"),
+    steps: int = typer.Option(16, help=f"decode steps measured (>= 1; {QUICK})"),
     picture_heads: list[int] = typer.Option([0, 4, 8], "--head", help="query heads drawn in the appendix picture"),
     picture_layer: int = typer.Option(0, help="layer drawn in the appendix picture"),
     out: Path = OUT,
     dtype: str = DTYPE,
 ) -> None:
     """Per layer and head: top-1/top-3 segment hit rate vs exact segment attention, mass recall, output error."""
+    torch_dtype = check_dtype(dtype)
+    check_range("--prefill", prefill, 1)
+    check_range("--steps", steps, 1)
+    resolved = parse_methods(method, budget)
+    check_out(out)
+    info = inspect_model(model)
+    layers = getattr(info.config, "num_hidden_layers", None)
+    heads = getattr(info.config, "num_attention_heads", None)
+    check_range("--picture-layer", picture_layer, 0, None if layers is None else layers - 1)
+    for head in picture_heads:
+        check_range("--head", head, 0, None if heads is None else heads - 1)
+    needed = prefill + steps
+    how = f"--prefill {prefill} + --steps {steps}"
+    check_positions(info, ["--prefill", "--steps"], needed, how, f"--prefill + --steps <= {info.window}")
+    ids = text_ids(info.tokenizer(), read_text(text), text, needed, how)
+    root = out / run_name("diagnose", dtype, _slug(text), f"p{prefill}", f"s{steps}")
+    runs = []
+    for label, sparse_method, given in resolved:
+        config = {"command": "diagnose", "model": model, "text": text, "prefill": prefill, "steps": steps, "dtype": dtype,
+                  "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
+        runs.append((label, sparse_method, root / _slug(label), config))
+    check_runs([(path, config) for _, _, path, config in runs])
+
     from sparseattn.evaluation.diagnose import Probe, summarize_probes
     from sparseattn.evaluation.plots import attention_pictures
     from sparseattn.evaluation.runs import RunDir
     from sparseattn.hf import apply
 
-    resolved = [parse_method(spec, budget) for spec in method]
-    hf_model, tokenizer = _load(model, dtype)
-    ids = tokenize_ids(tokenizer, _text(text), prefill + steps, text)
+    hf_model = info.load(torch_dtype)
     table = Table(title=f"diagnostics on {text}, prefill {prefill}, {steps} steps (dense trajectory)")
     for column in ("method", "hit@1", "hit@3", "mass recall", "rel. error", "attended", "segments"):
         table.add_column(column, justify="right")
-    for label, sparse_method, given in resolved:
-        config = {"command": "diagnose", "model": model, "text": text, "prefill": prefill, "steps": steps, "dtype": dtype,
-                  "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
-        run = RunDir(out / f"diagnose-{_slug(text)}-p{prefill}-s{steps}" / _slug(label), config)
+    dirs = []
+    for label, sparse_method, path, config in runs:
+        run = RunDir(path, config)
         if not run.finished:
             probe = Probe(sparse_method, pictures=True)
             with apply(hf_model, probe) as sparse, torch.no_grad():
                 cache = sparse.new_cache()
-                hf_model(ids[None, :prefill], past_key_values=cache, use_cache=True)
-                for i in range(steps):
-                    hf_model(ids[None, prefill + i : prefill + i + 1], past_key_values=cache, use_cache=True)
+                with forward_progress(hf_model, f"{label}: prefill {prefill} tokens"):
+                    hf_model(ids[None, :prefill], past_key_values=cache, use_cache=True)
+                with progress(f"{label}: decode with exact attention beside", total=steps, unit="steps") as bar:
+                    for i in range(steps):
+                        hf_model(ids[None, prefill + i : prefill + i + 1], past_key_values=cache, use_cache=True)
+                        bar.advance()
             states = [layer.state for layer in cache.sparse_layers]
             summary = {**config, **summarize_probes(states)}
             pictures = states[picture_layer].records.pictures if picture_layer < len(states) else []
             if pictures:
-                heads = [h for h in picture_heads if h < pictures[0][0].shape[0]]
-                attention_pictures(pictures, heads, run.path / "attention.png", f"{label}, layer {picture_layer}")
+                shown = [h for h in picture_heads if h < pictures[0][0].shape[0]]
+                attention_pictures(pictures, shown, run.path / "attention.png", f"{label}, layer {picture_layer}")
             run.finish(summary)
         summary = run.summary()
         o = summary["overall"]
         segments = sum(r["mean_segments"] for r in summary["per_layer"]) / max(1, len(summary["per_layer"]))
         table.add_row(label, *(f"{100 * o[k]:.1f}%" for k in ("hit@1", "hit@3", "recall")), f"{o['rel_error']:.3f}",
                       f"{o['attended']:.0f}", f"{segments:.0f}")
+        dirs.append(run.path)
     console.print(table)
     console.print("paper (Llama-3, 10 segments): Radar 34.38% / 62.5%, recency 18.75% / 46.88%, random 10% / 30%")
-
-
-def tokenize_ids(tokenizer, text: str, n: int, name: str) -> torch.Tensor:
-    from sparseattn.evaluation.ppl import tokenize
-
-    return tokenize(tokenizer, text, n, name=name)
+    wrote(dirs, "config.json, summary.json, attention.png (segment methods) in each")
 
 
 def sweep(
     model: str = MODEL,
     text: str = typer.Option("pydecimal", help="a text name or a file"),
-    prefill: int = typer.Option(2048),
-    steps: int = typer.Option(128, help=f"decode steps per run ({QUICK})"),
+    prefill: int = typer.Option(2048, help="prompt tokens prefilled densely (>= 0)"),
+    steps: int = typer.Option(128, help=f"decode steps per run (>= 1; {QUICK})"),
     n_features: list[int] = typer.Option([64, 256, 1024, 2048], "--n", help="random feature counts n (k fixed)"),
     top_k: list[int] = typer.Option([2, 4, 8, 16], "--k", help="segments k (n fixed)"),
     fixed_n: int = typer.Option(2048, help="n while sweeping k"),
     fixed_k: int = typer.Option(8, help="k while sweeping n and in the ablation"),
-    window: int = typer.Option(0, help="recent window for every Radar run"),
+    window: int = typer.Option(0, help="recent window for every Radar run (>= 0)"),
     out: Path = OUT,
     dtype: str = DTYPE,
 ) -> None:
     """The paper's n and k sweeps and the selection ablation (lowest / random / recent / approximate / exact)."""
-    from sparseattn.evaluation.plots import sweep_figure
-    from sparseattn.evaluation.ppl import run_ppl, tokenize
-    from sparseattn.evaluation.runs import RunDir, write_json
-
-    hf_model, tokenizer = _load(model, dtype)
-    ids = tokenize(tokenizer, _text(text), prefill + steps + 1, name=text)
-    root = out / f"sweep-{_slug(text)}-p{prefill}-s{steps}"
-
-    def measure(spec: str) -> float:
+    torch_dtype = check_dtype(dtype)
+    check_range("--prefill", prefill, 0)
+    check_range("--steps", steps, 1)
+    for option, values in (("--n", n_features), ("--k", top_k), ("--fixed-n", [fixed_n]), ("--fixed-k", [fixed_k])):
+        for value in values:
+            check_range(option, value, 1)
+    check_range("--window", window, 0)
+    check_out(out)
+    info = inspect_model(model)
+    needed = prefill + steps + 1
+    how = f"--prefill {prefill} + --steps {steps} + 1"
+    check_positions(info, ["--prefill", "--steps"], needed, how, f"--prefill + --steps <= {(info.window or 0) - 1}")
+    ids = text_ids(info.tokenizer(), read_text(text), text, needed, how)
+    root = out / run_name("sweep", dtype, _slug(text), f"p{prefill}", f"s{steps}")
+    panels_specs = {
+        "n (random features)": [(n, f"radar:n_features={n},top_k={fixed_k},window={window}") for n in n_features],
+        "k (segments)": [(k, f"radar:n_features={fixed_n},top_k={k},window={window}") for k in top_k],
+        "selection": [(name, f"{spec}:top_k={fixed_k},window={window}")
+                      for name, spec in (("lowest", "radar-lowest"), ("random", "radar-random"), ("recent", "radar-recent"),
+                                         ("radar", "radar"), ("exact", "radar-exact"))],
+    }
+    runs = {}
+    for spec in ["dense"] + [spec for points in panels_specs.values() for _, spec in points]:
         label, sparse_method, given = parse_method(spec)
         config = {"command": "ppl", "model": model, "text": text, "prefill": prefill, "steps": steps, "dtype": dtype,
                   "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
-        return run_ppl(hf_model, sparse_method, ids, prefill, steps, RunDir(root / _slug(label), config), label=label)["ppl"]
+        runs[spec] = (label, sparse_method, root / _slug(label), config)
+    check_runs([(path, config) for _, _, path, config in runs.values()])
+
+    from sparseattn.evaluation.plots import sweep_figure
+    from sparseattn.evaluation.ppl import run_ppl
+    from sparseattn.evaluation.runs import RunDir, write_json
+
+    hf_model = info.load(torch_dtype)
+
+    def measure(spec: str) -> float:
+        label, sparse_method, path, config = runs[spec]
+        return run_ppl(hf_model, sparse_method, ids, prefill, steps, RunDir(path, config), label=label)["ppl"]
 
     dense = measure("dense")
-    panels = {
-        "n (random features)": [(n, measure(f"radar:n_features={n},top_k={fixed_k},window={window}")) for n in n_features],
-        "k (segments)": [(k, measure(f"radar:n_features={fixed_n},top_k={k},window={window}")) for k in top_k],
-        "selection": [
-            (name, measure(f"{spec}:top_k={fixed_k},window={window}"))
-            for name, spec in (("lowest", "radar-lowest"), ("random", "radar-random"), ("recent", "radar-recent"),
-                               ("radar", "radar"), ("exact", "radar-exact"))
-        ],
-    }
+    panels = {name: [(value, measure(spec)) for value, spec in points] for name, points in panels_specs.items()}
     write_json(root / "sweep.json", {"dense": dense, "panels": {k: [list(p) for p in v] for k, v in panels.items()}})
     sweep_figure(panels, root / "sweep.png", f"{text}: prefill {prefill}, {steps} steps", reference=dense)
     table = Table(title=f"sweep on {text} (dense ppl {dense:.3f})")
@@ -299,7 +584,7 @@ def sweep(
         for value, metric in points:
             table.add_row(name, str(value), f"{metric:.3f}")
     console.print(table)
-    console.print(f"wrote {root / 'sweep.png'} and {root / 'sweep.json'}")
+    wrote([root / "sweep.png", root / "sweep.json"], f"and one run directory per point under {root}")
 
 
 def longbench_run(
@@ -309,27 +594,55 @@ def longbench_run(
     budget: int | None = BUDGET,
     task: list[str] = typer.Option(None, "--task", help="tasks to run (default: every {task}.jsonl present)"),
     max_length: int = typer.Option(7500, help="middle-truncate prompts to this many tokens (the model's window minus room)"),
-    limit: int | None = typer.Option(None, help="first N examples per task (quick runs)"),
+    limit: int | None = typer.Option(None, help="first N examples per task (>= 1; quick runs)"),
     chat: bool = typer.Option(True, help="chat template (except the tasks LongBench runs without one)"),
     out: Path = OUT,
     dtype: str = DTYPE,
 ) -> None:
     """LongBench v1 predictions under each method (pred.py's protocol), then scored with the official metrics."""
     from sparseattn.evaluation import longbench as lb
-    from sparseattn.evaluation.generation import run_longbench
-    from sparseattn.evaluation.runs import RunDir, write_json
 
+    torch_dtype = check_dtype(dtype)
+    if not data_dir.is_dir():
+        raise bad("--data-dir", f"{data_dir} is not a directory")
+    for name in task or []:
+        try:
+            lb.check_task(name)
+        except ValueError as err:
+            raise bad("--task", str(err)) from None
+        if not (data_dir / f"{name}.jsonl").is_file():
+            raise bad("--task", f"{name}: there is no {data_dir / f'{name}.jsonl'}")
     tasks = task or [t for t in lb.TASKS if (data_dir / f"{t}.jsonl").exists()]
     if not tasks:
-        raise typer.BadParameter(f"no LongBench task files ({', '.join(lb.TASKS)}.jsonl) in {data_dir}", param_hint="--data-dir")
-    resolved = [parse_method(spec, budget) for spec in method]
-    hf_model, tokenizer = _load(model, dtype)
+        raise bad("--data-dir", f"no LongBench task files ({', '.join(lb.TASKS)}.jsonl) in {data_dir}")
+    check_range("--max-length", max_length, 1)
+    check_range("--limit", limit, 1)
+    resolved = parse_methods(method, budget)
+    check_out(out)
+    info = inspect_model(model)
+    answer = max(lb.MAX_NEW_TOKENS[t] for t in tasks)
+    check_positions(info, "--max-length", max_length + answer, f"--max-length {max_length} + {answer} answer tokens",
+                    f"--max-length <= {(info.window or 0) - answer} for these tasks")
+    root = out / run_name("longbench", dtype)
+    runs = []
     for label, sparse_method, given in resolved:
         # The tasks and --limit say how much of the experiment to run, not which one: more of either extends it.
         config = {"command": "longbench", "model": model, "data_dir": str(data_dir), "max_length": max_length,
                   "chat": chat, "dtype": dtype, "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
-        run = RunDir(out / "longbench" / _slug(label), config)
+        runs.append((label, sparse_method, root / _slug(label), config))
+    check_runs([(path, config) for _, _, path, config in runs])
+
+    from sparseattn.evaluation.generation import run_longbench
+    from sparseattn.evaluation.runs import RunDir, write_json
+
+    tokenizer = info.tokenizer()
+    hf_model = info.load(torch_dtype)
+    dirs = []
+    for label, sparse_method, path, config in runs:
+        run = RunDir(path, config)
         run_longbench(hf_model, tokenizer, sparse_method, data_dir, tasks, max_length, run, limit=limit, chat=chat)
         result = lb.score_directory(run.path)
         write_json(run.path / "result.json", {**result, "limit": limit})
-        console.print(f"{label}: {json.dumps(result.get('scores', result))}")
+        console.print(f"{label}: {json.dumps(result.get('scores', result))}", markup=False)
+        dirs.append(run.path)
+    wrote(dirs, "config.json, {task}.jsonl predictions, result.json in each")

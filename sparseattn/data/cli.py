@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sparseattn.data.sources import FetchError, fetch, list_texts
 from sparseattn.paths import cache_dir
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-console = Console()
+# Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
+# labels: lines stay whole (soft_wrap) and so do table cells (a wide width).
+console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 
 @app.command("fetch")
@@ -21,9 +26,9 @@ def fetch_cmd(
     try:
         paths = fetch(names or None)
     except (FetchError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(1) from None
-    console.print(f"{len(paths)} text(s) available under {cache_dir('texts')}")
+    console.print(f"{len(paths)} text(s) available under {cache_dir('texts')}", markup=False)
 
 
 @app.command("list")

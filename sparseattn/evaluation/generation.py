@@ -4,18 +4,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from sparseattn.data.needle import RetrievalTask, clean_prediction, string_match_all
 from sparseattn.evaluation import longbench as lb
 from sparseattn.evaluation.runs import RunDir
 from sparseattn.hf import apply
+from sparseattn.progress import progress as show_progress
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,15 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, answer_prefix: str = "") -
     """``[1, n]`` ids: plain text, or one user turn of the chat template followed by ``answer_prefix``.
 
     In chat mode the prefix is written as the beginning of the assistant's reply (RULER's convention).
+    ``verbose=False``: transformers warns of "indexing errors" for a text longer than the tokenizer's
+    maximum length, but the callers fit or refuse a prompt against the model's window themselves.
     """
     if not chat:
-        return tokenizer(prompt + answer_prefix, return_tensors="pt")["input_ids"]
+        return tokenizer(prompt + answer_prefix, return_tensors="pt", verbose=False)["input_ids"]
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("--chat needs a tokenizer with a chat template")
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    return tokenizer(text + answer_prefix, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return tokenizer(text + answer_prefix, return_tensors="pt", add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def greedy(model, tokenizer, sparse, ids: torch.Tensor, max_new_tokens: int, stop_at_newline: bool = False) -> Generation:
@@ -73,10 +75,49 @@ def greedy(model, tokenizer, sparse, ids: torch.Tensor, max_new_tokens: int, sto
     )
 
 
-def _bar(total: int, done: int, label: str) -> tuple[Progress, Any]:
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True)
-    task = bar.add_task(label, total=total, completed=done)
-    return bar, task
+def needle_plan(
+    task: RetrievalTask, lengths: Sequence[int], depths: Sequence[float], samples: int, seed: int
+) -> list[tuple[int, float, int]]:
+    """The ``(length, depth, seed)`` of every sample :func:`run_needle` runs, in order.
+
+    A distinct seed per sample, so cells do not share needles; tasks with several needles have one
+    depth, :data:`SPREAD` (RULER's spread of depths).
+    """
+    if _needles(task) > 1:
+        depths = [SPREAD]
+    return [
+        (n, d, seed + i + samples * (li * len(depths) + di))
+        for li, n in enumerate(lengths)
+        for di, d in enumerate(depths)
+        for i in range(samples)
+    ]
+
+
+def _counter(tokenizer, chat: bool) -> Callable[[str], int] | Any:
+    """What the needle tasks count prompt tokens with: the tokenizer, or the length of the chat prompt."""
+    return tokenizer if chat is False else (lambda s: len(encode_prompt(tokenizer, s, True)[0]))
+
+
+def shortest_lengths(
+    task: RetrievalTask,
+    tokenizer,
+    plan: Sequence[tuple[int, float, int]],
+    *,
+    max_new_tokens: int,
+    haystack_text: str | None = None,
+    chat: bool = False,
+) -> dict[int, int]:
+    """Per planned length, the fewest tokens its samples need: a prompt without haystack + the answer.
+
+    A shorter length cannot be built (:meth:`RetrievalTask.sample` refuses it); the needles and keys
+    drawn from each sample's seed change the count by a few tokens, so every planned sample is counted.
+    """
+    count = _counter(tokenizer, chat)
+    shortest: dict[int, int] = {}
+    for length, depth, s in plan:
+        bare = task.render(0, count, seed=s, depths=None if depth == SPREAD else [depth], haystack_text=haystack_text)
+        shortest[length] = max(shortest.get(length, 0), bare.num_tokens + max_new_tokens)
+    return shortest
 
 
 def run_needle(
@@ -102,43 +143,27 @@ def run_needle(
     depth :data:`SPREAD`); scored with RULER's ``string_match_all`` (percent).
     """
     records = run.records("samples.jsonl")
-    if _needles(task) > 1:
-        depths = [SPREAD]  # several needles: RULER's spread of depths, one column
     done = {(r["length"], r["depth"], r["seed"]) for r in records}
-    # A distinct seed per sample, so cells do not share needles.
-    plan = [
-        (n, d, seed + i + samples * (li * len(depths) + di))
-        for li, n in enumerate(lengths)
-        for di, d in enumerate(depths)
-        for i in range(samples)
-    ]
-    counter = tokenizer if chat is False else (lambda s: len(encode_prompt(tokenizer, s, True)[0]))
-    bar, bar_task = _bar(len(plan), len(done), f"{task.name}") if progress else (None, None)
-    with apply(model, method) as sparse, run.appender("samples.jsonl") as out:
-        if bar:
-            bar.start()
-        try:
-            for length, depth, s in plan:
-                if (length, depth, s) in done:
-                    continue
-                sample = task.sample(length, counter, seed=s, depths=None if depth == SPREAD else [depth],
-                                     haystack_text=haystack_text, reserve_tokens=max_new_tokens)
-                prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
-                ids = encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
-                gen = greedy(model, tokenizer, sparse, ids, max_new_tokens)
-                prediction = clean_prediction(gen.text)
-                record = {
-                    "length": length, "depth": depth, "seed": s, "task": task.name, "prediction": prediction,
-                    "answers": sample.answers, "score": string_match_all([prediction], [sample.answers]),
-                    "prompt_tokens": gen.prompt_tokens, "seconds": gen.seconds, "attended": gen.mean_attended,
-                }
-                out.write(record)
-                records.append(record)
-                if bar:
-                    bar.advance(bar_task)
-        finally:
-            if bar:
-                bar.stop()
+    plan = needle_plan(task, lengths, depths, samples, seed)
+    counter = _counter(tokenizer, chat)
+    todo = [p for p in plan if p not in done]
+    with apply(model, method) as sparse, run.appender("samples.jsonl") as out, \
+            show_progress(f"{task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
+        for length, depth, s in todo:
+            sample = task.sample(length, counter, seed=s, depths=None if depth == SPREAD else [depth],
+                                 haystack_text=haystack_text, reserve_tokens=max_new_tokens)
+            prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
+            ids = encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
+            gen = greedy(model, tokenizer, sparse, ids, max_new_tokens)
+            prediction = clean_prediction(gen.text)
+            record = {
+                "length": length, "depth": depth, "seed": s, "task": task.name, "prediction": prediction,
+                "answers": sample.answers, "score": string_match_all([prediction], [sample.answers]),
+                "prompt_tokens": gen.prompt_tokens, "seconds": gen.seconds, "attended": gen.mean_attended,
+            }
+            out.write(record)
+            records.append(record)
+            bar.advance()
     planned = set(plan)  # earlier runs may hold more of the grid than asked for now
     return [r for r in records if (r["length"], r["depth"], r["seed"]) in planned]
 
@@ -190,23 +215,17 @@ def run_longbench(
             examples = lb.load_task(data_dir, task)[:limit]
             name = f"{task}.jsonl"
             done = len(run.records(name))
-            bar, bar_task = _bar(len(examples), done, task) if progress else (None, None)
-            with run.appender(name) as out:
-                if bar:
-                    bar.start()
-                try:
-                    for example in examples[done:]:
-                        prompt = lb.truncate_prompt(lb.build_prompt(task, example), tokenizer, max_length)
-                        use_chat = chat and task not in lb.NO_CHAT_TEMPLATE_TASKS and getattr(tokenizer, "chat_template", None)
-                        ids = encode_prompt(tokenizer, prompt, bool(use_chat))
-                        gen = greedy(model, tokenizer, sparse, ids, lb.MAX_NEW_TOKENS[task], stop_at_newline=task == "samsum")
-                        out.write({"pred": gen.text, "answers": example["answers"], "all_classes": example.get("all_classes"),
-                                   "length": example.get("length"), "_id": example.get("_id"), "prompt_tokens": gen.prompt_tokens,
-                                   "seconds": gen.seconds, "attended": gen.mean_attended})
-                        if bar:
-                            bar.advance(bar_task)
-                finally:
-                    if bar:
-                        bar.stop()
+            todo = examples[done:]
+            with run.appender(name) as out, \
+                    show_progress(f"{task} examples", total=len(todo), unit="examples", enabled=progress) as bar:
+                for example in todo:
+                    prompt = lb.truncate_prompt(lb.build_prompt(task, example), tokenizer, max_length)
+                    use_chat = chat and task not in lb.NO_CHAT_TEMPLATE_TASKS and getattr(tokenizer, "chat_template", None)
+                    ids = encode_prompt(tokenizer, prompt, bool(use_chat))
+                    gen = greedy(model, tokenizer, sparse, ids, lb.MAX_NEW_TOKENS[task], stop_at_newline=task == "samsum")
+                    out.write({"pred": gen.text, "answers": example["answers"], "all_classes": example.get("all_classes"),
+                               "length": example.get("length"), "_id": example.get("_id"), "prompt_tokens": gen.prompt_tokens,
+                               "seconds": gen.seconds, "attended": gen.mean_attended})
+                    bar.advance()
             counts[task] = len(run.records(name))
     return counts

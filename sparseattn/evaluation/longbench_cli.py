@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -15,7 +16,9 @@ from sparseattn.evaluation.longbench import score_directory
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="LongBench v1: score predictions with the official metrics."
 )
-console = Console()
+# Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
+# labels: lines stay whole (soft_wrap) and so do table cells (a wide width).
+console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 
 @app.callback()

@@ -21,11 +21,12 @@ import time
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from sparseattn.evaluation.runs import RunDir, environment
 from sparseattn.hf import apply
 from sparseattn.hf.cache import SparseCache
+from sparseattn.progress import forward_progress
+from sparseattn.progress import progress as show_progress
 
 #: A replayed step must reproduce its recorded NLL this closely (same machine, same threads).
 REPLAY_TOLERANCE = 1e-3
@@ -41,12 +42,6 @@ def tokenize(tokenizer, text: str, n_tokens: int, name: str = "text") -> torch.T
     if ids.numel() < n_tokens:
         raise ValueError(f"{name} has {ids.numel()} tokens, fewer than the {n_tokens} this run needs")
     return ids[:n_tokens]
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
-    )
 
 
 def _step_attended(cache: SparseCache) -> float:
@@ -155,15 +150,15 @@ def _decode_together(model, pending, done, rows, prefill, steps, progress) -> di
             caches[label] = SparseCache(method, config=model.config)
             start = time.perf_counter()
             if prefill:
-                model(rows[:, :prefill], past_key_values=caches[label], use_cache=True, **keep_last)
+                # A prefill of thousands of tokens takes a minute on a CPU: show it is moving (layers done).
+                size = f"{prefill} tokens" if rows.shape[0] == 1 else f"{rows.shape[0]} x {prefill} tokens"
+                with forward_progress(model, f"{label}: prefill {size}", enabled=progress):
+                    model(rows[:, :prefill], past_key_values=caches[label], use_cache=True, **keep_last)
             prefill_seconds[label] = time.perf_counter() - start
         elapsed = {label: records[-1]["elapsed"] if records else 0.0 for label, records in done.items()}
-        bar = _progress() if progress else None
         title = labels[0] if len(labels) == 1 else f"{len(labels)} methods"
-        task = bar.add_task(title, total=steps * len(labels), completed=sum(map(len, done.values()))) if bar else None
-        if bar:
-            bar.start()
-        try:
+        todo = steps * len(labels) - sum(map(len, done.values()))
+        with show_progress(f"{title}: decode", total=todo, unit="steps", enabled=progress) as bar:
             for i in range(steps):
                 position = prefill + i
                 for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
@@ -188,9 +183,5 @@ def _decode_together(model, pending, done, rows, prefill, steps, progress) -> di
                     if rows.shape[0] > 1:
                         record["nlls"] = row_nlls.tolist()
                     outs[label].write(record)
-                    if bar:
-                        bar.advance(task)
-        finally:
-            if bar:
-                bar.stop()
+                    bar.advance()
     return prefill_seconds

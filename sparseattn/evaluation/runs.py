@@ -53,19 +53,29 @@ class RunDir:
 
     def __init__(self, path: Path, config: dict[str, Any]) -> None:
         self.path = Path(path)
+        self.config = self.check(self.path, config)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config = json.loads(json.dumps(config, sort_keys=True, default=str))
         saved = self.path / "config.json"
+        if not saved.exists():
+            write_json(saved, self.config)
+
+    @staticmethod
+    def check(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` as saved (JSON-normalised); a ValueError if ``path`` holds a run of another config.
+
+        Creates nothing, so a command can check all of its runs before it starts any work.
+        """
+        config = json.loads(json.dumps(config, sort_keys=True, default=str))
+        saved = Path(path) / "config.json"
         if saved.exists():
             previous = json.loads(saved.read_text())
-            if previous != self.config:
-                changed = sorted(k for k in set(previous) | set(self.config) if previous.get(k) != self.config.get(k))
+            if previous != config:
+                changed = sorted(k for k in set(previous) | set(config) if previous.get(k) != config.get(k))
                 raise ValueError(
-                    f"{self.path} holds a run with a different config (differs in: {', '.join(changed)}); "
+                    f"{path} holds a run with a different config (differs in: {', '.join(changed)}); "
                     "use another --out directory or delete it"
                 )
-        else:
-            write_json(saved, self.config)
+        return config
 
     @property
     def summary_path(self) -> Path:

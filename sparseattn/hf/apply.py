@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparseattn.hf.attention import ATTENTION_NAME, register
+from torch.utils.hooks import RemovableHandle
+
+from sparseattn.hf.attention import ATTENTION_NAME, link_caches, register, unlink_caches
 from sparseattn.hf.cache import SparseCache
 from sparseattn.methods.base import SparseMethod
 
@@ -33,14 +35,17 @@ class SparseAttention:
     """A sparse method applied to a model: the attention implementation switched to ``"sparseattn"``.
 
     Make caches with :meth:`new_cache` and pass them to ``model.generate(..., past_key_values=cache)``
-    or to your own forward loop. :meth:`remove` (or leaving the ``with`` block, even by an exception)
-    restores the model's previous attention implementation.
+    or to your own forward loop (a ``SparseCache(method, config)`` made by hand works too, and several
+    caches can be used in turn). :meth:`remove` (or leaving the ``with`` block, even by an exception)
+    restores the model's previous attention implementation and removes the hooks that let the
+    attention function find the cache each attention module is called with.
     """
 
     model: object
     method: SparseMethod
     previous: str | dict | None = None
     active: bool = field(default=False)
+    hooks: list[RemovableHandle] = field(default_factory=list, repr=False)
 
     def new_cache(self) -> SparseCache:
         """A fresh cache for one generation (or one batch of them)."""
@@ -50,6 +55,7 @@ class SparseAttention:
 
     def remove(self) -> None:
         if self.active:
+            unlink_caches(self.hooks)
             self.model.set_attn_implementation(self.previous or "sdpa")
             self.active = False
 
@@ -63,7 +69,9 @@ class SparseAttention:
 def apply(model, method: SparseMethod) -> SparseAttention:
     """Route ``model``'s attention through sparseattn with ``method``; returns a handle (also a context manager).
 
-    Example::
+    Switches the attention implementation to ``"sparseattn"`` and hooks each attention module so the
+    attention function reaches the cache the module is called with (transformers passes it the module,
+    not the cache); no state outside the model and its caches. Example::
 
         with sparseattn.apply(model, Radar(top_k=8)) as sparse:
             out = model.generate(**inputs, past_key_values=sparse.new_cache(), max_new_tokens=64)
@@ -72,6 +80,11 @@ def apply(model, method: SparseMethod) -> SparseAttention:
     if not hasattr(method, "new_state"):
         raise ValueError(f"apply() needs a sparse method with new_state(), got {method!r}")
     register()
+    hooks = link_caches(model)
     previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
-    return SparseAttention(model=model, method=method, previous=previous, active=True)
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except BaseException:
+        unlink_caches(hooks)
+        raise
+    return SparseAttention(model=model, method=method, previous=previous, active=True, hooks=hooks)

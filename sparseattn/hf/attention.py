@@ -1,28 +1,39 @@
 """The ``sparseattn`` attention implementation for transformers' attention registry.
 
 Registered once under :data:`ATTENTION_NAME` together with transformers' ``sdpa_mask`` as its mask
-builder (without one, custom implementations get no padding mask). When the keys come from a
-:class:`~sparseattn.hf.cache.SparseLayer` the layer's decode state answers: prefill blocks densely
-(and the state builds its structure), decode steps sparsely. Otherwise (no cache, a plain
-``DynamicCache``, a sliding-window layer) the call is dense, exactly as transformers' own ``sdpa``.
+builder (without one, custom implementations get no padding mask). transformers gives an attention
+function the attention module but not the cache, so :func:`link_caches` (run by
+:func:`sparseattn.hf.apply`) puts forward hooks on the model's attention modules that keep the
+``past_key_values`` each call receives on the module for that call only. When that cache's layer
+``module.layer_idx`` is a :class:`~sparseattn.hf.cache.SparseLayer`, the layer's decode state answers:
+prefill blocks densely (and the state builds its structure), decode steps sparsely. Otherwise (no
+cache, a plain ``DynamicCache``, a sliding-window layer, a model not linked) the call is dense,
+exactly as transformers' own ``sdpa``. Nothing is kept at module level: several models and caches
+can be used at once.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sparseattn.hf.cache import RowwiseState, SparseLayer, take_handoff
+from sparseattn.hf.cache import RowwiseState, SparseLayer
 from sparseattn.ops.attention import soft_cap
 
 ATTENTION_NAME = "sparseattn"
 
-_UNSUPPORTED_KWARGS = {
-    "s_aux": "learned attention sinks (s_aux, e.g. gpt-oss)",
-    "position_bias": "additive position bias (e.g. T5-style relative attention)",
-}
+#: The attribute (in the module's ``__dict__``) holding the ``past_key_values`` of the call in progress.
+CALL_CACHE = "_sparseattn_call_cache"
+
+_UNSUPPORTED_KWARGS = (
+    ("s_aux", "learned attention sinks (s_aux, e.g. gpt-oss)"),
+    ("position_bias", "additive position bias (e.g. T5-style relative attention)"),
+)
 
 
 def register() -> None:
@@ -34,6 +45,76 @@ def register() -> None:
 def _model_name(module: torch.nn.Module) -> str:
     config = getattr(module, "config", None)
     return getattr(config, "model_type", None) or type(module).__name__
+
+
+def _cache_position(module: torch.nn.Module) -> int | None | bool:
+    """Where ``module.forward`` takes ``past_key_values``: its positional index, None if only by keyword
+    (``**kwargs`` or keyword-only), False if not at all."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(parameters):
+        if p.name == "past_key_values":
+            positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            return i if positional and all(q.kind != q.VAR_POSITIONAL for q in parameters[:i]) else None
+    return None if any(p.kind == p.VAR_KEYWORD for p in parameters) else False
+
+
+def link_caches(model: torch.nn.Module) -> list[RemovableHandle]:
+    """Hook every attention module of ``model`` (a module with an integer ``layer_idx`` whose forward takes
+    ``past_key_values``) so that, while it runs, the cache it was called with is on the module.
+
+    Returns the hook handles (remove them to unlink). Raises a ValueError when no module qualifies.
+    """
+    handles: list[RemovableHandle] = []
+    for module in model.modules():
+        if not isinstance(getattr(module, "layer_idx", None), int) or isinstance(module.layer_idx, bool):
+            continue
+        position = _cache_position(module)
+        if position is False:
+            continue
+
+        def enter(module, args, kwargs, position=position):
+            if "past_key_values" in kwargs:
+                cache = kwargs["past_key_values"]
+            else:
+                cache = args[position] if position is not None and len(args) > position else None
+            module.__dict__[CALL_CACHE] = cache
+
+        def leave(module, args, kwargs, output):
+            module.__dict__.pop(CALL_CACHE, None)
+
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    if not handles:
+        raise ValueError(
+            f"{_model_name(model)}: no attention module with an integer layer_idx whose forward takes past_key_values; "
+            "sparseattn cannot link its attention to the cache"
+        )
+    return handles
+
+
+def unlink_caches(handles: list[RemovableHandle]) -> None:
+    """Remove the hooks :func:`link_caches` returned."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def sparse_layer_of(module: torch.nn.Module, key: torch.Tensor) -> SparseLayer | None:
+    """The :class:`SparseLayer` ``module`` is attending with: layer ``module.layer_idx`` of the cache the
+    module was called with, when it is one (it then checks ``key`` is what it returned); None otherwise."""
+    cache = module.__dict__.get(CALL_CACHE)
+    layers = getattr(cache, "layers", None)
+    index = getattr(module, "layer_idx", None)
+    if layers is None or not isinstance(index, int) or not 0 <= index < len(layers):
+        return None
+    layer = layers[index]
+    if not isinstance(layer, SparseLayer):
+        return None
+    layer.claim(key)
+    return layer
 
 
 def left_padding(attention_mask: torch.Tensor | None, batch: int, kv_length: int, model: str) -> list[int] | None:
@@ -98,13 +179,12 @@ def sparse_attention_forward(
 
     Returns ``([B, T, H_q, D], None)``.
     """
-    layer = take_handoff(key)
+    layer = sparse_layer_of(module, key)
     softcap = kwargs.pop("softcap", None)
     if layer is None:
         return dense_attention_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
-    layer.consume_handoff()
     model = _model_name(module)
-    for name, feature in _UNSUPPORTED_KWARGS.items():
+    for name, feature in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{model}: sparseattn does not support {feature}")
     if kwargs.get("sliding_window") is not None:
@@ -112,27 +192,16 @@ def sparse_attention_forward(
     if dropout and module.training:
         raise NotImplementedError(f"{model}: sparseattn is for inference; call model.eval() (attention dropout is on)")
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    B, _, T, _ = query.shape
+    T = query.shape[2]
     if layer.state is None:
         _create_state(layer, module, attention_mask, scale, softcap, model)
     elif T > 1 and attention_mask is not None:
         _check_no_new_padding(attention_mask, layer.seen, T, model)
-    state = layer.state
     if T == 1:
-        if isinstance(state, RowwiseState):
-            out, attended = state.attend(query[:, :, 0])
-            stored = sum(s.length for s in state.states) / len(state.states)
-        else:
-            out, info = state.attend(query[:, :, 0])
-            attended, stored = info.attended, state.length
-        layer.stats.record(attended, stored)
+        out, info = layer.state.attend(query[:, :, 0])
+        layer.record_step(info)
         return out.to(query.dtype).unsqueeze(1), None
-    if isinstance(state, RowwiseState):
-        chunk_start = layer.seen - T
-        starts = [max(0, p - chunk_start) for p in layer.starts]
-        out = state.attend_block(query, starts)
-    else:
-        out = state.attend_block(query)
+    out = layer.state.attend_block(query)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -147,13 +216,8 @@ def _create_state(layer: SparseLayer, module, attention_mask, scale: float, soft
             batch, H, D, layer_idx=layer.layer_idx or 0, device=keys.device, dtype=keys.dtype, scale=scale, softcap=softcap
         )
 
-    if pads is None:
-        layer.state = new_state(B)
-        layer.state.append(keys, values)
-    else:
-        layer.state = RowwiseState([new_state(1) for _ in range(B)])
-        layer.starts = pads
-        layer.state.append_rows(keys, values, pads)
+    layer.state = new_state(B) if pads is None else RowwiseState([new_state(1) for _ in range(B)], pads)
+    layer.state.append(keys, values)
 
 
 def _check_no_new_padding(attention_mask: torch.Tensor, seen: int, T: int, model: str) -> None:
@@ -164,4 +228,14 @@ def _check_no_new_padding(attention_mask: torch.Tensor, seen: int, T: int, model
         raise ValueError(f"{model}: padding after the first prefill block is not supported; pad on the left of the prompt")
 
 
-__all__ = ["ATTENTION_NAME", "dense_attention_forward", "left_padding", "register", "sparse_attention_forward"]
+__all__ = [
+    "ATTENTION_NAME",
+    "CALL_CACHE",
+    "dense_attention_forward",
+    "left_padding",
+    "link_caches",
+    "register",
+    "sparse_attention_forward",
+    "sparse_layer_of",
+    "unlink_caches",
+]

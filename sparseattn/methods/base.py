@@ -14,21 +14,26 @@ import torch
 
 from sparseattn.ops.attention import causal_block_attention, compute_dtype
 from sparseattn.ops.buffers import GrowableBuffer
+from sparseattn.validation import check_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @runtime_checkable
 class StepInfo(Protocol):
-    """What one decode step attended to."""
+    """What one decode step attended to: the second item :meth:`DecodeState.attend` returns.
+
+    Every state returns one (the transformers integration's row-wise padded-batch state too), so a
+    caller reads ``attended`` without asking which kind of state answered.
+    """
 
     @property
     def attended(self) -> torch.Tensor:
-        """Tokens attended per query head, ``[B, H_q]``."""
+        """Tokens attended per query head, ``[B, H_q]`` (an integer tensor)."""
         ...
 
     def to_mask(self) -> torch.Tensor:
-        """The attended set as a boolean mask ``[B, H_q, t]`` over the stored tokens."""
+        """The attended set as a boolean mask ``[B, H_q, t]`` over the ``t`` stored tokens (``keys``' dim 2)."""
         ...
 
 
@@ -36,29 +41,62 @@ class StepInfo(Protocol):
 class DecodeState(Protocol):
     """The per-layer state of a method: the KV tokens plus whatever structure the method keeps.
 
+    This is everything an engine calls on a state (:mod:`sparseattn.hf.cache` and
+    :mod:`sparseattn.hf.attention` call nothing else), so a class with these members decodes through
+    ``model.generate``, beam search included.
+
     Shapes: ``keys, values: [B, H_kv, T, D]`` blocks; ``query: [B, H_q, D]`` for one decode step,
     with ``H_q`` a multiple of ``H_kv`` (grouped-query attention, query head h uses KV head h // G).
+    ``B`` is :attr:`batch`; ``t`` is :attr:`length`.
+
+    ``keys`` and ``values`` are read only once the state holds tokens (a state may raise before its
+    first :meth:`append`); on Python < 3.12, ``isinstance(state, DecodeState)`` reads them, so check
+    a state that holds tokens.
     """
 
     @property
+    def batch(self) -> int:
+        """Batch rows ``B`` (changes with :meth:`select_batch`)."""
+        ...
+
+    @property
     def length(self) -> int:
-        """Tokens stored (a method that evicts stores fewer than it has seen)."""
+        """Tokens stored, ``t`` (a method that evicts stores fewer than it has seen)."""
+        ...
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """The stored keys ``[B, H_kv, t, D]``, in the order :meth:`StepInfo.to_mask` indexes (a view: no copy)."""
+        ...
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The stored values ``[B, H_kv, t, D]``, aligned with :attr:`keys`."""
         ...
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Add tokens (a prefill block or one decode token) without querying."""
+        """Add tokens ``[B, H_kv, T, D]`` (a prefill block or one decode token) without querying."""
         ...
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
-        """Attention output ``[B, H_q, D]`` of the newest token's query over the stored tokens."""
+        """Output ``[B, H_q, D]`` of the newest token's query ``[B, H_q, D]`` over the stored tokens, and what it attended."""
         ...
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
-        """Causal attention ``[B, H_q, T, D]`` of the last ``T`` appended tokens' queries (prefill)."""
+        """Causal attention ``[B, H_q, T, D]`` of the last ``T`` appended tokens' queries ``[B, H_q, T, D]`` (prefill)."""
         ...
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
-        """Append one token (``key, value: [B, H_kv, D]``) and attend with its query."""
+        """Append one token (``key, value: [B, H_kv, D]``) and attend with its ``query: [B, H_q, D]``."""
+        ...
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep, repeat or reorder batch rows: ``index: [B']`` integer rows in ``[0, B)`` (beam search,
+        ``generate``'s expansion); afterwards :attr:`batch` is ``B'``."""
+        ...
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by kind: ``kv`` (the stored tokens) plus whatever structure the method adds."""
         ...
 
 
@@ -77,7 +115,13 @@ class SparseMethod(Protocol):
         dtype: torch.dtype = torch.float32,
         scale: float | None = None,
         softcap: float | None = None,
-    ) -> DecodeState: ...
+    ) -> DecodeState:
+        """An empty state for one layer of ``[batch, kv_heads, t, head_dim]`` keys and values.
+
+        ``scale`` is the logit scale (default ``head_dim ** -0.5``), ``softcap`` Gemma-2's logit
+        soft-capping (None: off); the transformers integration passes what the model passes.
+        """
+        ...
 
 
 class StatefulMethod:
@@ -105,6 +149,21 @@ class StatefulMethod:
         return self.state_type()(
             self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
         )
+
+
+def check_batch_index(index: torch.Tensor, batch: int) -> torch.Tensor:
+    """``index`` if it is a non-empty 1-D integer tensor of rows in ``[0, batch)``; a ValueError otherwise.
+
+    Checked before any buffer is reindexed, so a bad index leaves a state as it was.
+    """
+    integer = isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool
+    if not integer or index.dim() != 1 or index.numel() == 0:
+        shape = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
+        raise ValueError(f"select_batch needs a non-empty 1-D integer tensor of batch rows, got {shape}")
+    low, high = int(index.min()), int(index.max())
+    if low < 0 or high >= batch:
+        raise ValueError(f"select_batch: row indices must be in [0, {batch}), got values in [{low}, {high}]")
+    return index.long()
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -142,8 +201,8 @@ class KVState:
         softcap: float | None = None,
     ) -> None:
         for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int("", name, value, 1)
+        check_int("", "layer_idx", layer_idx, 0)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
@@ -168,13 +227,17 @@ class KVState:
 
     @property
     def keys(self) -> torch.Tensor:
-        """``[B, H_kv, t, D]`` view of the stored keys (no copy)."""
-        return self._keys.view()
+        """``[B, H_kv, t, D]`` view of the stored keys (no copy); ``t = 0`` before anything is stored."""
+        return self._keys.view() if self.length else self._empty()
 
     @property
     def values(self) -> torch.Tensor:
-        """``[B, H_kv, t, D]`` view of the stored values (no copy)."""
-        return self._values.view()
+        """``[B, H_kv, t, D]`` view of the stored values (no copy); ``t = 0`` before anything is stored."""
+        return self._values.view() if self.length else self._empty()
+
+    def _empty(self) -> torch.Tensor:
+        # An empty state still has a shape (protocol checks such as isinstance read these properties).
+        return torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by kind: ``kv`` (the stored tokens) and whatever structure the method adds."""
@@ -182,6 +245,8 @@ class KVState:
 
     def _check_block(self, name: str, x: torch.Tensor, tokens_dim: bool) -> None:
         expected = (self.batch, self.kv_heads, "T", self.head_dim) if tokens_dim else (self.batch, self.kv_heads, self.head_dim)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor of shape {expected}, got {type(x).__name__}")
         shape_ok = x.dim() == len(expected) and all(e == "T" or e == s for e, s in zip(expected, x.shape))
         if not shape_ok:
             raise ValueError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
@@ -190,21 +255,45 @@ class KVState:
         if x.device != self.device:
             raise ValueError(f"{name} is on {x.device} but this state lives on {self.device}")
 
-    def _check_query(self, query: torch.Tensor, block: bool = False) -> int:
-        """Validate ``query: [B, H_q, D]`` (or ``[B, H_q, T, D]`` for a block); return the group size."""
+    def _check_query_tensor(self, query: torch.Tensor, block: bool = False) -> int:
+        """Validate the shape, dtype and device of ``query: [B, H_q, D]`` (``[B, H_q, T, D]`` for a block);
+        return the group size. Touches no state, so :meth:`step` runs it before appending."""
         B, D = self.batch, self.head_dim
         want = f"({B}, H_q, T, {D})" if block else f"({B}, H_q, {D})"
-        if query.dim() != (4 if block else 3) or query.shape[0] != B or query.shape[-1] != D or query.shape[1] % self.kv_heads:
-            raise ValueError(
-                f"query must have shape {want} with H_q a multiple of kv_heads={self.kv_heads}, got {tuple(query.shape)}"
-            )
+        if (
+            not isinstance(query, torch.Tensor)
+            or query.dim() != (4 if block else 3)
+            or query.shape[0] != B
+            or query.shape[-1] != D
+            or query.shape[1] == 0
+            or query.shape[1] % self.kv_heads
+        ):
+            got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+            raise ValueError(f"query must have shape {want} with H_q a multiple of kv_heads={self.kv_heads}, got {got}")
         if query.dtype != self.dtype:
             raise ValueError(f"query has dtype {query.dtype} but this state was made for {self.dtype}")
         if query.device != self.device:
             raise ValueError(f"query is on {query.device} but this state lives on {self.device}")
+        return query.shape[1] // self.kv_heads
+
+    def _check_query(self, query: torch.Tensor, block: bool = False) -> int:
+        """Validate ``query: [B, H_q, D]`` (or ``[B, H_q, T, D]`` for a block) against a non-empty state;
+        return the group size."""
+        group = self._check_query_tensor(query, block)
         if self.length == 0:
             raise ValueError("attend() called on an empty state: append keys and values first")
-        return query.shape[1] // self.kv_heads
+        return group
+
+    def _check_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Validate a decode step's ``query: [B, H_q, D]``, ``key, value: [B, H_kv, D]`` before anything is stored.
+
+        A step that fails validation must leave the state as it was (no token appended, no statistic
+        recorded), so every check of :meth:`append` and :meth:`attend` that depends only on the inputs
+        runs here first.
+        """
+        self._check_block("key", key, False)
+        self._check_block("value", value, False)
+        self._check_query_tensor(query)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add a block of tokens ``[B, H_kv, T, D]`` (prefill, chunked prefill or one decode token)."""
@@ -224,9 +313,11 @@ class KVState:
         """Hook: bring the method's structure up to date with ``n_new`` new tokens."""
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
-        """Append one token (``key, value: [B, H_kv, D]``) and attend with its ``query: [B, H_q, D]``."""
-        self._check_block("key", key, False)
-        self._check_block("value", value, False)
+        """Append one token (``key, value: [B, H_kv, D]``) and attend with its ``query: [B, H_q, D]``.
+
+        Raises ValueError, with the state unchanged, when any of the three is malformed.
+        """
+        self._check_step(query, key, value)
         self.append(key.unsqueeze(2), value.unsqueeze(2))
         return self.attend(query)
 
@@ -249,7 +340,7 @@ class KVState:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep (or repeat, or reorder) batch rows: ``index: [B']`` long (beam search, ``generate``'s expansion)."""
-        index = index.to(self.device)
+        index = check_batch_index(index, self.batch).to(self.device)
         for buf in self._buffers():
             buf.apply_(lambda t: t.index_select(0, index))
         self.batch = int(index.numel())

@@ -101,12 +101,22 @@ class PrefillEvictionState:
         self.decode_state = state
         self.prefill_state = None
 
+    def _check_block(self, name: str, x: torch.Tensor) -> None:
+        """The active state's checks of a ``[B, H_kv, T, D]`` block, run before the hand-over (which mutates)."""
+        check = getattr(self.active, "_check_block", None)
+        if check is not None:
+            check(name, x, True)
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A block goes to the prefill method; the first single token hands over to the decode method."""
-        if self.decode_state is None and keys.dim() == 4 and keys.shape[2] == 1:
+        self._check_block("keys", keys)
+        self._check_block("values", values)
+        if keys.shape != values.shape:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+        if self.decode_state is None and keys.shape[2] == 1:
             self._hand_over()
         self.active.append(keys, values)
-        self.seen += keys.shape[2] if keys.dim() == 4 else 0
+        self.seen += keys.shape[2]
 
     prefill = append
 
@@ -115,9 +125,16 @@ class PrefillEvictionState:
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
         if self.decode_state is None:
+            check = getattr(self.prefill_state, "_check_query", None)
+            if check is not None:
+                check(query)  # a refused query must not trigger the hand-over
             self._hand_over()
         return self.decode_state.attend(query)
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
+        """Append one token and attend; a malformed input raises ValueError before the hand-over or any append."""
+        check = getattr(self.active, "_check_step", None)
+        if check is not None:
+            check(query, key, value)
         self.append(key.unsqueeze(2), value.unsqueeze(2))
         return self.attend(query)

@@ -65,16 +65,29 @@ class DenseState(KVState):
         super().__init__(batch, kv_heads, head_dim, **kwargs)
         self.method = method
 
+    def _cpu_refusal(self, grouped: torch.Tensor, keys: torch.Tensor) -> None:
+        """Raise ValueError when the C kernel cannot answer ``grouped: [B, H_kv, G, D]`` over ``keys``."""
+        every = SegmentLayout(length=keys.shape[2], sinks=keys.shape[2], segment_size=1, n_segments=0)
+        none = torch.zeros(*grouped.shape[:2], 1, 0, dtype=torch.long)
+        reason = CpuBackend().refusal(grouped, keys, every, none, self.softcap)
+        if reason is not None:
+            raise ValueError(f"Dense(backend='cpu') cannot run: {reason}")
+
+    def _check_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Also ask the C kernel before the token is stored: a step it refuses must leave the state unchanged."""
+        super()._check_step(query, key, value)
+        if self.method.backend == "cpu":
+            B, H, D = self.batch, self.kv_heads, self.head_dim
+            self._cpu_refusal(query.reshape(B, H, query.shape[1] // H, D), key.unsqueeze(2))
+
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, AllTokens]:
         group = self._check_query(query)
         B, H, D = self.batch, self.kv_heads, self.head_dim
         grouped = query.reshape(B, H, group, D)
         if self.method.backend == "cpu":
+            self._cpu_refusal(grouped, self.keys)
             every = SegmentLayout(length=self.length, sinks=self.length, segment_size=1, n_segments=0)  # all tokens: sinks
             none = torch.zeros(B, H, 1, 0, dtype=torch.long)
-            reason = CpuBackend().refusal(grouped, self.keys, every, none, self.softcap)
-            if reason is not None:
-                raise ValueError(f"Dense(backend='cpu') cannot run: {reason}")
             out = segment_attention_cpu(grouped, self.keys, self.values, every, none, self.scale, self.softcap)
         else:
             out = dense_decode_attention(grouped, self.keys, self.values, self.scale, self.softcap)

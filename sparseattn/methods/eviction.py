@@ -29,10 +29,26 @@ from sparseattn.ops.buffers import GrowableBuffer
 _PROBABILITY_CHUNK = 1 << 23
 
 
-def check_int(owner: str, name: str, value, minimum: int) -> None:
-    """Raise a ValueError naming ``owner.name`` unless ``value`` is an int ``>= minimum``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+def defined_priority(priority: torch.Tensor) -> torch.Tensor:
+    """``priority`` with NaN read as ``-inf``: a slot whose priority is undefined goes first.
+
+    A NaN (or inf) key or query makes its head's attention weights NaN, and so the statistics a method
+    ranks by. Sorting would put NaN above ``+inf`` (torch sorts NaN as the largest value), so a NaN
+    score would outrank the protected slots and could leave nothing evictable. Reading NaN as the
+    lowest priority keeps eviction defined; only the poisoned (row, KV head) is affected, as in dense
+    attention, where the NaN shows up in that head's outputs and nowhere else.
+    """
+    return priority.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
+def finite_evidence(probs: torch.Tensor) -> torch.Tensor:
+    """Attention weights with NaN read as 0, for the statistics that accumulate them (H2O, SnapKV).
+
+    A query whose logits meet a NaN or inf key (or a NaN query) has NaN weights: that query gives no
+    evidence about which tokens matter, and accumulating the NaN would poison the head's scores for
+    good (NaN + x = NaN).
+    """
+    return probs.nan_to_num(nan=0.0)
 
 
 def _visible(T: int, S: int, rows: range, device: torch.device) -> torch.Tensor:
@@ -49,6 +65,7 @@ def slot_attention(
     num_weight: torch.Tensor | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    floor_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q: [B, H_kv, G, T, D]`` over weighted slots ``keys, values: [B, H_kv, S, D]``.
 
@@ -59,6 +76,10 @@ def slot_attention(
 
     which is softmax attention when ``a = b = 1``; SubGen's sketch gives sampled slots other weights.
     Slots with ``a = b = 0`` are empty. Scores run in float32 (float64 for float64 inputs).
+
+    ``floor_weight`` (``f``, ``[B, H_kv, S]``) floors the normaliser: ``max(sum_s e_s a_s, sum_s e_s f_s)``.
+    With ``f = b`` every output is a sub-convex combination of the values (``|out| <= max |v_s|``
+    over the slots with ``b_s > 0``): SubGen's guard against a normaliser estimate far below its numerator's.
 
     Returns:
         ``out: [B, H_kv, G, T, D]`` and ``probs: [B, H_kv, G, T, S] = e a / sum e a`` (the attention
@@ -86,11 +107,16 @@ def slot_attention(
         return torch.einsum("bhgts,bhsd->bhgtd", probs, values.to(cd)), probs
     a = torch.ones(B, H, S, dtype=cd, device=q.device) if den_weight is None else den_weight.to(cd)
     b = torch.ones(B, H, S, dtype=cd, device=q.device) if num_weight is None else num_weight.to(cd)
-    live = ((a > 0) | (b > 0)).view(B, H, 1, 1, S)
+    live = (a > 0) | (b > 0)
+    if floor_weight is not None:
+        live = live | (floor_weight > 0)
+    live = live.view(B, H, 1, 1, S)
     live = live if mask is None else live & mask
     top = logits.masked_fill(~live, float("-inf")).amax(-1, keepdim=True)  # no overflow in exp
     e = torch.exp(logits - top).masked_fill(~live, 0.0)
     den = (e * a.view(B, H, 1, 1, S)).sum(-1, keepdim=True)
+    if floor_weight is not None:
+        den = torch.maximum(den, (e * floor_weight.to(cd).view(B, H, 1, 1, S)).sum(-1, keepdim=True))
     out = torch.einsum("bhgts,bhsd->bhgtd", e * b.view(B, H, 1, 1, S), values.to(cd)) / den
     return out, e * a.view(B, H, 1, 1, S) / den
 
@@ -103,6 +129,7 @@ def slot_attention_ref(
     num_weight: torch.Tensor | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    floor_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for :func:`slot_attention`: the formula itself in float64 (no max subtraction). Returns ``out``."""
     B, H, G, T, D = q.shape
@@ -114,7 +141,10 @@ def slot_attention_ref(
     a = torch.ones(B, H, S, dtype=torch.float64) if den_weight is None else den_weight.double()
     b = torch.ones(B, H, S, dtype=torch.float64) if num_weight is None else num_weight.double()
     num = torch.einsum("bhgts,bhs,bhsd->bhgtd", e, b, values.double())
-    return num / torch.einsum("bhgts,bhs->bhgt", e, a).unsqueeze(-1)
+    den = torch.einsum("bhgts,bhs->bhgt", e, a)
+    if floor_weight is not None:
+        den = torch.maximum(den, torch.einsum("bhgts,bhs->bhgt", e, floor_weight.double()))
+    return num / den.unsqueeze(-1)
 
 
 def causal_probability_sums(
@@ -296,15 +326,15 @@ class EvictingState(KVState):
     def _keep_slots(self, priority: torch.Tensor, n: int) -> torch.Tensor:
         """The ``n`` highest-priority slots ``[B, H_kv, n]`` (ties: the newer token), in position order."""
         newest_first = self.positions.argsort(dim=-1, descending=True)
-        ranked = priority.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
+        ranked = defined_priority(priority).gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
         keep = newest_first.gather(-1, ranked[..., :n])
         return keep.gather(-1, self.positions.gather(-1, keep).argsort(dim=-1))
 
     def _victim(self, position: int) -> torch.Tensor:
         """The slot ``[B, H_kv]`` the token at ``position`` overwrites: lowest priority, then oldest."""
-        priority = self._eviction_priority(position)
+        priority = defined_priority(self._eviction_priority(position))
         low = priority.amin(dim=-1, keepdim=True)
-        if not bool(torch.isfinite(low).all()):
+        if bool((low == float("inf")).any()):
             raise RuntimeError(f"{type(self).__name__}: every slot is protected, nothing can be evicted (a bug)")
         oldest = self.positions.masked_fill(priority != low, torch.iinfo(torch.long).max)
         return oldest.argmin(dim=-1)
@@ -359,6 +389,10 @@ class EvictingState(KVState):
         """Per-slot ``(den_weight, num_weight)`` for :func:`slot_attention` (None: plain attention)."""
         return None, None
 
+    def _floor_weight(self) -> torch.Tensor | None:
+        """Per-slot ``floor_weight`` for :func:`slot_attention` (None: no floor on the normaliser)."""
+        return None
+
     def _live(self) -> torch.Tensor:
         return torch.ones(self.batch, self.kv_heads, self.length, dtype=torch.bool, device=self.device)
 
@@ -368,9 +402,8 @@ class EvictingState(KVState):
         self._settle()
         B, H, D = self.batch, self.kv_heads, self.head_dim
         den, num = self._weights()
-        out, probs = slot_attention(
-            query.reshape(B, H, group, 1, D), self.keys, self.values, den, num, self.scale, self.softcap
-        )
+        grouped = query.reshape(B, H, group, 1, D)
+        out, probs = slot_attention(grouped, self.keys, self.values, den, num, self.scale, self.softcap, self._floor_weight())
         self._record_step(probs[:, :, :, 0])
         info = SlotSelection(live=self._live(), positions=self.positions.clone(), group=group)
         return out.reshape(B, H * group, D).to(query.dtype), info

@@ -9,7 +9,8 @@ from typing import ClassVar
 import torch
 
 from sparseattn.methods.base import StatefulMethod
-from sparseattn.methods.eviction import EvictingState, causal_probability_sums, check_int
+from sparseattn.validation import check_int, check_number
+from sparseattn.methods.eviction import EvictingState, causal_probability_sums, finite_evidence
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,7 @@ class H2O(StatefulMethod):
 
     def __post_init__(self) -> None:
         check_int("H2O", "budget", self.budget, 1)
-        ratio = self.heavy_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
-            raise ValueError(f"H2O.heavy_ratio must be a number in [0, 1), got {ratio!r}")
+        check_number("H2O", "heavy_ratio", self.heavy_ratio, "a number in [0, 1)", lambda r: 0.0 <= r < 1.0)
 
     @property
     def heavy(self) -> int:
@@ -75,10 +74,11 @@ class H2OState(EvictingState):
         return self.scores.double().masked_fill(recent, float("inf"))
 
     def _record_block(self, grouped_query: torch.Tensor) -> None:
-        self.scores.add_(causal_probability_sums(grouped_query, self.keys, self.scale, self.softcap))
+        sums = causal_probability_sums(grouped_query, self.keys, self.scale, self.softcap)
+        self.scores.add_(finite_evidence(sums))
 
     def _record_step(self, probs: torch.Tensor) -> None:
-        self.scores.add_(probs.sum(dim=2))
+        self.scores.add_(finite_evidence(probs).sum(dim=2))
 
     def _prefill_priority(self) -> torch.Tensor:
         return self._with_recent(self.seen - 1)

@@ -1,14 +1,23 @@
-"""Segment-search presets: Quest, and the selection ablations of the Radar paper (Figure 7).
+"""Segment-search presets: Radar in both forms, Quest, and the selection ablations of the Radar paper (Figure 7).
+
+Two Radars, named so a table says which one ran:
+
+* :func:`Radar` (CLI ``radar``): the configuration the authors ran (aspect 4 and their rebuild rule,
+  2048 antithetic draws, 1 sink, a 1024-token window);
+* :func:`RadarAlg1` (CLI ``radar-alg1``): the paper's Algorithm 1 as written (c = sqrt(t), rebuilt at
+  every perfect square, 2048 independent draws, no sink, no window). The ablations below swap one
+  part of this one, as the paper's Figure 7 does.
 
 Each is a :class:`~sparseattn.methods.segment_search.SegmentSearch` with one part swapped, so its
 ``repr`` is the full description of the run. Budget rule (as for every segment search): with
 ``budget`` set, a step attends ``max(1, (budget - sinks - tail) // c)`` segments of ``c`` tokens,
-``tail`` being the unsealed buffer plus the window; otherwise ``top_k`` segments.
+``tail`` being the unsegmented remainder plus the window (at least the current token); otherwise
+``top_k`` segments. Segments never overlap the tail.
 """
 
 from __future__ import annotations
 
-from sparseattn.methods.segment_search import SegmentSearch
+from sparseattn.methods.segment_search import Radar, SegmentSearch
 from sparseattn.schedules.fixed import FixedSchedule
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector
@@ -25,6 +34,57 @@ from sparseattn.summaries.performer import PerformerFeatures
 from sparseattn.summaries.rerank import Rerank
 
 
+__all__ = [
+    "Quest",
+    "Radar",
+    "RadarAlg1",
+    "RadarCentered",
+    "RadarExact",
+    "RadarLowest",
+    "RadarPlus",
+    "RadarRandom",
+    "RadarRecent",
+    "RadarRerank",
+]
+
+
+def RadarAlg1(
+    top_k: int = 64,
+    n_features: int = 2048,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    seed: int = 0,
+    orthogonal: bool = False,
+    antithetic: bool = False,
+    aspect: float = 1.0,
+    shared_kv_selection: bool = False,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """The paper's Algorithm 1: ``SegmentSearch(PerformerFeatures(2048), TopK(), SqrtSchedule(), top_k=64)``.
+
+    Segments of ``c = sqrt(t)`` tokens, all rebuilt whenever t is a perfect square; between squares
+    new tokens wait in the buffer (up to ``2 sqrt(t)``), which is always attended; n = 2048
+    independent Gaussian draws; no sinks, no extra window. One deviation, shared by every segment
+    search: the current token is never sealed, so ``t`` here counts the past tokens (the square
+    rebuild happens one step later than in the listing, and the current token is always attended).
+
+    This is not what the authors ran (see :func:`Radar`); it is kept to compare with the paper's
+    text and for the ablations, which swap one of its parts. ``budget`` replaces ``top_k`` by a
+    token budget (see :class:`SegmentSearch`).
+    """
+    return SegmentSearch(
+        summary=PerformerFeatures(n_features=n_features, orthogonal=orthogonal, antithetic=antithetic, seed=seed),
+        selector=TopK(),
+        schedule=SqrtSchedule(aspect=aspect),
+        top_k=top_k,
+        sinks=sinks,
+        window=window,
+        shared_kv_selection=shared_kv_selection,
+        budget=budget,
+    )
+
+
 def Quest(
     top_k: int = 64,
     page_size: int = 16,
@@ -38,7 +98,8 @@ def Quest(
 
     Pages of ``page_size`` tokens keep per-channel minimum and maximum keys; a query scores a page by
     the upper bound ``sum_i max(q_i min_i, q_i max_i) >= q . k`` of every logit in it and attends the
-    ``top_k`` best pages (``64 x 16 = 1024`` tokens by default) plus the unfilled last page.
+    ``top_k`` best pages (``64 x 16 = 1024`` tokens by default) plus the unfilled last page (which
+    holds at least the current token: a page is sealed once it is full and in the past).
     """
     return SegmentSearch(
         summary=MinMaxBound(),

@@ -1,8 +1,9 @@
-"""Segment search: summary x selector x schedule, and Radar as its preset (Algorithm 1)."""
+"""Segment search: summary x selector x schedule, and Radar as its authors ran it as its preset."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,9 @@ from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import segment_attention, segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.schedules.base import Schedule, SegmentGrid
+from sparseattn.validation import check_int
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector
 from sparseattn.selectors.topk import TopK
@@ -30,27 +33,46 @@ _SUMMARY_CHUNK = 8192
 class SegmentSearch(StatefulMethod):
     """Attend to the top segments of the past, found through per-segment summaries.
 
+    The ``t`` stored tokens are split as ``[sinks | segments | tail]``:
+
+    * the first ``sinks`` tokens, always attended;
+    * the segmentable tokens: those after the sinks that have left the recent window, i.e. all but
+      the last ``max(window, 1)`` tokens. ``schedule`` cuts them into equal segments (sealing new ones
+      and rebuilding as it says); what does not fill a segment is the unsegmented remainder;
+    * the tail: the remainder plus the last ``max(window, 1)`` tokens, always attended and never
+      offered to the selector, so ``top_k`` segments are ``top_k`` segments *outside* the tail.
+
+    The newest token (the one whose query is asked) is never sealed, even with ``window = 0``: it is
+    always attended. (The paper's Algorithm 1 seals it into a segment at every perfect square, where
+    it can then go unattended; no implementation should want that.)
+
     Per decode step: score the sealed segments with ``summary``, pick ``top_k`` of them with
-    ``selector``, and attend to their tokens plus the ``sinks`` first tokens, the unsealed buffer and
-    the last ``window`` tokens. ``schedule`` decides when segments are sealed or rebuilt. Any
-    summary x selector x schedule combination runs; with ``top_k`` >= the number of segments the
-    output is exactly dense attention.
+    ``selector``, and attend to their tokens plus the sinks and the tail. Any summary x selector x
+    schedule combination runs; with ``top_k`` >= the number of segments the output is exactly dense
+    attention.
+
+    A non-finite (NaN or infinite) key or value makes every later output of its batch row and KV
+    head NaN, as dense attention's outputs are NaN there (an infinite key whose logits are all -inf
+    is the one case where dense stays finite), whichever segments are selected; other rows and heads
+    are untouched. A NaN query gives NaN for its own query head, as in dense attention.
 
     Args:
         summary: how segments are summarised and scored (e.g. :class:`PerformerFeatures`).
         selector: which scored segments are attended (e.g. :class:`TopK`).
         schedule: when segments are sealed and rebuilt (e.g. :class:`SqrtSchedule`).
         top_k: segments attended per step (at most all of them); ignored when ``budget`` is set.
-        budget: if set, the number of past tokens a step may attend (sinks, buffer and window
-            included): each step attends ``max(1, (budget - sinks - tail) // c)`` segments, where
-            ``tail`` is the buffer plus window it must keep and ``c`` the segment size. Below
-            ``sinks + tail + c`` the floor of one segment exceeds the budget (reported by ``attended``).
+        budget: if set, the number of past tokens a step may attend (sinks and tail included):
+            each step attends ``max(1, (budget - sinks - tail) // c)`` segments, where ``tail`` is
+            the remainder plus window it must keep and ``c`` the segment size. Below
+            ``sinks + tail + c`` the floor of one segment exceeds the budget: ``attended`` reports
+            it and the first such step warns (once per method instance) with the numbers.
         backend: which implementation attends over the selection: ``"auto"`` (the fastest that
             accepts the inputs: the Triton kernel on CUDA, the C kernel on the CPU, else torch), ``"torch"``,
             ``"cpu"``, ``"triton"`` or ``"xformers"`` (see :mod:`sparseattn.backends`); a named backend
             that refuses raises.
         sinks: first tokens, outside the segments, always attended.
-        window: last tokens always attended (on top of the schedule's buffer).
+        window: last tokens always attended and never segmented (the newest token never is, even
+            with ``window = 0``); the schedule's remainder is attended on top of them.
         shared_kv_selection: one selection per KV head, from the group's summed estimated masses,
             instead of one per query head (cheaper gathers under grouped-query attention).
     """
@@ -90,33 +112,91 @@ class SegmentSearch(StatefulMethod):
         room = self.budget - layout.sink_end - layout.tail_size
         return min(layout.n_segments, max(1, room // layout.segment_size))
 
+    @property
+    def held_back(self) -> int:
+        """The newest tokens that are never segmented: the window, and at least the current token."""
+        return max(self.window, 1)
+
+    def _warn_over_budget(self, layout: SegmentLayout, k: int) -> None:
+        """Warn, once per method instance, when a step attends more than ``budget`` tokens."""
+        attended = layout.max_attended(k)
+        if self.budget is None or attended <= self.budget or self.__dict__.get("_warned_over_budget"):
+            return
+        object.__setattr__(self, "_warned_over_budget", True)  # not a field: equality and repr unchanged
+        remainder = layout.tail_size - min(self.held_back, layout.length - layout.sink_end)
+        warnings.warn(
+            f"SegmentSearch budget={self.budget} is below what it can honour: a step at t={layout.length} "
+            f"attends {attended} of {layout.length} tokens = {layout.sink_end} sink(s) + a {layout.tail_size}-token "
+            f"tail (window {self.window}, at least the current token, plus {remainder} not yet segmented) + "
+            f"{k} segment(s) of {layout.segment_size} (at least one segment is attended). Raise the budget to "
+            f">= {layout.sink_end + layout.tail_size + layout.segment_size} or lower sinks/window.",
+            stacklevel=4,
+        )
+
     def state_type(self) -> type:
         return SegmentSearchState
 
 
+#: The recent window of the authors' perplexity runs (their LongBench runs use 32).
+RADAR_WINDOW = 1024
+
+
 def Radar(
     top_k: int = 64,
-    n_features: int = 2048,
+    n_features: int = 4096,
     *,
-    sinks: int = 0,
-    window: int = 0,
+    sinks: int = 1,
+    window: int | None = None,
     seed: int = 0,
     orthogonal: bool = False,
-    antithetic: bool = False,
-    aspect: float = 1.0,
+    antithetic: bool = True,
+    aspect: float = 4.0,
     shared_kv_selection: bool = False,
     budget: int | None = None,
 ) -> SegmentSearch:
-    """The paper's method: ``SegmentSearch(PerformerFeatures(n), TopK(), SqrtSchedule())``.
+    """Radar as its authors ran it (Hao et al. 2025, their public code and experiment scripts).
 
-    Defaults are Algorithm 1 exactly (n = 2048, k = 64, no sinks, no extra window); the paper's
-    experiments add a 1024-token window. ``budget`` replaces ``top_k`` by a token budget (see
-    :class:`SegmentSearch`).
+    ``SegmentSearch(PerformerFeatures(4096, antithetic=True), TopK(), AspectSchedule(4), top_k=64,
+    sinks=1, window=1024)``. What differs from the paper's Algorithm 1 (:func:`RadarAlg1`):
+
+    ==================  ===============================================  ==============================
+    part                as run (this preset)                             Algorithm 1
+    ==================  ===============================================  ==============================
+    segment size        ``c = floor(sqrt(t) / 4)``                       ``c = sqrt(t)``
+    rebuild             when ``t // c >= 2 * 4^2 * c`` (t ~doubled),     at every perfect square
+                        full segments sealed in between                  (buffer up to ``2 sqrt(t)``)
+    features            2048 Gaussian draws as +-omega: 4096 features    2048 independent draws
+    always attended     1 sink + the last 1024 tokens + remainder < c    the buffer
+    ==================  ===============================================  ==============================
+
+    ``t`` counts the segmentable tokens (after the sink, outside the window). At the paper's
+    perplexity point (16k prefill, k = 64) that is c = 30: 1 + 64 x 30 + 1024 + 29 = 2,974 tokens
+    attended per step.
+
+    Token budget (the toolkit's one meaning: past tokens a step may attend, sinks and window
+    included): with ``budget`` set and ``window`` not given, the window is ``min(1024, budget // 4)``,
+    one sink is kept, and the rest goes to segments: ``(budget - 1 - tail) // c`` of them, the tail
+    being the window plus the remainder (see :class:`SegmentSearch`). The authors count only the
+    middle tokens (``k = n_c // c``, window and remainder extra); here the total is honoured, and a
+    budget too small for ``1 + window + remainder + c`` tokens warns.
+
+    Args:
+        top_k: segments per step when no ``budget`` is given (the authors' 64).
+        n_features: features per key; with ``antithetic`` (default) the draws are ``n_features / 2``.
+        sinks, window: always-attended first and last tokens; ``window=None`` means 1024, or
+            ``min(1024, budget // 4)`` under a budget.
+        seed, orthogonal, antithetic: the random features (:class:`PerformerFeatures`).
+        aspect: ``a`` of :class:`AspectSchedule` (segments ``a`` times shorter than ``sqrt(t)``).
+        shared_kv_selection, budget: as for :class:`SegmentSearch`.
     """
+    if budget is not None:
+        check_int("Radar", "budget", budget, 1)  # before budget // 4 can raise a TypeError
+    if window is None:
+        window = RADAR_WINDOW if budget is None else min(RADAR_WINDOW, budget // 4)
     return SegmentSearch(
         summary=PerformerFeatures(n_features=n_features, orthogonal=orthogonal, antithetic=antithetic, seed=seed),
         selector=TopK(),
-        schedule=SqrtSchedule(aspect=aspect),
+        schedule=AspectSchedule(aspect=aspect),
         top_k=top_k,
         sinks=sinks,
         window=window,
@@ -180,7 +260,8 @@ class SegmentSearchState(KVState):
     """The decode state of a :class:`SegmentSearch` for one layer.
 
     Holds the keys and values (capacity-doubling storage, no per-token copy of the cache), the
-    segment grid and the summaries of sealed segments. Work per token: the schedule's amortised
+    segment grid, the summaries of sealed segments, and ``[B, H_kv]`` flags of the (row, KV head)
+    pairs that stored a non-finite key or value (their outputs are NaN, as in dense attention). Work per token: the schedule's amortised
     summary work, scoring the S segments, and attention over the attended tokens; nothing is O(t)
     per step unless the summary reads keys (:class:`ExactScore`, the oracle).
     """
@@ -212,6 +293,7 @@ class SegmentSearchState(KVState):
         self._rebuilt_since_attend = False
         self._sealed_since_attend = 0
         self.n_rebuilds = 0
+        self._nonfinite = torch.zeros(batch, kv_heads, dtype=torch.bool, device=self.device)
         self._backend = None  # chosen on the first step, when the inputs are known
         self._workspace = Workspace()
 
@@ -241,10 +323,19 @@ class SegmentSearchState(KVState):
     def _after_append(self, n_new: int) -> None:
         """Build or extend the segment structure as the schedule says (a prefill of t tokens: one O(t) pass)."""
         self._rebuilt_since_attend, self._sealed_since_attend = False, 0
+        # A NaN/inf token in an unselected segment would vanish from the output; dense attention shows
+        # it. One O(new tokens) check here, a flag per (row, KV head), no device sync.
+        new_k, new_v = self.keys[:, :, -n_new:], self.values[:, :, -n_new:]
+        self._nonfinite |= ~(torch.isfinite(new_k).flatten(2).all(-1) & torch.isfinite(new_v).flatten(2).all(-1))
         self._restructure()
 
     def _segmentable(self) -> int:
-        return max(0, self.length - self.method.sinks)
+        """Tokens the schedule may cut into segments: after the sinks, before the held-back newest ones."""
+        return max(0, self.length - min(self.method.sinks, self.length) - self.method.held_back)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)
+        self._nonfinite = self._nonfinite.index_select(0, index.to(self.device))
 
     def _restructure(self) -> None:
         n = self._segmentable()
@@ -327,6 +418,7 @@ class SegmentSearchState(KVState):
         lay = self.layout
         shared = 1 if self.method.shared_kv_selection else group
         k = self.method.segments_for(lay)
+        self.method._warn_over_budget(lay, k)
         if k == lay.n_segments:
             segments = torch.arange(k, device=query.device).expand(B, self.kv_heads, shared, k)
         else:
@@ -348,6 +440,7 @@ class SegmentSearchState(KVState):
             out = segment_attention_cpu(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
         else:
             out = self._backend.segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
+        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend
         )

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from sparseattn.methods.base import StatefulMethod
-from sparseattn.methods.eviction import EvictingState, causal_probability_sums, check_int
+from sparseattn.validation import check_int
+from sparseattn.methods.eviction import EvictingState, causal_probability_sums, finite_evidence
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,9 @@ class SnapKV(StatefulMethod):
 
     def __post_init__(self) -> None:
         check_int("SnapKV", "observation_window", self.observation_window, 1)
-        check_int("SnapKV", "budget", self.budget, self.observation_window + 1)
+        floor = self.observation_window + 1
+        why = f"the minimum is observation_window + 1 = {floor}: the window plus one pinned prompt token"
+        check_int("SnapKV", "budget", self.budget, floor, why)
         check_int("SnapKV", "kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
             raise ValueError(f"SnapKV.kernel_size must be odd (the pooling keeps the length), got {self.kernel_size}")
@@ -82,13 +85,15 @@ class SnapKVState(EvictingState):
         self._prompt_open = False
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if keys.dim() == 4 and keys.shape[2] > 1:
+        block = isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[2] > 1
+        super().append(keys, values)  # validates first: a refused block must not open a prompt
+        if block:
             self._prompt_open = True
-        super().append(keys, values)
 
     def _record_block(self, grouped_query: torch.Tensor) -> None:
         w = min(self.method.observation_window, grouped_query.shape[3])
-        self._votes = causal_probability_sums(grouped_query[:, :, :, -w:], self.keys, self.scale, self.softcap)
+        votes = causal_probability_sums(grouped_query[:, :, :, -w:], self.keys, self.scale, self.softcap)
+        self._votes = finite_evidence(votes)
 
     def _candidates(self) -> torch.Tensor:
         """Tokens before the observation window, which compete for the pinned slots."""

@@ -9,7 +9,8 @@ from typing import ClassVar
 import torch
 
 from sparseattn.methods.base import StatefulMethod
-from sparseattn.methods.eviction import EvictingState, check_int
+from sparseattn.validation import check_int
+from sparseattn.methods.eviction import EvictingState
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class StreamingLLM(StatefulMethod):
 
     def __post_init__(self) -> None:
         check_int("StreamingLLM", "sinks", self.sinks, 0)
-        check_int("StreamingLLM", "budget", self.budget, self.sinks + 1)
+        why = f"the minimum is sinks + 1 = {self.sinks + 1}: the sinks plus the newest token"
+        check_int("StreamingLLM", "budget", self.budget, self.sinks + 1, why)
 
     @property
     def window(self) -> int:

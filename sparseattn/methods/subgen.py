@@ -24,6 +24,13 @@ Choices where the paper leaves room (documented and tested in ``tests/test_metho
   with probability ``new members / members`` by a uniform draw among the new members; a value sample
   with probability ``new mass / mass`` by an l2 draw among the new tokens), the same distribution as
   feeding the keys one at a time. A decode step folds the one token leaving the window.
+* **The ratio of the two estimates** (``guard``). Both sums are unbiased, but their ratio is not
+  bounded: the two are sampled independently, so when the cluster samples miss the few keys that hold
+  a head's attention and a value sample holds one of them, the normaliser is orders of magnitude too
+  small for the numerator. The paper's guarantee needs ``t ~ e^(2 delta r) / eps^2`` samples per
+  cluster (``delta`` the cluster radius, ``r`` the query norm); on the default model ``e^(2 delta r)``
+  is ~1e29 (median over heads) against ``t = 8``. ``guard=True`` floors the sketch's normaliser by the
+  value samples' own unbiased estimate of it, which bounds every output by the largest value norm.
 * **Split of the budget.** ``budget = sinks + window + clusters * cluster_samples + value_samples``:
   ``clusters = floor((budget - sinks - window) * (1 - value_share) / cluster_samples)`` (at least 1),
   the rest goes to value samples.
@@ -31,14 +38,14 @@ Choices where the paper leaves room (documented and tested in ``tests/test_metho
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from sparseattn.methods.base import StatefulMethod
-from sparseattn.methods.eviction import EvictingState, check_int, slot_attention
+from sparseattn.validation import check_int, check_number
+from sparseattn.methods.eviction import EvictingState, slot_attention
 
 _NO_DISTANCE = float("inf")
 # Elements of one [B, H, rows, m, D] difference chunk when measuring key-to-center distances.
@@ -62,6 +69,15 @@ class SubGen(StatefulMethod):
         radius: ``delta``, a key farther than this from every center founds a cluster (while the cap
             allows); 0 founds clusters until the cap.
         seed: seeds the reservoir draws (with the layer index).
+        guard: False (the paper's estimator): the output is the ratio of the two unbiased estimates,
+            which is not bounded: when the cluster samples miss the few keys that hold a head's
+            attention while a value sample holds one of them, the normaliser is far too small for the
+            numerator and the output's norm exceeds every value's (measured on CPython's argparse.py,
+            budget 256: outputs up to 41x the largest value norm, perplexity 97,600 where dense has
+            2.94; see docs/methods.md). True: the sketch's normaliser is the larger of its two
+            estimates, the cluster samples' and the value samples' own (``sum e_j mu / (s |v_j|^2)``,
+            also unbiased), so every output is a sub-convex combination of stored values
+            (``|out| <= max |v|``); biased towards zero instead of unbounded.
     """
 
     budget: int = 1024
@@ -71,6 +87,7 @@ class SubGen(StatefulMethod):
     value_share: float = 0.5
     radius: float = 0.0
     seed: int = 0
+    guard: bool = False
     hands_over_tokens: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -78,13 +95,16 @@ class SubGen(StatefulMethod):
         check_int("SubGen", "sinks", self.sinks, 0)
         check_int("SubGen", "cluster_samples", self.cluster_samples, 1)
         check_int("SubGen", "seed", self.seed, 0)
-        check_int("SubGen", "budget", self.budget, self.sinks + self.window + self.cluster_samples + 1)
-        share = self.value_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
-            raise ValueError(f"SubGen.value_share must be a number in (0, 1), got {share!r}")
-        r = self.radius
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r >= 0):
-            raise ValueError(f"SubGen.radius must be a finite number >= 0, got {r!r}")
+        floor = self.sinks + self.window + self.cluster_samples + 1
+        why = (
+            f"the minimum is sinks + window + cluster_samples + 1 = {self.sinks} + {self.window} + "
+            f"{self.cluster_samples} + 1: the exact tokens, one cluster's samples and one value sample"
+        )
+        check_int("SubGen", "budget", self.budget, floor, why)
+        check_number("SubGen", "value_share", self.value_share, "a number in (0, 1)", lambda x: 0.0 < x < 1.0)
+        check_number("SubGen", "radius", self.radius, "a finite number >= 0", lambda x: x >= 0.0)
+        if not isinstance(self.guard, bool):
+            raise ValueError(f"SubGen.guard must be True or False, got {self.guard!r}")
 
     @property
     def clusters(self) -> int:
@@ -118,10 +138,12 @@ class SubGenState(EvictingState):
         self._add_slot_field("num", cd, 1.0)
         self._generator = torch.Generator().manual_seed((method.seed * 0x9E3779B1 + self.layer_idx) % (2**63))
         self.sketched = False
-        m = method.clusters
-        self._sizes = (m, method.cluster_samples, method.value_samples)  # m, t, s (computed once)
-        self.centers = torch.zeros(batch, kv_heads, m, head_dim, dtype=cd, device=self.device)
-        self.counts = torch.zeros(batch, kv_heads, m, dtype=torch.long, device=self.device)
+        self._sizes = (method.clusters, method.cluster_samples, method.value_samples)  # m, t, s (computed once)
+        # The m centers are allocated when the sketch is built (the first time more than `budget` tokens are
+        # stored), never before: memory follows what is stored, not the budget (a budget of 10**6 for a
+        # 5-token prompt allocates for 5 tokens).
+        self.centers = torch.zeros(batch, kv_heads, 0, head_dim, dtype=cd, device=self.device)
+        self.counts = torch.zeros(batch, kv_heads, 0, dtype=torch.long, device=self.device)
         self.clusters_used = torch.zeros(batch, kv_heads, dtype=torch.long, device=self.device)
         self.value_mass = torch.zeros(batch, kv_heads, dtype=cd, device=self.device)
 
@@ -141,8 +163,8 @@ class SubGenState(EvictingState):
         return {**super().nbytes(), "sketch": sketch}
 
     def select_batch(self, index: torch.Tensor) -> None:
-        super().select_batch(index)
-        index = index.to(self.device)
+        super().select_batch(index)  # validates the index first
+        index = index.to(self.device).long()
         self.centers, self.counts, self.clusters_used, self.value_mass = (
             t.index_select(0, index) for t in (self.centers, self.counts, self.clusters_used, self.value_mass)
         )
@@ -163,7 +185,9 @@ class SubGenState(EvictingState):
         rows = max(1, _DISTANCE_CHUNK // max(1, B * H * c.shape[3] * D))
         d = torch.cat([((keys[:, :, a : a + rows].unsqueeze(3) - c) ** 2).sum(-1) for a in range(0, N, rows)], dim=2)
         unused = torch.arange(c.shape[3], device=self.device) >= self.clusters_used.unsqueeze(-1)
-        return d.masked_fill(unused.unsqueeze(-2), _NO_DISTANCE)
+        # A NaN distance (a NaN or inf key or center) counts as infinitely far: a poisoned center never
+        # attracts the keys of later blocks, and the poison stays with the tokens that carry it.
+        return d.masked_fill(unused.unsqueeze(-2) | d.isnan(), _NO_DISTANCE)
 
     def _cluster(self, keys: torch.Tensor) -> torch.Tensor:
         """Found clusters for ``keys: [B, H, N, D]``, then return each key's nearest center ``[B, H, N]``.
@@ -222,7 +246,10 @@ class SubGenState(EvictingState):
         weight = (values.to(cd) ** 2).sum(-1)  # [B, H, N]
         new_mass = weight.sum(-1)
         mass = self.value_mass + new_mass
-        draw_from = torch.where(new_mass.unsqueeze(-1) > 0, weight, torch.ones_like(weight)).double()
+        # l2 draws need a finite positive mass; a head without one (all-zero values, or a NaN or inf value,
+        # which makes `mass` non-finite and so the head's estimate NaN, as in dense attention) draws uniformly.
+        drawable = (new_mass > 0) & torch.isfinite(new_mass)
+        draw_from = torch.where(drawable.unsqueeze(-1), weight, torch.ones_like(weight)).double()
         token = torch.multinomial(draw_from.reshape(B * H, N).cpu(), s, replacement=True, generator=self._generator)
         token = token.to(self.device).view(B, H, s)
         replace = (self._rand(B, H, s) * mass.unsqueeze(-1) < new_mass.unsqueeze(-1)) & (new_mass.unsqueeze(-1) > 0)
@@ -230,7 +257,7 @@ class SubGenState(EvictingState):
         self._overwrite(self.exact_end, replace, token, keys, values, positions)
         self.value_mass = mass
         norms = (self.values[:, :, region].to(cd) ** 2).sum(-1)
-        filled = (norms > 0) & (mass.unsqueeze(-1) > 0)
+        filled = norms > 0  # mass > 0 too; a NaN mass gives NaN weights, so a NaN value propagates as in dense attention
         weight = mass.unsqueeze(-1) / (s * norms.clamp(min=torch.finfo(cd).tiny))
         self.field("num")[:, :, region] = torch.where(filled, weight, 0.0)
         self.field("den")[:, :, region] = 0.0
@@ -255,6 +282,9 @@ class SubGenState(EvictingState):
         middle = torch.arange(sinks, L - window, device=self.device)
         mid = [t.index_select(2, middle) for t in (self.keys, self.values, self.positions)]
         empty = budget - exact.numel()
+        m = self._sizes[0]
+        self.centers = torch.zeros(B, H, m, D, dtype=self.compute_dtype, device=self.device)
+        self.counts = torch.zeros(B, H, m, dtype=torch.long, device=self.device)
         for buf in (self._keys, self._values):
             kept = buf.view().index_select(2, exact)
             buf.replace(torch.cat([kept, kept.new_zeros(B, H, empty, D)], dim=2))
@@ -320,6 +350,12 @@ class SubGenState(EvictingState):
     def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (self.field("den"), self.field("num")) if self.sketched else (None, None)
 
+    def _floor_weight(self) -> torch.Tensor | None:
+        """With ``guard``: the numerator's own weights (exact slots 1, value samples ``mu / (s |v|^2)``,
+        cluster samples 0) floor the normaliser, so it is at least the value samples' estimate of the
+        sketch's mass plus the exact slots' mass."""
+        return self.field("num") if self.sketched and self.method.guard else None
+
     def _live(self) -> torch.Tensor:
         if not self.sketched:
             return super()._live()
@@ -331,6 +367,8 @@ class SubGenState(EvictingState):
             return super().attend_block(query)
         group = self._check_query(query, block=True)
         B, H, D, T, S = self.batch, self.kv_heads, self.head_dim, query.shape[2], self.length
+        if T > S:
+            raise ValueError(f"attend_block: {T} queries but only {S} stored tokens")
         grouped = query.reshape(B, H, group, T, D)
         out = torch.empty(B, H, group, T, D, dtype=query.dtype, device=self.device)
         rows = max(1, (1 << 23) // max(1, B * H * group * S))
@@ -345,6 +383,7 @@ class SubGenState(EvictingState):
                 self.field("num")[:, :, :visible],
                 self.scale,
                 self.softcap,
+                None if not self.method.guard else self.field("num")[:, :, :visible],
             )
             out[:, :, :, start:end] = part.to(query.dtype)
         self._settle()

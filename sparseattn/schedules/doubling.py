@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sparseattn.schedules.base import SegmentGrid
+from sparseattn.validation import check_real
 
 
 @dataclass(frozen=True)
@@ -15,14 +16,15 @@ class DoublingSchedule:
     In between, segments of the same size are sealed as the buffer fills, so the buffer holds fewer
     than ``size`` tokens and at most ``2 t0 / size ~ 2 aspect sqrt(t0)`` segments exist: scoring stays
     O(sqrt(t)) per step while rebuild work is O(t) per doubling, amortised O(1) per token
-    (Algorithm 1 pays O(sqrt(t)) per token for its rebuilds).
+    (Algorithm 1 pays O(sqrt(t)) per token for its rebuilds). The authors' code rebuilds on a segment
+    count instead (:class:`~sparseattn.schedules.aspect.AspectSchedule`), which fires at slightly
+    different t.
     """
 
     aspect: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.aspect > 0:
-            raise ValueError(f"DoublingSchedule.aspect must be > 0, got {self.aspect}")
+        check_real("DoublingSchedule", "aspect", self.aspect, above=0)
 
     def plan(self, n_tokens: int, grid: SegmentGrid | None) -> SegmentGrid:
         if grid is None or (n_tokens > grid.built_at and n_tokens >= 2 * grid.built_at):

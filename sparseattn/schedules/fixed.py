@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparseattn.schedules.base import SegmentGrid
+from sparseattn.validation import check_int
 
 
 @dataclass(frozen=True)
@@ -17,8 +18,7 @@ class FixedSchedule:
     size: int = 16
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"FixedSchedule.size must be >= 1, got {self.size}")
+        check_int("FixedSchedule", "size", self.size, 1)
 
     def plan(self, n_tokens: int, grid: SegmentGrid | None) -> SegmentGrid:
         return SegmentGrid(segment_size=self.size, n_segments=n_tokens // self.size, built_at=0)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sparseattn.schedules.base import SegmentGrid
+from sparseattn.validation import check_real
 
 
 @dataclass(frozen=True)
@@ -16,15 +17,15 @@ class SqrtSchedule:
     ``(r+1)^2 - 1 - r^2 = 2r < 2 sqrt(t)`` tokens (with ``aspect = 1``, the paper's setting).
     Rebuilding costs O(t) once every ~sqrt(t) tokens: amortised O(sqrt(t)) per step.
 
-    ``aspect > 1`` gives more, smaller segments (the reference code uses 2); the r^2 tokens are then
-    covered by ``r^2 // size`` segments and the remainder joins the buffer.
+    ``aspect > 1`` gives more, smaller segments; the r^2 tokens are then covered by ``r^2 // size``
+    segments and the remainder joins the buffer. (The authors' experiment scripts use ``aspect = 4``,
+    but with a different rebuild rule: :class:`~sparseattn.schedules.aspect.AspectSchedule`.)
     """
 
     aspect: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.aspect > 0:
-            raise ValueError(f"SqrtSchedule.aspect must be > 0, got {self.aspect}")
+        check_real("SqrtSchedule", "aspect", self.aspect, above=0)
 
     def plan(self, n_tokens: int, grid: SegmentGrid | None) -> SegmentGrid:
         root = math.isqrt(n_tokens)

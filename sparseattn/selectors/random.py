@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseattn.validation import check_int
+
 
 @dataclass(frozen=True)
 class Random:
@@ -17,6 +19,9 @@ class Random:
 
     seed: int = 0
     uses_scores = False
+
+    def __post_init__(self) -> None:
+        check_int("Random", "seed", self.seed, 0)
     distinct_indices = True  # topk/arange indices never repeat
 
     def select(self, scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:

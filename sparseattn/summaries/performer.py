@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseattn.ops.features import draw_projection, log_positive_features
+from sparseattn.validation import check_bool, check_int
 
 _FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -34,11 +35,18 @@ class PerformerFeatures:
     (:func:`sparseattn.ops.features.draw_projection`); the query heads of a KV group share it,
     because their features must live in the same space as that head's keys.
 
+    With ``antithetic=True`` the ``n/2`` Gaussian draws are used as pairs ``+omega, -omega``: n features
+    ``exp(+-omega . x - ||x||^2/2) / sqrt(n)``, each still an unbiased factor (``-omega`` is as Gaussian
+    as ``omega``), and the pair cancels the odd terms of the estimator's error. The exponents are
+    formed and max-shifted in log space as for independent draws, so no dtype overflows.
+
     Args:
-        n_features: n, the feature dimension (paper default 2048).
+        n_features: n, the feature dimension (the paper's n = 2048 independent draws, Algorithm 1).
+            The authors' code draws 2048 vectors and uses them as +-omega pairs: that is
+            ``n_features=4096, antithetic=True`` here (the as-run :func:`~sparseattn.methods.Radar`).
         orthogonal: draw Omega as Performer's orthogonal random features (same mean, variance no larger).
-        antithetic: use the pairs +-omega (n/2 draws): still unbiased, as the reference code does.
-        seed: seed of Omega; layers draw independent matrices from it.
+        antithetic: use the pairs +-omega (n/2 draws, n even): still unbiased.
+        seed: seed of Omega (an int >= 0); layers draw independent matrices from it.
         feature_dtype: storage dtype of the normalised summaries.
     """
 
@@ -51,10 +59,14 @@ class PerformerFeatures:
     reads_keys = False
 
     def __post_init__(self) -> None:
-        if self.n_features < 1:
-            raise ValueError(f"PerformerFeatures.n_features must be >= 1, got {self.n_features}")
+        check_int("PerformerFeatures", "n_features", self.n_features, 1)
+        check_bool("PerformerFeatures", "orthogonal", self.orthogonal)
+        check_bool("PerformerFeatures", "antithetic", self.antithetic)
+        check_int("PerformerFeatures", "seed", self.seed, 0)
         if self.antithetic and self.n_features % 2:
-            raise ValueError(f"PerformerFeatures.n_features must be even with antithetic=True, got {self.n_features}")
+            raise ValueError(
+                f"PerformerFeatures.n_features must be an even int >= 2 with antithetic=True (pairs +-omega), got {self.n_features!r}"
+            )
         if self.feature_dtype not in _FEATURE_DTYPES:
             raise ValueError(f"PerformerFeatures.feature_dtype must be one of {_FEATURE_DTYPES}, got {self.feature_dtype}")
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from sparseattn.validation import check_bool, check_int, check_real
 from sparseattn.summaries.base import Summary, segment_log_mass
 from sparseattn.summaries.performer import PerformerFeatures
 
@@ -50,12 +51,9 @@ class Rerank:
     def __post_init__(self) -> None:
         if not isinstance(self.coarse, Summary) or isinstance(self.coarse, type):
             raise ValueError(f"Rerank.coarse must be a Summary instance, got {self.coarse!r}")
-        if isinstance(self.shortlist, bool) or not isinstance(self.shortlist, int) or self.shortlist < 0:
-            raise ValueError(f"Rerank.shortlist must be an int >= 0, got {self.shortlist!r}")
-        if not self.factor >= 0:
-            raise ValueError(f"Rerank.factor must be >= 0, got {self.factor!r}")
-        if not isinstance(self.per_group, bool):
-            raise ValueError(f"Rerank.per_group must be a bool, got {self.per_group!r}")
+        check_int("Rerank", "shortlist", self.shortlist, 0)
+        check_real("Rerank", "factor", self.factor, at_least=0)
+        check_bool("Rerank", "per_group", self.per_group)
 
     def prepare(self, kv_heads: int, head_dim: int, *, layer_idx: int, device: torch.device, dtype: torch.dtype) -> Any:
         return self.coarse.prepare(kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype)
