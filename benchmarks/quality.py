@@ -22,22 +22,14 @@ from pathlib import Path
 
 import torch
 
-from sparseattn import H2O, Dense, Quest, Radar, RadarAlg1, RadarPlus, SnapKV, StreamingLLM
+from sparseattn import Dense, registry
 from sparseattn.data.sources import load_text
 from sparseattn.evaluation.ppl import run_ppl_together, tokenize
 from sparseattn.evaluation.runs import RunDir, environment
 from sparseattn.hf import load_model
 
-#: The methods compared at each budget (dense runs once).
-SPARSE = {
-    "streamingllm": StreamingLLM,
-    "h2o": H2O,
-    "snapkv": SnapKV,
-    "quest": Quest,
-    "radar-alg1": RadarAlg1,
-    "radar": Radar,
-    "radar+": RadarPlus,
-}
+#: The registry's methods compared at each budget (dense runs once).
+SPARSE = ["streamingllm", "h2o", "snapkv", "quest", "radar-alg1", "radar", "radar+"]
 
 
 def row_ppls(run: RunDir, rows: int) -> list[float]:
@@ -68,7 +60,7 @@ def main() -> None:
     ids = torch.stack([tokenize(tokenizer, load_text(t), n, name=t) for t in texts])  # [2, n]
     methods = {"dense": Dense()}
     for budget in args.budgets:
-        methods.update({f"{name}@{budget}": cls(budget=budget) for name, cls in SPARSE.items()})
+        methods.update({f"{name}@{budget}": registry.build(name, budget=budget) for name in SPARSE})
     where = args.runs / f"{args.prose}+{args.code}-p{args.prefill}-s{args.steps}"
     runs = {}
     for label, method in methods.items():

@@ -123,6 +123,9 @@ def refusals(root: Path, model: str, text: str, short: str) -> dict[str, tuple[l
             ppl + ["-m", "h2o:heavy_ratio=1.5"], ["'--method'", "heavy_ratio 1.5 is out of range", "(0, 1)"]
         ),
         "negative budget": (ppl + ["-m", "snapkv+radar", "--budget", "-3"], ["'--budget'", "-3 is out of range", "[1, "]),
+        "budget below the method's floor": (
+            ppl + ["-m", "subgen", "--budget", "20"], ["'--method'", "--budget 20", "SubGen.budget must be an int >= 41"]
+        ),
         "generate option the method does not take": (
             gen + ["--prompt", "x", "--page-size", "4"], ["'--page-size'", "radar does not take --page-size", "it takes --budget"]
         ),

@@ -17,7 +17,7 @@ import torch
 import hf_models
 from hf_models import ARCHITECTURES, left_pad, prompts, tiny_model
 from sparseattn import Dense, Radar, RadarAlg1
-from sparseattn.cli.methods import METHODS, MethodOptions, build_method
+from sparseattn import registry
 from sparseattn.evaluation.shared_prefill import Fanout, FanoutState, _split_layer
 from sparseattn.hf import SparseCache, apply
 from sparseattn.hf.attention import ATTENTION_NAME, CALL_CACHE, link_caches, register, unlink_caches
@@ -234,9 +234,9 @@ def exercise(state, batch: int = 2, kv_heads: int = 2, head_dim: int = 8, group:
     assert isinstance(nbytes, dict) and nbytes["kv"] > 0 and all(isinstance(n, int) for n in nbytes.values())
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", registry.names())
 def test_every_registered_methods_state_has_every_declared_member(name):
-    method = build_method(name, MethodOptions(budget=48, n_features=32))  # < the 64-token prompt: evicting methods evict
+    method = registry.build(name, **registry.get(name).takes(budget=48, n_features=32))  # < the 64-token prompt: evicting methods evict
     exercise(method.new_state(2, 2, 8))
 
 

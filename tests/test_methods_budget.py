@@ -1,22 +1,27 @@
-"""One meaning of budget for every method: tokens attended per decode step; at budget >= t, dense attention."""
+"""One meaning of budget for every method: tokens attended per decode step; at budget >= t, dense attention.
+
+The contract tests run over every name in :mod:`sparseattn.registry` (read at collection), so a method
+is covered the moment it is registered; tests/test_registry.py runs them on a method registered there.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sparseattn.cli.methods import METHODS, MethodOptions, build_method
+from sparseattn import registry
 from sparseattn.methods.eviction import EvictingState
 from sparseattn.ops.attention import attention_ref
 from sparseattn.testing import assert_close
 
 B, H, G, D = 2, 2, 3, 8
 BUDGET = 48
-NAMES = [name for name in METHODS if name != "dense"]
+NAMES = [name for name in registry.names() if name != "dense"]
 
 
 def method_at(name: str, budget: int):
-    return build_method(name, MethodOptions(budget=budget, n_features=32))
+    """The method ``name`` at ``budget`` (if it has one), with few random features to keep the tests fast."""
+    return registry.build(name, **registry.get(name).takes(budget=budget, n_features=32))
 
 
 def run_prompt(state, keys, values, how: str, dtype) -> None:
@@ -86,14 +91,16 @@ def test_segment_search_methods_turn_the_budget_into_segments():
     assert method_at("snapkv+radar", 512).prefill.budget == 4 * 512
 
 
-def test_beam_search_reindexes_evicting_states():
-    for name in ("h2o", "subgen", "snapkv+radar"):
-        state = method_at(name, BUDGET).new_state(B, H, D)
-        state.append(torch.randn(B, H, 90, D), torch.randn(B, H, 90, D))
-        state.attend_block(torch.randn(B, H * G, 90, D))
-        state.step(torch.randn(B, H * G, D), torch.randn(B, H, D), torch.randn(B, H, D))
-        before = state.keys.clone()
-        state.select_batch(torch.tensor([1, 1, 0]))
-        assert state.batch == 3 and torch.equal(state.keys, before[[1, 1, 0]])
-        out, info = state.step(torch.randn(3, H * G, D), torch.randn(3, H, D), torch.randn(3, H, D))
-        assert out.shape == (3, H * G, D) and int(info.attended.max()) <= BUDGET
+@pytest.mark.parametrize("name", ["dense", *NAMES])
+def test_beam_search_reindexes_every_state(name):
+    state = method_at(name, BUDGET).new_state(B, H, D)
+    state.append(torch.randn(B, H, 90, D), torch.randn(B, H, 90, D))
+    state.attend_block(torch.randn(B, H * G, 90, D))
+    state.step(torch.randn(B, H * G, D), torch.randn(B, H, D), torch.randn(B, H, D))
+    before = state.keys.clone()
+    state.select_batch(torch.tensor([1, 1, 0]))
+    assert state.batch == 3 and torch.equal(state.keys, before[[1, 1, 0]])
+    out, info = state.step(torch.randn(3, H * G, D), torch.randn(3, H, D), torch.randn(3, H, D))
+    assert out.shape == (3, H * G, D)
+    if "budget" in registry.get(name).option_names:
+        assert int(info.attended.max()) <= BUDGET

@@ -1,4 +1,4 @@
-"""Every CLI method decodes through ``model.generate``: dense tokens at full budget, within budget otherwise."""
+"""Every registered method decodes through ``model.generate``: dense tokens at full budget, within budget otherwise."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import hf_models
 from hf_models import left_pad, prompts, tiny_model
-from sparseattn.cli.methods import METHODS, MethodOptions, build_method
+from sparseattn import registry
 from sparseattn.hf import apply
 
 NEW_TOKENS = 12
@@ -17,7 +17,7 @@ SMALL = 48  # less than the longer prompt: every method evicts or selects
 
 
 def method_at(name: str, budget: int):
-    return build_method(name, MethodOptions(budget=budget, n_features=32))
+    return registry.build(name, **registry.get(name).takes(budget=budget, n_features=32))
 
 
 def greedy(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, **kwargs):
@@ -31,7 +31,7 @@ def arch(request):
     return request.param, model, ids, mask, greedy(model, ids, mask)
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", registry.names())
 def test_every_method_generates_the_dense_tokens_at_full_budget(arch, name):
     arch_name, model, ids, mask, reference = arch
     with apply(model, method_at(name, FULL)) as sparse:
@@ -42,7 +42,7 @@ def test_every_method_generates_the_dense_tokens_at_full_budget(arch, name):
     assert cache.mean_attended() == pytest.approx(cache.mean_stored())
 
 
-@pytest.mark.parametrize("name", [n for n in METHODS if n != "dense"])
+@pytest.mark.parametrize("name", [n for n in registry.names() if n != "dense"])
 def test_every_method_generates_within_its_budget(name):
     model = tiny_model("llama")
     ids, mask = left_pad(prompts(2, [70, 53]))

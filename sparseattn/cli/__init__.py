@@ -12,11 +12,11 @@ from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 import sparseattn
+from sparseattn import registry
 from sparseattn.cli.compare import compare
 from sparseattn.cli.demo import demo
 from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, sweep
 from sparseattn.cli.generate import generate
-from sparseattn.cli.methods import METHODS
 from sparseattn.data.cli import app as data_app
 from sparseattn.evaluation.longbench_cli import app as longbench_app
 
@@ -84,8 +84,9 @@ def list_methods() -> None:
     table = Table(title="methods")
     for column in ("name", "options", "description"):
         table.add_column(column)
-    for spec in METHODS.values():
-        table.add_row(spec.name, ", ".join(f"--{o.replace('_', '-')}" for o in spec.options) or "-", spec.description)
+    for name in registry.names():
+        entry = registry.get(name)
+        table.add_row(name, ", ".join(f"--{o.replace('_', '-')}" for o in entry.option_names) or "-", entry.description)
     console.print(table)
 
 

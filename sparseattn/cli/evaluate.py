@@ -1,7 +1,7 @@
 """The evaluation commands: ``ppl``, ``plot``, ``needle``, ``diagnose``, ``sweep`` and ``longbench run``.
 
 Methods are named on the command line as ``NAME[:key=value,...]`` with the keys of
-:class:`~sparseattn.cli.methods.MethodOptions` that the method takes (``sparseattn methods`` lists
+:mod:`sparseattn.registry` options that the method takes (``sparseattn methods`` lists
 them), e.g. ``radar:top_k=8,n_features=256`` or ``h2o:heavy_ratio=0.25``; ``--budget`` sets the
 budget of every method that has one and whose spec sets neither ``budget`` nor ``top_k`` (dense has
 no budget and runs without one). Every run writes a directory (``--out``) holding its resolved
@@ -14,7 +14,6 @@ a mistake ends with one line naming the option, the value and what is allowed, a
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import re
@@ -31,7 +30,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sparseattn.cli.methods import METHODS, MethodOptions, build_method, check_method_options, range_problem
+from sparseattn import registry
+from sparseattn.cli.methods import check_method_options, range_problem
 from sparseattn.progress import forward_progress, progress
 
 #: The spec of the embedded default model: ``sparseattn.hf.DEFAULT_MODEL``, repeated rather than
@@ -213,16 +213,21 @@ def parse_method(spec: str, budget: int | None = None) -> tuple[str, object, dic
     ``top_k`` (a method without a budget, dense, runs without one).
     """
     name, _, rest = spec.partition(":")
-    if name not in METHODS:
-        raise bad("--method", f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
-    fields = {f.name: f for f in dataclasses.fields(MethodOptions)}
+    try:
+        known = registry.names()
+    except registry.PluginError as err:  # a broken third-party method package: say which, no traceback
+        raise bad("--method", str(err)) from None
+    if name not in known:
+        raise bad("--method", f"unknown method {name!r} in {spec!r}; known: {', '.join(known)}")
+    entry = registry.get(name)
+    fields = registry.all_options()
     given: dict = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not eq or key not in fields:
             raise bad("--method", f"bad option {item!r} in {spec!r}; options are key=value with key in {', '.join(fields)}")
-        kind = float if "float" in str(fields[key].type) else int
+        kind = (entry.option(key) or fields[key]).type
         try:
             given[key] = kind(value)
         except ValueError:
@@ -231,9 +236,13 @@ def parse_method(spec: str, budget: int | None = None) -> tuple[str, object, dic
         check_method_options(name, given, spell=str)
     except ValueError as err:
         raise bad("--method", f"{spec!r}: {err}") from None
-    if budget is not None and "budget" in METHODS[name].options and not {"budget", "top_k"} & set(given):
+    if budget is not None and "budget" in entry.option_names and not {"budget", "top_k"} & set(given):
         given["budget"] = budget
-    method = build_method(name, MethodOptions(**given))
+    try:
+        method = registry.build(name, **given)
+    except ValueError as err:  # a limit that depends on other fields, e.g. SnapKV's budget > observation window
+        also = "" if budget is None or "budget" not in given else f" (--budget {budget})"
+        raise bad("--method", f"{spec!r}{also}: {err}") from None
     label = name + ("" if not given else ":" + ",".join(f"{k}={v}" for k, v in sorted(given.items())))
     return label, method, given
 

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from sparseattn.cli.evaluate import DEFAULT_MODEL, bad, check_dtype, check_range, inspect_model, read_text
-from sparseattn.cli.methods import METHODS, MethodOptions, OptionError, build_method, check_method_options, flag, range_problem
+from sparseattn import registry
+from sparseattn.cli.methods import OptionError, check_method_options, flag, range_problem
 from sparseattn.progress import forward_progress
 
 # Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
@@ -71,17 +72,18 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, text: str | None) 
     return value
 
 
-def method_options(method: str, options: dict[str, object]) -> tuple[MethodOptions, str]:
+def method_options(method: str, options: dict[str, object]) -> tuple[dict[str, object], str]:
     """The options given (not None) for ``--method``, refused where the method would ignore or misread them.
 
     ``--budget`` is the one option shared by every method, to compare them at one setting; a method
     without a budget (dense attends every past token) runs without it, and the returned note says so.
     """
-    if method not in METHODS:
-        raise bad("--method", f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+    known = registry.names()
+    if method not in known:
+        raise bad("--method", f"unknown method {method!r}; known methods: {', '.join(known)}")
     given = {key: value for key, value in options.items() if value is not None}
     note = ""
-    if "budget" in given and "budget" not in METHODS[method].options:
+    if "budget" in given and "budget" not in registry.get(method).option_names:
         note = f" ({method} has no budget: it attends every past token, --budget {given.pop('budget')} does not apply)"
     for key, value in given.items():
         problem = range_problem(key, value)
@@ -91,7 +93,7 @@ def method_options(method: str, options: dict[str, object]) -> tuple[MethodOptio
         check_method_options(method, given)
     except OptionError as err:
         raise bad([flag(key) for key in err.options], str(err)) from None
-    return MethodOptions(**given), note
+    return given, note
 
 
 def generate(
@@ -166,7 +168,7 @@ def generate(
             f"beyond the model's {window_size} positions; pass --max-prompt-tokens {window_size - max_new_tokens} to keep "
             "the end of the prompt",
         )
-    sparse_method = build_method(method, options)
+    sparse_method = registry.build(method, **options)
 
     from sparseattn.hf import apply
 

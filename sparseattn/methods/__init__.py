@@ -1,4 +1,12 @@
-"""Sparse decode methods built from the parts."""
+"""Sparse decode methods built from the parts.
+
+Each method module registers its named methods in :mod:`sparseattn.registry` when it is imported;
+the first import below fixes the registration order, which is the order ``sparseattn methods`` lists.
+"""
+
+# isort: off
+from sparseattn.methods import dense, segment_search, streaming, h2o, snapkv, subgen, presets  # noqa: F401
+# isort: on
 
 from sparseattn.methods.base import DecodeState, KVState, SparseMethod, StepInfo
 from sparseattn.methods.compose import PrefillEviction, PrefillEvictionState
@@ -15,6 +23,7 @@ from sparseattn.methods.presets import (
     RadarRandom,
     RadarRecent,
     RadarRerank,
+    SnapKVRadar,
 )
 from sparseattn.methods.segment_search import Radar, SegmentSearch, SegmentSearchState, SegmentSelection
 from sparseattn.methods.snapkv import SnapKV, SnapKVState
@@ -47,6 +56,7 @@ __all__ = [
     "SegmentSelection",
     "SlotSelection",
     "SnapKV",
+    "SnapKVRadar",
     "SnapKVState",
     "SparseMethod",
     "StepInfo",

@@ -11,6 +11,7 @@ from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import dense_decode_attention
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.registry import MethodEntry, register
 
 DENSE_BACKENDS = ("torch", "cpu")
 
@@ -93,3 +94,5 @@ class DenseState(KVState):
             out = dense_decode_attention(grouped, self.keys, self.values, self.scale, self.softcap)
         info = AllTokens(self.length, B, H * group, self.device)
         return out.reshape(B, H * group, D), info
+
+register(MethodEntry("dense", "vanilla attention over every past token", Dense, origin=__name__))

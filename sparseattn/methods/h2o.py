@@ -11,6 +11,7 @@ import torch
 from sparseattn.methods.base import StatefulMethod
 from sparseattn.validation import check_int, check_number
 from sparseattn.methods.eviction import EvictingState, causal_probability_sums, finite_evidence
+from sparseattn.registry import MethodEntry, Option, register
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,16 @@ class H2OState(EvictingState):
 
     def _eviction_priority(self, position: int) -> torch.Tensor:
         return self._with_recent(position)
+
+register(
+    MethodEntry(
+        "h2o",
+        "H2O: heavy hitters by accumulated attention + recent tokens, evicting per KV head (Zhang et al. 2023)",
+        H2O,
+        (
+            Option("budget", int, 1024, "past KV tokens kept per KV head"),
+            Option("heavy_ratio", float, 0.5, "share of the budget for heavy hitters"),
+        ),
+        origin=__name__,
+    )
+)

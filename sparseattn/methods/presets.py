@@ -17,7 +17,10 @@ Each is a :class:`~sparseattn.methods.segment_search.SegmentSearch` with one par
 
 from __future__ import annotations
 
-from sparseattn.methods.segment_search import Radar, SegmentSearch
+from sparseattn.methods.compose import PrefillEviction
+from sparseattn.methods.segment_search import Radar, SegmentSearch, feature_options, segment_options
+from sparseattn.methods.snapkv import SnapKV
+from sparseattn.registry import MethodEntry, Option, register
 from sparseattn.schedules.fixed import FixedSchedule
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector
@@ -45,6 +48,7 @@ __all__ = [
     "RadarRandom",
     "RadarRecent",
     "RadarRerank",
+    "SnapKVRadar",
 ]
 
 
@@ -240,3 +244,98 @@ def RadarRerank(
     """Radar's random features (n = 256) shortlist, the exact segment mass reranks (:class:`Rerank`)."""
     summary = Rerank(PerformerFeatures(n_features=n_features, seed=seed), shortlist, factor)
     return _radar_with(summary, TopK(), top_k, sinks, window, aspect, budget)
+
+
+def SnapKVRadar(
+    top_k: int = 64,
+    n_features: int = 4096,
+    *,
+    sinks: int = 1,
+    window: int | None = None,
+    seed: int = 0,
+    budget: int | None = None,
+    prefill_budget: int | None = None,
+    observation_window: int = 32,
+) -> PrefillEviction:
+    """SnapKV compresses the prompt, then :func:`Radar` searches what it kept plus the new tokens.
+
+    The prompt keeps ``prefill_budget`` tokens per KV head (default ``4 * budget``, SnapKV's own 2048
+    without a budget); the other options are Radar's.
+    """
+    if prefill_budget is None and budget is not None:
+        prefill_budget = 4 * budget
+    prompt = SnapKV(observation_window=observation_window, **({} if prefill_budget is None else {"budget": prefill_budget}))
+    decode = Radar(top_k, n_features, sinks=sinks, window=window, seed=seed, budget=budget)
+    return PrefillEviction(prefill=prompt, decode=decode)
+
+
+for _entry in (
+    MethodEntry(
+        "radar-alg1",
+        "Radar as the paper's Algorithm 1 writes it: segments of sqrt(t) tokens rebuilt at every perfect square, "
+        "top-k segments + the buffer",
+        RadarAlg1,
+        (*segment_options(), *feature_options(2048)),
+    ),
+    MethodEntry(
+        "quest",
+        "Quest: pages of 16 tokens, top pages by the min/max key upper bound of q.k (Tang et al. 2024)",
+        Quest,
+        (*segment_options(), Option("page_size", int, 16, "tokens per page")),
+    ),
+    MethodEntry(
+        "radar-exact",
+        "Radar ablation: segments ranked by their exact attention mass (the O(t) oracle)",
+        RadarExact,
+        segment_options(),
+    ),
+    MethodEntry(
+        "radar-random",
+        "Radar ablation: segments chosen uniformly at random",
+        RadarRandom,
+        (*segment_options(), feature_options(0)[1]),
+    ),
+    MethodEntry(
+        "radar-lowest",
+        "Radar ablation: the segments with the lowest estimated scores",
+        RadarLowest,
+        (*segment_options(), *feature_options(2048)),
+    ),
+    MethodEntry(
+        "radar-recent",
+        "Radar ablation: the most recent segments (a longer sliding window)",
+        RadarRecent,
+        segment_options(),
+    ),
+    MethodEntry(
+        "radar+",
+        "Radar with a sharper ranking: segments of sqrt(t)/8 tokens scored by their mean key, the best rescored "
+        "exactly from their keys, plus 4 attention sinks",
+        RadarPlus,
+        segment_options(top_k=None, sinks=4),
+    ),
+    MethodEntry(
+        "radar-centered",
+        "Radar with random features of segment-centred keys, the centroid scored exactly",
+        RadarCentered,
+        (*segment_options(), *feature_options(2048)),
+    ),
+    MethodEntry(
+        "radar-rerank",
+        "Radar's random features (n = 256 unless --n-features) shortlist, exact segment mass reranks",
+        RadarRerank,
+        (*segment_options(), *feature_options(256)),
+    ),
+    MethodEntry(
+        "snapkv+radar",
+        "SnapKV compresses the prompt (to --prefill-budget, default 4 x budget), then Radar searches it + new tokens",
+        SnapKVRadar,
+        (
+            *segment_options(sinks=1, window=None),
+            Option("prefill_budget", int, None, "prompt tokens SnapKV keeps per KV head; None: 4 x budget, 2048 without"),
+            Option("observation_window", int, 32, "last prompt queries that vote"),
+            *feature_options(4096),
+        ),
+    ),
+):
+    register(_entry)

@@ -14,6 +14,7 @@ from sparseattn.methods.base import KVState, StatefulMethod
 from sparseattn.ops.attention import segment_attention, segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.registry import MethodEntry, Option, Range, register
 from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.schedules.base import Schedule, SegmentGrid
 from sparseattn.validation import check_int
@@ -445,3 +446,37 @@ class SegmentSearchState(KVState):
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend
         )
         return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info
+
+
+def segment_options(top_k: int | None = 64, sinks: int = 0, window: int | None = 0) -> tuple[Option, ...]:
+    """The registry options every segment-search preset takes: ``budget``, ``top_k``, ``sinks``, ``window``."""
+    return (
+        Option("budget", int, None, "past KV tokens a step may attend, sinks and window included (replaces top_k)"),
+        Option("top_k", int, top_k, "segments attended per step (not with budget)" + ("" if top_k else "; None: 64 x aspect")),
+        Option("sinks", int, sinks, "first tokens always attended", minimum=0),
+        Option(
+            "window", int, window,
+            "last tokens always attended" + ("" if window is not None else "; None: min(1024, budget // 4), 1024 without a budget"),
+            minimum=0,
+        ),
+    )
+
+
+def feature_options(n_features: int) -> tuple[Option, ...]:
+    """The registry options of a random-feature summary: ``n_features`` and ``seed``."""
+    return (
+        Option("n_features", int, n_features, "random features per segment summary"),
+        Option("seed", int, 0, "seed of the random draws", allowed=Range(0, 2**63 - 1)),
+    )
+
+
+register(
+    MethodEntry(
+        "radar",
+        "Radar as its authors ran it: random-feature segment search over segments of sqrt(t)/4 tokens, top-k "
+        "segments + 1 sink + a recent window (Hao et al. 2025)",
+        Radar,
+        (*segment_options(sinks=1, window=None), *feature_options(4096)),
+        origin=__name__,
+    )
+)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from sparseattn.methods.base import StatefulMethod
 from sparseattn.validation import check_int
 from sparseattn.methods.eviction import EvictingState, causal_probability_sums, finite_evidence
+from sparseattn.registry import MethodEntry, Option, register
 
 
 @dataclass(frozen=True)
@@ -120,3 +121,16 @@ class SnapKVState(EvictingState):
 
     def _eviction_priority(self, position: int) -> torch.Tensor:
         return self.positions.double().masked_fill(self.field("pinned"), float("inf"))
+
+register(
+    MethodEntry(
+        "snapkv",
+        "SnapKV: prompt tokens voted by the observation window (max-pooled) + sliding window (Li et al. 2024)",
+        SnapKV,
+        (
+            Option("budget", int, 2048, "past KV tokens kept per KV head"),
+            Option("observation_window", int, 32, "last prompt queries that vote"),
+        ),
+        origin=__name__,
+    )
+)

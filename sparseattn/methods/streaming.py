@@ -11,6 +11,7 @@ import torch
 from sparseattn.methods.base import StatefulMethod
 from sparseattn.validation import check_int
 from sparseattn.methods.eviction import EvictingState
+from sparseattn.registry import MethodEntry, Option, register
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,16 @@ class StreamingLLMState(EvictingState):
 
     def _eviction_priority(self, position: int) -> torch.Tensor:
         return self._recency()
+
+register(
+    MethodEntry(
+        "streamingllm",
+        "StreamingLLM: attention sinks (default 4) + sliding window, budget = sinks + window (Xiao et al. 2023)",
+        StreamingLLM,
+        (
+            Option("budget", int, 1024, "past KV tokens kept per KV head, sinks included"),
+            Option("sinks", int, 4, "first tokens always kept", minimum=0),
+        ),
+        origin=__name__,
+    )
+)

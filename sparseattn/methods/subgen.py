@@ -38,6 +38,7 @@ Choices where the paper leaves room (documented and tested in ``tests/test_metho
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,6 +47,7 @@ import torch
 from sparseattn.methods.base import StatefulMethod
 from sparseattn.validation import check_int, check_number
 from sparseattn.methods.eviction import EvictingState, slot_attention
+from sparseattn.registry import MethodEntry, Option, Range, register
 
 _NO_DISTANCE = float("inf")
 # Elements of one [B, H, rows, m, D] difference chunk when measuring key-to-center distances.
@@ -388,3 +390,28 @@ class SubGenState(EvictingState):
             out[:, :, :, start:end] = part.to(query.dtype)
         self._settle()
         return out.reshape(B, H * group, T, D)
+
+_SUBGEN_OPTIONS = (
+    Option("budget", int, 1024, "past KV tokens' worth of memory per KV head (window, sinks, clusters, samples)"),
+    Option("window", int, 32, "last tokens kept exactly", minimum=0),
+    Option("sinks", int, 0, "first tokens kept exactly", minimum=0),
+    Option("seed", int, 0, "seed of the value sampling", allowed=Range(0, 2**63 - 1)),
+)
+register(
+    MethodEntry(
+        "subgen",
+        "SubGen: recent window exact, older keys clustered online with samples, l2-sampled values (Zandieh et al. 2024)",
+        SubGen,
+        _SUBGEN_OPTIONS,
+        origin=__name__,
+    )
+)
+register(
+    MethodEntry(
+        "subgen-guarded",
+        "SubGen with its normaliser floored by the value samples' own estimate: outputs stay within the values' range",
+        functools.partial(SubGen, guard=True),
+        _SUBGEN_OPTIONS,
+        origin=__name__,
+    )
+)
