@@ -192,6 +192,17 @@ def check_runs(runs: Sequence[tuple[Path, dict]]) -> None:
             raise bad("--out", str(err)) from None
 
 
+def plan_runs(root: Path, resolved, common: dict) -> list[tuple[str, object, Path, dict]]:
+    """One run directory per resolved method under ``root`` (``root/<label>``), its config ``common`` plus the
+    method's label, budget and parameters; refused, before anything is written, where another experiment lives."""
+    runs = []
+    for label, sparse_method, given in resolved:
+        config = {**common, "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
+        runs.append((label, sparse_method, root / _slug(label), config))
+    check_runs([(path, config) for _, _, path, config in runs])
+    return runs
+
+
 def run_name(kind: str, dtype: str, *parts: object) -> str:
     """The directory of one experiment under ``--out``: ``ppl-pydecimal-p2048-s256`` (float32), and
     ``...-bfloat16`` in another dtype, so that runs in two dtypes never meet in one directory while
@@ -299,12 +310,8 @@ def ppl(
     check_positions(info, ["--prefill", "--steps"], needed, how, allowed)
     ids = text_ids(info.tokenizer(), read_text(text), text, needed, how)
     root = out / run_name("ppl", dtype, _slug(text), f"p{prefill}", f"s{steps}")
-    runs = []
-    for label, sparse_method, given in resolved:
-        config = {"command": "ppl", "model": model, "text": text, "prefill": prefill, "steps": steps, "dtype": dtype,
-                  "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
-        runs.append((label, sparse_method, root / _slug(label), config))
-    check_runs([(path, config) for _, _, path, config in runs])
+    runs = plan_runs(root, resolved, {"command": "ppl", "model": model, "text": text, "prefill": prefill, "steps": steps,
+                                      "dtype": dtype})  # fmt: skip
 
     from sparseattn.evaluation.plots import ppl_table
     from sparseattn.evaluation.ppl import run_ppl
@@ -482,12 +489,8 @@ def diagnose(
     check_positions(info, ["--prefill", "--steps"], needed, how, f"--prefill + --steps <= {info.window}")
     ids = text_ids(info.tokenizer(), read_text(text), text, needed, how)
     root = out / run_name("diagnose", dtype, _slug(text), f"p{prefill}", f"s{steps}")
-    runs = []
-    for label, sparse_method, given in resolved:
-        config = {"command": "diagnose", "model": model, "text": text, "prefill": prefill, "steps": steps, "dtype": dtype,
-                  "method": label, "budget": given.get("budget"), "params": repr(sparse_method)}
-        runs.append((label, sparse_method, root / _slug(label), config))
-    check_runs([(path, config) for _, _, path, config in runs])
+    runs = plan_runs(root, resolved, {"command": "diagnose", "model": model, "text": text, "prefill": prefill,
+                                      "steps": steps, "dtype": dtype})  # fmt: skip
 
     from sparseattn.evaluation.diagnose import Probe, summarize_probes
     from sparseattn.evaluation.plots import attention_pictures

@@ -20,7 +20,7 @@ import torch
 
 from sparseattn.hf import apply
 from sparseattn.hf.cache import RowwiseState, SparseCache, SparseLayer
-from sparseattn.methods.base import SparseMethod
+from sparseattn.methods.base import SparseMethod, sum_nbytes
 from sparseattn.progress import forward_progress
 
 
@@ -67,11 +67,7 @@ class FanoutState:
             state.select_batch(index)
 
     def nbytes(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for state in self.states:
-            for kind, n in state.nbytes().items():
-                total[kind] = total.get(kind, 0) + n
-        return total
+        return sum_nbytes(self.states)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from sparseattn.methods.base import DecodeState, SparseMethod, StepInfo, check_batch_index
+from sparseattn.methods.base import DecodeState, SparseMethod, StepInfo, check_batch_index, sum_nbytes
 
 
 @dataclass
@@ -176,11 +176,7 @@ class RowwiseState:
         self.pads = [self.pads[i] for i in order]
 
     def nbytes(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for state in self.states:
-            for kind, n in state.nbytes().items():
-                total[kind] = total.get(kind, 0) + n
-        return total
+        return sum_nbytes(self.states)
 
 
 class SparseLayer(DynamicLayer):
@@ -381,8 +377,4 @@ class SparseCache(DynamicCache):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held by the sparse layers' states, by kind, summed over layers."""
-        total: dict[str, int] = {}
-        for layer in self.sparse_layers:
-            for kind, n in layer.nbytes().items():
-                total[kind] = total.get(kind, 0) + n
-        return total
+        return sum_nbytes(self.sparse_layers)

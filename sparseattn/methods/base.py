@@ -19,6 +19,15 @@ from sparseattn.validation import check_int
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def sum_nbytes(parts) -> dict[str, int]:
+    """The ``nbytes()`` of several states (or layers), added kind by kind (``kv``, ``summaries`` ...)."""
+    total: dict[str, int] = {}
+    for part in parts:
+        for kind, n in part.nbytes().items():
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
 @runtime_checkable
 class StepInfo(Protocol):
     """What one decode step attended to: the second item :meth:`DecodeState.attend` returns.
