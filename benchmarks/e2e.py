@@ -50,6 +50,8 @@ METHODS = {
     # Attends 64 tokens: what a step costs with (almost) no attention, the ceiling of every sparse row.
     "streamingllm (budget 64)": StreamingLLM(budget=64),
 }
+
+
 def slug(text: str) -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in text).strip("-")
 

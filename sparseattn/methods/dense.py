@@ -95,4 +95,5 @@ class DenseState(KVState):
         info = AllTokens(self.length, B, H * group, self.device)
         return out.reshape(B, H * group, D), info
 
+
 register(MethodEntry("dense", "vanilla attention over every past token", Dense, origin=__name__))

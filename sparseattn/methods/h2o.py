@@ -87,6 +87,7 @@ class H2OState(EvictingState):
     def _eviction_priority(self, position: int) -> torch.Tensor:
         return self._with_recent(position)
 
+
 register(
     MethodEntry(
         "h2o",

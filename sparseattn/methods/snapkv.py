@@ -122,6 +122,7 @@ class SnapKVState(EvictingState):
     def _eviction_priority(self, position: int) -> torch.Tensor:
         return self.positions.double().masked_fill(self.field("pinned"), float("inf"))
 
+
 register(
     MethodEntry(
         "snapkv",

@@ -70,6 +70,7 @@ class StreamingLLMState(EvictingState):
     def _eviction_priority(self, position: int) -> torch.Tensor:
         return self._recency()
 
+
 register(
     MethodEntry(
         "streamingllm",

@@ -391,6 +391,7 @@ class SubGenState(EvictingState):
         self._settle()
         return out.reshape(B, H * group, T, D)
 
+
 _SUBGEN_OPTIONS = (
     Option("budget", int, 1024, "past KV tokens' worth of memory per KV head (window, sinks, clusters, samples)"),
     Option("window", int, 32, "last tokens kept exactly", minimum=0),

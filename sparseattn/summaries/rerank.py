@@ -12,6 +12,7 @@ from sparseattn.validation import check_bool, check_int, check_real
 from sparseattn.summaries.base import Summary, segment_log_mass
 from sparseattn.summaries.performer import PerformerFeatures
 
+
 @dataclass(frozen=True)
 class Rerank:
     """Score every segment with ``coarse``; rescore the best ``shortlist`` of them exactly.
