@@ -458,7 +458,8 @@ def needle(
 
 def diagnose(
     model: str = MODEL,
-    method: list[str] = typer.Option(["radar", "radar-exact", "radar-recent", "radar-random"], "--method", "-m",
+    # The ablations swap one part of Algorithm 1 (radar-alg1): the default compares them with it, on one grid.
+    method: list[str] = typer.Option(["radar-alg1", "radar-exact", "radar-recent", "radar-random"], "--method", "-m",
                                      help="NAME[:key=value,...]; repeat for several methods"),
     budget: int | None = typer.Option(
         512, help="past KV tokens per decode step (>= 1) for every method with a budget whose spec sets neither budget "
@@ -560,12 +561,14 @@ def sweep(
     check_positions(info, ["--prefill", "--steps"], needed, how, f"--prefill + --steps <= {(info.window or 0) - 1}")
     ids = text_ids(info.tokenizer(), read_text(text), text, needed, how)
     root = out / run_name("sweep", dtype, _slug(text), f"p{prefill}", f"s{steps}")
+    # Algorithm 1's parts throughout: the ablation presets swap one part of radar-alg1, so the selection
+    # panel compares them with radar-alg1 on the same segment grid.
     panels_specs = {
-        "n (random features)": [(n, f"radar:n_features={n},top_k={fixed_k},window={window}") for n in n_features],
-        "k (segments)": [(k, f"radar:n_features={fixed_n},top_k={k},window={window}") for k in top_k],
+        "n (random features)": [(n, f"radar-alg1:n_features={n},top_k={fixed_k},window={window}") for n in n_features],
+        "k (segments)": [(k, f"radar-alg1:n_features={fixed_n},top_k={k},window={window}") for k in top_k],
         "selection": [(name, f"{spec}:top_k={fixed_k},window={window}")
                       for name, spec in (("lowest", "radar-lowest"), ("random", "radar-random"), ("recent", "radar-recent"),
-                                         ("radar", "radar"), ("exact", "radar-exact"))],
+                                         ("radar", "radar-alg1"), ("exact", "radar-exact"))],
     }
     runs = {}
     for spec in ["dense"] + [spec for points in panels_specs.values() for _, spec in points]:
