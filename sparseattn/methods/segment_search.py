@@ -327,7 +327,7 @@ class SegmentSearchState(KVState):
         # A NaN/inf token in an unselected segment would vanish from the output; dense attention shows
         # it. One O(new tokens) check here, a flag per (row, KV head), no device sync.
         new_k, new_v = self.keys[:, :, -n_new:], self.values[:, :, -n_new:]
-        self._nonfinite |= ~(torch.isfinite(new_k).flatten(2).all(-1) & torch.isfinite(new_v).flatten(2).all(-1))
+        self._nonfinite |= ~(torch.isfinite(new_k).all(dim=(2, 3)) & torch.isfinite(new_v).all(dim=(2, 3)))
         self._restructure()
 
     def _segmentable(self) -> int:
