@@ -292,8 +292,8 @@ class ProtocolOnlyState:
 
 
 class ProtocolOnly:
-    def new_state(self, batch, kv_heads, head_dim, **options):
-        return ProtocolOnlyState(Dense().new_state(batch, kv_heads, head_dim, **options))
+    def new_state(self, layer):
+        return ProtocolOnlyState(Dense().new_state(layer))
 
 
 def test_a_state_written_against_the_protocol_alone_decodes_with_padding_and_beam_search():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparseattn import H2O, SnapKV, StreamingLLM, SubGen
-from sparseattn.methods.eviction import (
+from sparseattn.ops.slots import (
     causal_probability_sums,
     causal_probability_sums_ref,
     slot_attention,
@@ -47,7 +47,7 @@ def test_slot_attention_matches_its_reference(T, S, weighted):
 
 @pytest.mark.parametrize("T,S", [(1, 29), (7, 29), (29, 29), (613, 613)], ids=lambda x: str(x))
 def test_prefill_attention_sums_match_the_reference(T, S, monkeypatch):
-    monkeypatch.setattr("sparseattn.methods.eviction._PROBABILITY_CHUNK", 4096)  # force several row chunks
+    monkeypatch.setattr("sparseattn.ops.slots._PROBABILITY_CHUNK", 4096)  # force several row chunks
     q, k = randn(1, H, G, T, D), randn(1, H, S, D)
     got = causal_probability_sums(q, k, scale=0.5)
     assert_close(got, causal_probability_sums_ref(q, k, scale=0.5), torch.float32)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparseattn import SubGen
-from sparseattn.methods.eviction import slot_attention, slot_attention_ref
+from sparseattn.ops.slots import slot_attention, slot_attention_ref
 from sparseattn.ops.attention import attention_ref
 from sparseattn.testing import assert_close
 

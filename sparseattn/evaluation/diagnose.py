@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.methods.base import KVState, SparseMethod, StatefulMethod
+from sparseattn.methods.base import KVState, LayerSpec, SparseMethod, StatefulMethod
 from sparseattn.methods.segment_search import SegmentSearchState
 from sparseattn.ops.attention import soft_cap
 
@@ -73,10 +73,10 @@ class Probe(StatefulMethod):
 class ProbeState(KVState):
     """Keeps every token (for the dense reference) beside the wrapped method's own state."""
 
-    def __init__(self, probe: Probe, batch, kv_heads, head_dim, **kwargs) -> None:
-        super().__init__(batch, kv_heads, head_dim, **kwargs)
+    def __init__(self, probe: Probe, layer: LayerSpec) -> None:
+        super().__init__(layer)
         self.probe = probe
-        self.inner = probe.method.new_state(batch, kv_heads, head_dim, **kwargs)
+        self.inner = probe.method.new_state(layer)
         self.records = ProbeRecords()
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from sparseattn.hf import apply
 from sparseattn.hf.cache import RowwiseState, SparseCache, SparseLayer
-from sparseattn.methods.base import SparseMethod, sum_nbytes
+from sparseattn.methods.base import LayerSpec, SparseMethod, sum_nbytes
 from sparseattn.progress import forward_progress
 
 
@@ -84,8 +84,8 @@ class Fanout:
         if not self.methods:
             raise ValueError("Fanout needs at least one method, got none")
 
-    def new_state(self, batch: int, kv_heads: int, head_dim: int, **options) -> FanoutState:
-        return FanoutState([method.new_state(batch, kv_heads, head_dim, **options) for method in self.methods])
+    def new_state(self, layer: LayerSpec) -> FanoutState:
+        return FanoutState([method.new_state(layer) for method in self.methods])
 
 
 def _split_layer(layer: SparseLayer, method: SparseMethod, index: int) -> SparseLayer:

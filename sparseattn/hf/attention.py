@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from sparseattn.methods.base import LayerSpec
 from sparseattn.hf.cache import RowwiseState, SparseLayer
 from sparseattn.ops.attention import soft_cap
 
@@ -212,9 +213,8 @@ def _create_state(layer: SparseLayer, module, attention_mask, scale: float, soft
     pads = left_padding(attention_mask, B, L, model)
 
     def new_state(batch: int):
-        return layer.method.new_state(
-            batch, H, D, layer_idx=layer.layer_idx or 0, device=keys.device, dtype=keys.dtype, scale=scale, softcap=softcap
-        )
+        spec = LayerSpec(batch, H, D, layer.layer_idx or 0, keys.device, keys.dtype, scale, softcap)
+        return layer.method.new_state(spec)
 
     layer.state = new_state(B) if pads is None else RowwiseState([new_state(1) for _ in range(B)], pads)
     layer.state.append(keys, values)

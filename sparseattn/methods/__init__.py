@@ -8,10 +8,11 @@ the first import below fixes the registration order, which is the order ``sparse
 from sparseattn.methods import dense, segment_search, streaming, h2o, snapkv, subgen, presets  # noqa: F401
 # isort: on
 
-from sparseattn.methods.base import DecodeState, KVState, SparseMethod, StepInfo
+from sparseattn.methods.base import DecodeState, KVState, LayerSpec, SparseMethod, StepInfo
 from sparseattn.methods.compose import PrefillEviction, PrefillEvictionState
 from sparseattn.methods.dense import AllTokens, Dense, DenseState
-from sparseattn.methods.eviction import EvictingState, SlotSelection, slot_attention, slot_attention_ref
+from sparseattn.methods.eviction import EvictingState, SlotSelection
+from sparseattn.ops.slots import slot_attention, slot_attention_ref
 from sparseattn.methods.h2o import H2O, H2OState
 from sparseattn.methods.presets import (
     Quest,
@@ -39,6 +40,7 @@ __all__ = [
     "H2O",
     "H2OState",
     "KVState",
+    "LayerSpec",
     "PrefillEviction",
     "PrefillEvictionState",
     "Quest",

@@ -8,6 +8,7 @@ reindexing), so a method writes only how a decode query is answered.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,6 +27,53 @@ def sum_nbytes(parts) -> dict[str, int]:
         for kind, n in part.nbytes().items():
             total[kind] = total.get(kind, 0) + n
     return total
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer as an engine describes it to a method: shape, placement, dtype and logit rule.
+
+    The cache of the layer is ``[batch, kv_heads, t, head_dim]`` keys and values of ``dtype`` on
+    ``device``; ``scale`` is the logit scale (None: ``head_dim ** -0.5``), ``softcap`` Gemma-2's
+    logit soft-capping (None: off), ``layer_idx`` seeds per-layer randomness. Validated on
+    construction, so a state never sees a bad shape.
+
+    Example:
+        >>> LayerSpec(batch=2, kv_heads=3, head_dim=64).scale
+        0.125
+    """
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    layer_idx: int = 0
+    device: torch.device | str | None = None
+    dtype: torch.dtype = torch.float32
+    scale: float | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "kv_heads", "head_dim"):
+            check_int("", name, getattr(self, name), 1)
+        check_int("", "layer_idx", self.layer_idx, 0)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
+        scale = _positive_real("scale", self.head_dim**-0.5 if self.scale is None else self.scale, self.scale)
+        softcap = None if self.softcap is None else _positive_real("softcap", self.softcap, self.softcap, "None or ")
+        object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "softcap", softcap)
+
+
+def _positive_real(name: str, value, given, prefix: str = "") -> float:
+    """``value`` as a float if it is a finite real number > 0 (a 0-d tensor too), else a ValueError naming ``name``."""
+    try:
+        number = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be {prefix}a finite number > 0, got {given!r}")
+    return number
 
 
 @runtime_checkable
@@ -111,53 +159,41 @@ class DecodeState(Protocol):
 
 @runtime_checkable
 class SparseMethod(Protocol):
-    """A decode-time attention method: a small dataclass of hyperparameters that makes states."""
+    """A decode-time attention method: an immutable policy that makes one state per layer."""
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> DecodeState:
-        """An empty state for one layer of ``[batch, kv_heads, t, head_dim]`` keys and values.
-
-        ``scale`` is the logit scale (default ``head_dim ** -0.5``), ``softcap`` Gemma-2's logit
-        soft-capping (None: off); the transformers integration passes what the model passes.
-        """
+    def new_state(self, layer: LayerSpec) -> DecodeState:
+        """An empty state for the layer ``layer`` describes (its cache: ``[batch, kv_heads, t, head_dim]``)."""
         ...
+
+
+def layer_spec(*args, **kwargs) -> LayerSpec:
+    """A :class:`LayerSpec` passed alone, or the one built from :class:`LayerSpec`'s arguments.
+
+    Lets ``method.new_state(batch=1, kv_heads=2, head_dim=8)`` stand for
+    ``method.new_state(LayerSpec(1, 2, 8))`` in examples and tests; engines pass a ``LayerSpec``.
+    """
+    if len(args) == 1 and not kwargs and isinstance(args[0], LayerSpec):
+        return args[0]
+    if any(isinstance(x, LayerSpec) for x in (*args, *kwargs.values())):
+        raise ValueError("new_state takes a LayerSpec alone, or LayerSpec's arguments (batch, kv_heads, head_dim, ...); not both")
+    try:
+        return LayerSpec(*args, **kwargs)
+    except TypeError as error:
+        raise ValueError(f"new_state needs a LayerSpec or its arguments (batch, kv_heads, head_dim, ...): {error}") from None
 
 
 class StatefulMethod:
     """Base of the method dataclasses: :meth:`new_state` builds the class :meth:`state_type` names.
 
-    The state class is called as ``state_type()(method, batch, kv_heads, head_dim, **options)``.
+    The state class is called as ``state_type()(method, layer)`` with ``layer`` a :class:`LayerSpec`.
     """
 
     def state_type(self) -> type:
         raise NotImplementedError
 
-    def new_state(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> DecodeState:
-        """A decode state for one layer: ``[batch, kv_heads, t, head_dim]`` keys and values."""
-        return self.state_type()(
-            self, batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def new_state(self, *args, **kwargs) -> DecodeState:
+        """A decode state for one layer: ``new_state(LayerSpec(...))``, or ``new_state(batch, kv_heads, head_dim, **options)``."""
+        return self.state_type()(self, layer_spec(*args, **kwargs))
 
 
 def check_batch_index(index: torch.Tensor, batch: int) -> torch.Tensor:
@@ -190,41 +226,21 @@ class KVState:
     for float64 inputs) whatever the storage dtype, so fp16/bf16 caches never overflow.
 
     Args:
-        batch, kv_heads, head_dim: the layer's cache shape ``[batch, kv_heads, t, head_dim]``.
-        layer_idx: seeds per-layer randomness.
-        device, dtype: where and how the keys and values are stored.
-        scale: logit scale (default ``head_dim ** -0.5``).
-        softcap: Gemma-2 logit soft-capping, or None.
+        layer: the layer's cache shape ``[batch, kv_heads, t, head_dim]``, device, dtype, logit
+            scale and soft-cap, and index (which seeds per-layer randomness).
     """
 
-    def __init__(
-        self,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> None:
-        for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            check_int("", name, value, 1)
-        check_int("", "layer_idx", layer_idx, 0)
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
-        self.layer_idx = layer_idx
-        self.device = resolve_device(device)
-        self.dtype = dtype
-        self.compute_dtype = compute_dtype(dtype)
-        self.scale = head_dim**-0.5 if scale is None else float(scale)
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"scale must be a finite number > 0, got {scale}")
-        if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
-        self.softcap = None if softcap is None else float(softcap)
+    def __init__(self, layer: LayerSpec) -> None:
+        if not isinstance(layer, LayerSpec):
+            raise ValueError(f"a state is made for a LayerSpec, got {layer!r}")
+        self.layer = layer
+        self.batch, self.kv_heads, self.head_dim = layer.batch, layer.kv_heads, layer.head_dim
+        self.layer_idx = layer.layer_idx
+        self.device = layer.device
+        self.dtype = layer.dtype
+        self.compute_dtype = compute_dtype(layer.dtype)
+        self.scale = layer.scale
+        self.softcap = layer.softcap
         self._keys = GrowableBuffer(dim=2)
         self._values = GrowableBuffer(dim=2)
 

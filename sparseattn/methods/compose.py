@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from sparseattn.methods.base import DecodeState, SparseMethod, StatefulMethod, StepInfo
+from sparseattn.methods.base import DecodeState, LayerSpec, SparseMethod, StatefulMethod, StepInfo
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,10 @@ class PrefillEvictionState:
     ``seen`` counts every token; ``length`` the tokens the active state stores.
     """
 
-    def __init__(self, method: PrefillEviction, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
+    def __init__(self, method: PrefillEviction, layer: LayerSpec) -> None:
         self.method = method
-        self._kwargs = dict(kwargs)
-        self._shape = (batch, kv_heads, head_dim)
-        self.prefill_state = method.prefill.new_state(batch, kv_heads, head_dim, **kwargs)
+        self.layer = layer
+        self.prefill_state = method.prefill.new_state(layer)
         self.decode_state: DecodeState | None = None
         self.seen = 0
 
@@ -93,8 +92,7 @@ class PrefillEvictionState:
 
     def _hand_over(self) -> None:
         """The prefill method's kept tokens become the decode method's prompt."""
-        _, kv_heads, head_dim = self._shape
-        state = self.method.decode.new_state(self.prefill_state.batch, kv_heads, head_dim, **self._kwargs)
+        state = self.method.decode.new_state(replace(self.layer, batch=self.prefill_state.batch))
         if self.prefill_state.length:
             keys, values, _ = self.prefill_state.kept_tokens()
             state.append(keys, values)

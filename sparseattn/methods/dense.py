@@ -8,7 +8,7 @@ import torch
 
 from sparseattn.backends.cpu_backend import CpuBackend
 from sparseattn.backends.cpu_kernels import segment_attention_cpu
-from sparseattn.methods.base import KVState, StatefulMethod
+from sparseattn.methods.base import LayerSpec, KVState, StatefulMethod
 from sparseattn.ops.attention import dense_decode_attention
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.registry import MethodEntry, register
@@ -62,8 +62,8 @@ class Dense(StatefulMethod):
 class DenseState(KVState):
     """Every stored token, every step: one SDPA call per KV head with its query heads as rows."""
 
-    def __init__(self, method: Dense, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
-        super().__init__(batch, kv_heads, head_dim, **kwargs)
+    def __init__(self, method: Dense, layer: LayerSpec) -> None:
+        super().__init__(layer)
         self.method = method
 
     def _cpu_refusal(self, grouped: torch.Tensor, keys: torch.Tensor) -> None:

@@ -8,9 +8,10 @@ from typing import ClassVar
 
 import torch
 
-from sparseattn.methods.base import StatefulMethod
+from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int, check_number
-from sparseattn.methods.eviction import EvictingState, causal_probability_sums, finite_evidence
+from sparseattn.methods.eviction import EvictingState, finite_evidence
+from sparseattn.ops.slots import causal_probability_sums
 from sparseattn.registry import MethodEntry, Option, register
 
 
@@ -59,8 +60,8 @@ class H2O(StatefulMethod):
 class H2OState(EvictingState):
     """Per-slot accumulated attention (``field("score")``, in the compute dtype); the recent window is protected."""
 
-    def __init__(self, method: H2O, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
-        super().__init__(method.budget, batch, kv_heads, head_dim, **kwargs)
+    def __init__(self, method: H2O, layer: LayerSpec) -> None:
+        super().__init__(method.budget, layer)
         self.method = method
         self._add_slot_field("score", self.compute_dtype, 0.0)
 

@@ -10,7 +10,7 @@ import torch
 
 from sparseattn.backends.base import select_backend
 from sparseattn.backends.cpu_kernels import segment_attention_cpu
-from sparseattn.methods.base import KVState, StatefulMethod
+from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
 from sparseattn.ops.attention import segment_attention, segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
@@ -267,34 +267,20 @@ class SegmentSearchState(KVState):
     per step unless the summary reads keys (:class:`ExactScore`, the oracle).
     """
 
-    def __init__(
-        self,
-        method: SegmentSearch,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> None:
-        super().__init__(
-            batch, kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype, scale=scale, softcap=softcap
-        )
+    def __init__(self, method: SegmentSearch, layer: LayerSpec) -> None:
+        super().__init__(layer)
         self.method = method
         self._summaries: list[GrowableBuffer] = []
         self._grid: SegmentGrid | None = None
         self._params = method.summary.prepare(
-            kv_heads, head_dim, layer_idx=layer_idx, device=self.device, dtype=self.compute_dtype
+            layer.kv_heads, layer.head_dim, layer_idx=layer.layer_idx, device=self.device, dtype=self.compute_dtype
         )
         seed = getattr(method.selector, "seed", 0)
-        self._generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + layer_idx) % (2**63))
+        self._generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + layer.layer_idx) % (2**63))
         self._rebuilt_since_attend = False
         self._sealed_since_attend = 0
         self.n_rebuilds = 0
-        self._nonfinite = torch.zeros(batch, kv_heads, dtype=torch.bool, device=self.device)
+        self._nonfinite = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.bool, device=self.device)
         self._backend = None  # chosen on the first step, when the inputs are known
         self._workspace = Workspace()
 

@@ -9,9 +9,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from sparseattn.methods.base import StatefulMethod
+from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int
-from sparseattn.methods.eviction import EvictingState, causal_probability_sums, finite_evidence
+from sparseattn.methods.eviction import EvictingState, finite_evidence
+from sparseattn.ops.slots import causal_probability_sums
 from sparseattn.registry import MethodEntry, Option, register
 
 
@@ -78,8 +79,8 @@ def pool_votes(votes: torch.Tensor, candidate: torch.Tensor, kernel_size: int, p
 class SnapKVState(EvictingState):
     """Pinned slots (``field("pinned")``) hold the selected prompt tokens; the rest is the sliding window."""
 
-    def __init__(self, method: SnapKV, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
-        super().__init__(method.budget, batch, kv_heads, head_dim, **kwargs)
+    def __init__(self, method: SnapKV, layer: LayerSpec) -> None:
+        super().__init__(method.budget, layer)
         self.method = method
         self._add_slot_field("pinned", torch.bool, False)
         self._votes: torch.Tensor | None = None

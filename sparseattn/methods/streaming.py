@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from sparseattn.methods.base import StatefulMethod
+from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int
 from sparseattn.methods.eviction import EvictingState
 from sparseattn.registry import MethodEntry, Option, register
@@ -56,8 +56,8 @@ class StreamingLLM(StatefulMethod):
 class StreamingLLMState(EvictingState):
     """Sinks are protected; among the others the oldest token goes first."""
 
-    def __init__(self, method: StreamingLLM, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
-        super().__init__(method.budget, batch, kv_heads, head_dim, **kwargs)
+    def __init__(self, method: StreamingLLM, layer: LayerSpec) -> None:
+        super().__init__(method.budget, layer)
         self.method = method
 
     def _recency(self) -> torch.Tensor:

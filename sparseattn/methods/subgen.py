@@ -44,9 +44,10 @@ from typing import ClassVar
 
 import torch
 
-from sparseattn.methods.base import StatefulMethod
+from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int, check_number
-from sparseattn.methods.eviction import EvictingState, slot_attention
+from sparseattn.methods.eviction import EvictingState
+from sparseattn.ops.slots import slot_attention
 from sparseattn.registry import MethodEntry, Option, Range, register
 
 _NO_DISTANCE = float("inf")
@@ -132,8 +133,8 @@ class SubGenState(EvictingState):
     Until the first overflow every slot is exact and in position order.
     """
 
-    def __init__(self, method: SubGen, batch: int, kv_heads: int, head_dim: int, **kwargs) -> None:
-        super().__init__(method.budget, batch, kv_heads, head_dim, **kwargs)
+    def __init__(self, method: SubGen, layer: LayerSpec) -> None:
+        super().__init__(method.budget, layer)
         self.method = method
         cd = self.compute_dtype
         self._add_slot_field("den", cd, 1.0)
@@ -144,10 +145,10 @@ class SubGenState(EvictingState):
         # The m centers are allocated when the sketch is built (the first time more than `budget` tokens are
         # stored), never before: memory follows what is stored, not the budget (a budget of 10**6 for a
         # 5-token prompt allocates for 5 tokens).
-        self.centers = torch.zeros(batch, kv_heads, 0, head_dim, dtype=cd, device=self.device)
-        self.counts = torch.zeros(batch, kv_heads, 0, dtype=torch.long, device=self.device)
-        self.clusters_used = torch.zeros(batch, kv_heads, dtype=torch.long, device=self.device)
-        self.value_mass = torch.zeros(batch, kv_heads, dtype=cd, device=self.device)
+        self.centers = torch.zeros(layer.batch, layer.kv_heads, 0, layer.head_dim, dtype=cd, device=self.device)
+        self.counts = torch.zeros(layer.batch, layer.kv_heads, 0, dtype=torch.long, device=self.device)
+        self.clusters_used = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.long, device=self.device)
+        self.value_mass = torch.zeros(layer.batch, layer.kv_heads, dtype=cd, device=self.device)
 
     # -- layout --------------------------------------------------------------------------------
 
