@@ -12,6 +12,17 @@ Radar (Hao et al., ICLR 2025) and its relatives are assembled from parts:
 """
 
 from sparseattn.methods import (
+    AlwaysKept,
+    AnyOf,
+    Candidates,
+    Evicting,
+    EvictionPolicy,
+    HeavyHitters,
+    Observation,
+    Protected,
+    RecentWindow,
+    Sinks,
+    SlotStore,
     AllTokens,
     DecodeState,
     Dense,
@@ -49,6 +60,17 @@ from sparseattn.summaries import CenteredFeatures, Centroid, ExactScore, MinMaxB
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlwaysKept",
+    "AnyOf",
+    "Candidates",
+    "Evicting",
+    "EvictionPolicy",
+    "HeavyHitters",
+    "Observation",
+    "Protected",
+    "RecentWindow",
+    "Sinks",
+    "SlotStore",
     "AllTokens",
     "CenteredFeatures",
     "Centroid",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import string
+from pathlib import Path
+
 import torch
+
+from sparseattn.methods.eviction import SlotStore
 
 #: Relative error allowed when comparing a fast path run in ``dtype`` with a float64 reference.
 #: fp32 accumulates O(sqrt(t)) rounding steps of 2^-24; fp16/bf16 inputs are rounded once on entry.
@@ -38,3 +43,143 @@ def assert_close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dty
     tol = RELATIVE_TOLERANCE[dtype]
     if not err <= tol:
         raise AssertionError(f"{what}: relative error {err:.3e} exceeds the {dtype} tolerance {tol:.1e}")
+
+
+# -- the contract every registered method meets (tests/test_methods_budget.py runs it over the registry) --
+
+#: Shapes the contract runs at: batch 2, 2 KV heads, 3 query heads per KV head, head dim 8.
+CONTRACT_SHAPE = (2, 2, 3, 8)
+#: (prompt, how, dtype) of the budget checks: a prompt under the budget, over it in bfloat16, over it in 3 blocks.
+BUDGET_CASES = ((29, "one-block", torch.float32), (97, "one-block", torch.bfloat16), (97, "blocks", torch.float32))
+
+
+def contract_method(name: str, budget: int):
+    """The registered method ``name`` at ``budget`` (if it takes one), with few random features (fast)."""
+    from sparseattn import registry
+
+    return registry.build(name, **registry.get(name).takes(budget=budget, n_features=32))
+
+
+def run_prompt(state, keys: torch.Tensor, values: torch.Tensor, how: str, dtype: torch.dtype) -> None:
+    """Prefill ``keys, values`` as one attended block (``one-block``), three (``blocks``), or appended without queries."""
+    B, H, T, D = keys.shape
+    G = CONTRACT_SHAPE[2]
+    if how == "no-queries":
+        state.prefill(keys, values)
+        return
+    cuts = [0, T] if how == "one-block" else [0, T // 3, 2 * T // 3, T]
+    for a, b in zip(cuts, cuts[1:]):
+        state.append(keys[:, :, a:b], values[:, :, a:b])
+        state.attend_block(torch.randn(B, H * G, b - a, D, dtype=dtype))
+
+
+def check_dense_at_full_budget(name: str, how: str = "one-block", prompt: int = 41, steps: int = 23) -> None:
+    """At a budget of at least ``t`` the method is dense attention (float64 reference), attending all ``t`` tokens."""
+    from sparseattn.ops.attention import attention_ref
+
+    B, H, G, D = CONTRACT_SHAPE
+    keys = torch.randn(B, H, prompt + steps, D, dtype=torch.float64).float()
+    values = torch.randn(B, H, prompt + steps, D, dtype=torch.float64).float()
+    state = contract_method(name, prompt + steps).new_state(B, H, D)
+    run_prompt(state, keys[:, :, :prompt], values[:, :, :prompt], how, torch.float32)
+    for t in range(prompt, prompt + steps):
+        q = torch.randn(B, H * G, D)
+        out, info = state.step(q, keys[:, :, t], values[:, :, t])
+        reference = attention_ref(q.view(B, H, G, D), keys[:, :, : t + 1], values[:, :, : t + 1]).view(B, H * G, D)
+        assert_close(out, reference, torch.float32, what=f"{name} at t={t + 1}")
+        if not torch.equal(info.attended, torch.full((B, H * G), t + 1)):
+            raise AssertionError(f"{name} at t={t + 1}: attended {info.attended.tolist()}, not every token")
+
+
+def check_budget_honoured(name: str, budget: int = 48, prompt: int = 97, how: str = "one-block", dtype=torch.float32) -> None:
+    """No decode step attends more than ``budget`` tokens; ``attended`` is the size of ``to_mask()``; outputs finite."""
+    B, H, G, D = CONTRACT_SHAPE
+    state = contract_method(name, budget).new_state(B, H, D, dtype=dtype)
+    run_prompt(state, torch.randn(B, H, prompt, D, dtype=dtype), torch.randn(B, H, prompt, D, dtype=dtype), how, dtype)
+    for _ in range(70):
+        q, k, v = torch.randn(B, H * G, D), torch.randn(B, H, D), torch.randn(B, H, D)
+        out, info = state.step(q.to(dtype), k.to(dtype), v.to(dtype))
+        if not torch.isfinite(out).all():
+            raise AssertionError(f"{name}: non-finite output")
+        if info.attended.shape != (B, H * G) or int(info.attended.max()) > budget:
+            raise AssertionError(f"{name}: attended {info.attended.tolist()} with a budget of {budget}")
+        in_mask = info.to_mask().sum(-1)
+        if not torch.equal(info.attended, in_mask):
+            raise AssertionError(f"{name}: attended {info.attended.tolist()} is not the size of its mask {in_mask.tolist()}")
+        if isinstance(state, SlotStore) and (state.length > budget or state.keys.shape != (B, H, state.length, D)):
+            raise AssertionError(f"{name}: stores {tuple(state.keys.shape)} with a budget of {budget}")  # eviction is physical
+
+
+def check_beam_reindexing(name: str, budget: int = 48) -> None:
+    """``select_batch`` repeats and reorders rows (beam search); decoding goes on with the new batch."""
+    B, H, G, D = CONTRACT_SHAPE
+    state = contract_method(name, budget).new_state(B, H, D)
+    state.append(torch.randn(B, H, 90, D), torch.randn(B, H, 90, D))
+    state.attend_block(torch.randn(B, H * G, 90, D))
+    state.step(torch.randn(B, H * G, D), torch.randn(B, H, D), torch.randn(B, H, D))
+    before = state.keys.clone()
+    state.select_batch(torch.tensor([1, 1, 0]))
+    if state.batch != 3 or not torch.equal(state.keys, before[[1, 1, 0]]):
+        raise AssertionError(f"{name}: select_batch did not reindex the stored keys")
+    out, info = state.step(torch.randn(3, H * G, D), torch.randn(3, H, D), torch.randn(3, H, D))
+    if out.shape != (3, H * G, D) or (_takes_budget(name) and int(info.attended.max()) > budget):
+        raise AssertionError(f"{name}: after select_batch, output {tuple(out.shape)}, attended {info.attended.tolist()}")
+
+
+def check_method(name: str) -> None:
+    """Run the contract on the registered method ``name``: dense at full budget (three ways of prefilling),
+    the budget honoured (float32 and bfloat16, one or three prompt blocks), beam reindexing.
+
+    Raises AssertionError naming the method and what failed; returns None when the method meets it.
+    """
+    for how in ("one-block", "blocks", "no-queries"):
+        check_dense_at_full_budget(name, how)
+    if _takes_budget(name):
+        for prompt, how, dtype in BUDGET_CASES:
+            check_budget_honoured(name, 48, prompt, how, dtype)
+    check_beam_reindexing(name)
+
+
+def _takes_budget(name: str) -> bool:
+    from sparseattn import registry
+
+    return "budget" in registry.get(name).option_names
+
+
+# -- a tiny model for examples and tests that need a real checkpoint but no download ---------------
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = list(string.printable)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer (printable ASCII plus 4 specials): no vocabulary file to download."""
+    import tokenizers
+    import transformers as tf
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+    model.decoder = tokenizers.decoders.Fuse()
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=model, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>", model_max_length=4096
+    )
+
+
+def save_tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A random 2-layer Llama (6 query / 2 KV heads, head dim 8) and its character tokenizer saved at ``path``.
+
+    A local HF directory (safetensors) that ``--model`` and ``load_model`` accept; seconds to write.
+    """
+    import transformers as tf
+
+    tokenizer = char_tokenizer()
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    model = tf.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -110,7 +110,7 @@ def test_h2o_keeps_the_tokens_with_the_largest_accumulated_attention_after_prefi
     assert kept_positions(state) == [[expected] * H] * B
     # the scores kept are the column sums of the prompt's causal attention, summed over each KV group
     sums = causal_probability_sums_ref(q, k)
-    assert torch.allclose(state.scores, sums.gather(-1, state.positions), rtol=1e-10)
+    assert torch.allclose(state.attention_record, sums.gather(-1, state.positions), rtol=1e-10)
 
 
 def h2o_reference(method: H2O, q_prompt, k, v, q_steps):
@@ -184,6 +184,11 @@ def voting_prompt(T: int, window: int, targets_by_head: list[list[int]]):
     return q, k, randn(B, H, T, D, dtype=torch.float64)
 
 
+def pinned(state) -> torch.Tensor:
+    """``[B, H_kv, S]``: the slots SnapKV never evicts at decode (the prompt's survivors before its window)."""
+    return state.positions < state.prompt_length - state.policy.observation_window
+
+
 def test_snapkv_keeps_the_prompt_tokens_most_attended_by_the_observation_window():
     method = SnapKV(budget=8 + 3, observation_window=8, kernel_size=1)
     targets = [[2, 9, 30], [5, 17, 33]]  # each KV head keeps its own
@@ -193,7 +198,7 @@ def test_snapkv_keeps_the_prompt_tokens_most_attended_by_the_observation_window(
     state.attend_block(q.reshape(B, H * G, 50, D))
     window = set(range(42, 50))
     assert kept_positions(state) == [[set(targets[0]) | window, set(targets[1]) | window]] * B
-    assert state.field("pinned").sum(-1).tolist() == [[3, 3]] * B
+    assert pinned(state).sum(-1).tolist() == [[3, 3]] * B
 
 
 def test_snapkv_pooling_keeps_the_neighbours_of_a_voted_token():
@@ -241,9 +246,10 @@ def test_snapkv_keeps_a_short_prompt_whole_and_pins_it():
     state = method.new_state(B, H, D)
     state.append(randn(B, H, 20, D), randn(B, H, 20, D))
     state.attend_block(randn(B, H * G, 20, D))
-    assert state.length == 20 and int(state.field("pinned").sum()) == B * H * 16
+    assert state.length == 20 and int(pinned(state).sum()) == B * H * 16
     for _ in range(25):
         state.step(randn(B, H * G, D), randn(B, H, D), randn(B, H, D))
+    assert (state.positions[..., :16] == torch.arange(16)).all()  # the pinned prompt outlives the window
     assert set(state.positions[0, 0].tolist()) == set(range(16)) | set(range(31, 45))
 
 
@@ -433,4 +439,4 @@ def test_snapkv_prefill_without_queries_keeps_the_most_recent_and_pins_them():
     state.prefill(randn(B, H, 30, D), randn(B, H, 30, D))
     state.step(randn(B, H * G, D), randn(B, H, D), randn(B, H, D))
     assert set(state.positions[0, 0].tolist()) == set(range(18, 26)) | set(range(27, 31))
-    assert int(state.field("pinned").sum()) == B * H * 8
+    assert int(pinned(state).sum()) == B * H * 8

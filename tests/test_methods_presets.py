@@ -162,7 +162,7 @@ def test_prefill_eviction_accepts_only_methods_that_hand_over_tokens():
     for ok in (SnapKV(), H2O(), StreamingLLM()):
         PrefillEviction(prefill=ok, decode=Dense())
     for bad in (SubGen(), Radar(), Dense(), SnapKV):
-        with pytest.raises(ValueError, match="PrefillEviction.prefill must be an evicting method"):
+        with pytest.raises(ValueError, match="PrefillEviction.prefill must be an eviction policy"):
             PrefillEviction(prefill=bad, decode=Radar())
     with pytest.raises(ValueError, match="PrefillEviction.decode must be a sparse method instance"):
         PrefillEviction(prefill=SnapKV(), decode=Radar)

@@ -245,7 +245,7 @@ def test_a_refused_step_leaves_the_state_as_it_was(name, steps_before, bad):
         (lambda: SubGen(radius=float("inf")), r"SubGen.radius must be a finite number >= 0, got inf"),
         (lambda: SubGen(value_share=False), r"SubGen.value_share must be a number in \(0, 1\), got False"),
         (lambda: PrefillEviction(prefill=SnapKV(budget=-12), decode=H2O()), r"SnapKV.budget must be an int >= 33, got -12"),
-        (lambda: PrefillEviction(prefill=SubGen(), decode=H2O()), r"PrefillEviction.prefill must be an evicting method"),
+        (lambda: PrefillEviction(prefill=SubGen(), decode=H2O()), r"PrefillEviction.prefill must be an eviction policy"),
         (lambda: H2O().new_state(1, 2, 8, layer_idx=-1), r"layer_idx must be an int >= 0, got -1"),
         (lambda: H2O().new_state(True, 2, 8), r"batch must be an int >= 1, got True"),
     ],

@@ -11,9 +11,10 @@ from sparseattn.methods import dense, segment_search, streaming, h2o, snapkv, su
 from sparseattn.methods.base import DecodeState, KVState, LayerSpec, SparseMethod, StepInfo
 from sparseattn.methods.compose import PrefillEviction, PrefillEvictionState
 from sparseattn.methods.dense import AllTokens, Dense, DenseState
-from sparseattn.methods.eviction import EvictingState, SlotSelection
+from sparseattn.methods.always import AlwaysKept, AnyOf, HeavyHitters, Protected, RecentWindow, Sinks
+from sparseattn.methods.eviction import Candidates, Evicting, EvictingState, EvictionPolicy, Observation, SlotSelection, SlotStore
 from sparseattn.ops.slots import slot_attention, slot_attention_ref
-from sparseattn.methods.h2o import H2O, H2OState
+from sparseattn.methods.h2o import H2O
 from sparseattn.methods.presets import (
     Quest,
     RadarCentered,
@@ -27,18 +28,28 @@ from sparseattn.methods.presets import (
     SnapKVRadar,
 )
 from sparseattn.methods.segment_search import Radar, SegmentSearch, SegmentSearchState, SegmentSelection
-from sparseattn.methods.snapkv import SnapKV, SnapKVState
-from sparseattn.methods.streaming import StreamingLLM, StreamingLLMState
+from sparseattn.methods.snapkv import SnapKV
+from sparseattn.methods.streaming import StreamingLLM
 from sparseattn.methods.subgen import SubGen, SubGenState
 
 __all__ = [
+    "AlwaysKept",
+    "AnyOf",
+    "Candidates",
+    "Evicting",
+    "EvictionPolicy",
+    "HeavyHitters",
+    "Observation",
+    "Protected",
+    "RecentWindow",
+    "Sinks",
+    "SlotStore",
     "AllTokens",
     "DecodeState",
     "Dense",
     "DenseState",
     "EvictingState",
     "H2O",
-    "H2OState",
     "KVState",
     "LayerSpec",
     "PrefillEviction",
@@ -59,11 +70,9 @@ __all__ = [
     "SlotSelection",
     "SnapKV",
     "SnapKVRadar",
-    "SnapKVState",
     "SparseMethod",
     "StepInfo",
     "StreamingLLM",
-    "StreamingLLMState",
     "SubGen",
     "SubGenState",
     "slot_attention",

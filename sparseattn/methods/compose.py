@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sparseattn.methods.base import DecodeState, LayerSpec, SparseMethod, StatefulMethod, StepInfo
+from sparseattn.methods.eviction import EvictionPolicy
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,8 @@ class PrefillEviction(StatefulMethod):
     ``prefill.budget`` bounds the compressed prompt, ``decode``'s budget bounds every decode step.
 
     Args:
-        prefill: a method that evicts the prompt and can hand over the tokens it keeps
-            (:class:`StreamingLLM`, :class:`H2O`, :class:`SnapKV`).
+        prefill: an :class:`~sparseattn.methods.eviction.EvictionPolicy` that evicts the prompt
+            (:class:`StreamingLLM`, :class:`H2O`, :class:`SnapKV`, or one of your own).
         decode: any sparse method.
 
     Example:
@@ -39,10 +40,10 @@ class PrefillEviction(StatefulMethod):
     decode: SparseMethod
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefill, type) or not getattr(self.prefill, "hands_over_tokens", False):
+        if isinstance(self.prefill, type) or not isinstance(self.prefill, EvictionPolicy):
             raise ValueError(
-                "PrefillEviction.prefill must be an evicting method instance that hands over its kept tokens "
-                f"(StreamingLLM, H2O or SnapKV), got {self.prefill!r}"
+                "PrefillEviction.prefill must be an eviction policy instance, whose engine hands over the tokens it "
+                f"keeps (StreamingLLM, H2O, SnapKV or your own EvictionPolicy), got {self.prefill!r}"
             )
         if isinstance(self.decode, type) or not hasattr(self.decode, "new_state"):
             raise ValueError(f"PrefillEviction.decode must be a sparse method instance, got {self.decode!r}")

@@ -1,15 +1,24 @@
-"""What the evicting methods share: a bounded set of slots per (batch row, KV head), overwritten in place.
+"""Eviction as a policy: which tokens a bounded store keeps, and the engine that keeps them.
 
-StreamingLLM, H2O, SnapKV and SubGen keep at most ``budget`` tokens per KV head, and each KV head may
-keep different ones. The storage stays ``[B, H_kv, slots, D]``: keys are stored after RoPE, so a
-token's position travels with its key and the order of the slots does not matter to attention. A
-decode token that arrives when the slots are full overwrites the slot the method evicts (O(1) copy, no
-compaction); a prefill block is appended, attended densely over everything stored (the setting of the
-papers), and only then evicted down to the budget.
+StreamingLLM, H2O and SnapKV keep at most ``budget`` tokens per (batch row, KV head), each KV head
+its own. A method of this family is an :class:`EvictionPolicy`: an immutable object that only ranks
+tokens. The engine, :class:`EvictingState`, owns everything else: the slots ``[B, H_kv, S, D]``
+(keys stored after RoPE, so a token's position travels with its key and slot order does not matter
+to attention), positions, the attention record a policy asks for, batch reindexing, compaction and
+byte accounting.
 
-A method writes only its *priorities*: which stored tokens it keeps after a prefill block
-(:meth:`EvictingState._prefill_priority`) and which one it overwrites at a decode step
-(:meth:`EvictingState._eviction_priority`); ``+inf`` protects a token (sinks, recent window).
+The engine asks a policy for one thing, :meth:`EvictionPolicy.priority` of a set of
+:class:`Candidates`:
+
+* after a prompt block (attended densely over everything stored, the setting of the papers), the
+  ``budget`` highest of the stored tokens stay;
+* at a decode step with a full store, the stored tokens *and the newcomer* compete: the lowest
+  leaves (ties: the oldest). The step attends what is stored afterwards, so a newcomer that loses
+  is not attended even by its own query (protect it with ``RecentWindow(1)`` to always attend it).
+
+``+inf`` protects a token; :mod:`sparseattn.methods.always` has the reusable protected sets (sinks,
+recent window, heavy hitters). A policy that ranks by attention declares an :class:`Observation`
+and reads :attr:`Candidates.attention`, which the engine accumulates for it.
 
 Shapes: ``keys, values: [B, H_kv, S, D]`` with ``S <= budget`` slots; queries ``[B, H_q, D]`` with
 ``H_q = G * H_kv`` (query head ``h`` uses KV head ``h // G``).
@@ -18,11 +27,14 @@ Shapes: ``keys, values: [B, H_kv, S, D]`` with ``S <= budget`` slots; queries ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from sparseattn.methods.base import KVState, LayerSpec
-from sparseattn.ops.slots import slot_attention
+from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
+from sparseattn.validation import check_int
+from sparseattn.ops.slots import causal_probability_sums, slot_attention
 from sparseattn.ops.buffers import GrowableBuffer
 
 
@@ -46,6 +58,101 @@ def finite_evidence(probs: torch.Tensor) -> torch.Tensor:
     good (NaN + x = NaN).
     """
     return probs.nan_to_num(nan=0.0)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Which attention weights the engine records for a policy: per stored token, summed over queries.
+
+    The record is the attention each token received, summed over the query heads of its KV group
+    and over the queries observed (H2O's accumulated score, SnapKV's votes), in float32 (float64 for
+    float64 caches); NaN weights count as 0 (see :func:`finite_evidence`).
+
+    Args:
+        prompt_queries: observe the last ``prompt_queries`` queries of each prompt block (None: all).
+        decode: add every decode step's attention weights.
+        per_prompt: each prompt block's observation replaces the record (SnapKV's votes are the
+            latest prompt's); otherwise it accumulates (H2O).
+    """
+
+    prompt_queries: int | None = None
+    decode: bool = True
+    per_prompt: bool = False
+
+
+class Candidates:
+    """The tokens a policy (or an :class:`~sparseattn.methods.always.AlwaysKept` part) ranks: ``[B, H_kv, n]`` per token.
+
+    After a prompt block they are the stored tokens; at a decode step of an evicting engine the stored
+    tokens followed by the newcomer (the last one). ``keys`` and ``attention`` are built only when
+    read (a policy that ranks by position copies no key).
+
+    Args:
+        positions: ``[B, H_kv, n]`` original position of each candidate.
+        seen: tokens seen so far, the newcomer included (every position is below it).
+        prompt_length: ``seen`` when the latest prompt block was stored.
+        decode: a decode step (the last candidate is the newcomer and one candidate leaves).
+        keys: returns ``[B, H_kv, n, D]``, the candidates' keys (after RoPE).
+        attention: returns ``[B, H_kv, n]``, the attention each candidate received as the reader's
+            :class:`Observation` says; None when the engine keeps no record.
+    """
+
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        *,
+        seen: int,
+        prompt_length: int = 0,
+        decode: bool = False,
+        keys: Callable[[], torch.Tensor],
+        attention: Callable[[], torch.Tensor] | None = None,
+        owner: object = None,
+    ) -> None:
+        self.positions, self.seen, self.prompt_length, self.decode = positions, seen, prompt_length, decode
+        self._keys, self._attention, self._owner = keys, attention, owner
+
+    @property
+    def newest(self) -> int:
+        """Position of the newest token seen."""
+        return self.seen - 1
+
+    @cached_property
+    def keys(self) -> torch.Tensor:
+        """``[B, H_kv, n, D]`` the candidates' keys (after RoPE)."""
+        return self._keys()
+
+    @cached_property
+    def attention(self) -> torch.Tensor:
+        """``[B, H_kv, n]`` the attention each candidate received (a decode newcomer: 0)."""
+        if self._attention is None:
+            raise ValueError(f"{self._owner!r} reads Candidates.attention but declares no Observation, so no record is kept")
+        return self._attention()
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """What an evicting method is: a budget, an optional observation, and a per-token priority.
+
+    Everything else (storage, positions, the attention record, batch reindexing, compaction, bytes)
+    is the engine's, :class:`EvictingState`. A frozen dataclass deriving from :class:`Evicting`
+    gets ``observation = None`` and ``new_state`` for free.
+    """
+
+    budget: int  #: tokens kept per (batch row, KV head)
+    observation: Observation | None  #: the attention record :attr:`Candidates.attention` holds, or None
+
+    def priority(self, tokens: Candidates) -> torch.Tensor:
+        """``[B, H_kv, n]`` float: the highest are kept, the lowest leaves first; ``+inf`` never leaves."""
+        ...
+
+
+class Evicting(StatefulMethod):
+    """Base of eviction policies: makes an :class:`EvictingState` for the policy (a mixin, no fields)."""
+
+    observation: ClassVar[Observation | None] = None
+
+    def state_type(self) -> type:
+        return EvictingState
 
 
 @dataclass(frozen=True)
@@ -79,18 +186,12 @@ class SlotSelection:
         return (hits > 0).unsqueeze(2).expand(B, H, self.group, length).reshape(B, H * self.group, length)
 
 
-class EvictingState(KVState):
-    """Base of the evicting decode states: at most ``budget`` slots per (batch row, KV head).
+class SlotStore(KVState):
+    """Bounded slot storage: keys, values, each slot's original position and per-slot fields.
 
-    Keeps, beside the keys and values, each slot's original ``positions`` and whatever per-slot fields
-    the method registers with :meth:`_add_slot_field` (H2O's accumulated scores, SnapKV's pins, SubGen's
-    weights), all reindexed together by eviction and :meth:`select_batch`. ``seen`` counts the tokens
-    seen; ``length`` the slots stored (at most ``budget`` once a step is answered).
-
-    Subclasses define :meth:`_prefill_priority` (tokens kept after a prefill block: the ``budget``
-    highest) and :meth:`_eviction_priority` (the slot a full store overwrites: the lowest; ties go to
-    the oldest token); ``+inf`` protects. They may record statistics in :meth:`_record_block`
-    (prefill queries) and :meth:`_record_step` (decode attention weights).
+    At most ``budget`` slots per (batch row, KV head) once a step is answered; every buffer is
+    reindexed together by compaction and :meth:`select_batch`. ``seen`` counts the tokens seen,
+    ``length`` the slots stored. The storage of :class:`EvictingState` and of SubGen's sketch.
     """
 
     def __init__(self, budget: int, layer: LayerSpec) -> None:
@@ -170,55 +271,101 @@ class EvictingState(KVState):
         rows = order.unsqueeze(-1).expand(*order.shape, self.head_dim)
         return self.keys.gather(2, rows), self.values.gather(2, rows), self.positions.gather(2, order)
 
-    # -- eviction ------------------------------------------------------------------------------
-
-    def _prefill_priority(self) -> torch.Tensor:
-        """``[B, H_kv, S]``: after a prefill block the ``budget`` highest are kept (``+inf``: always)."""
+    def _settle(self) -> None:
+        """Bring the store down to ``budget`` slots (what a prompt block left above it)."""
         raise NotImplementedError
 
-    def _eviction_priority(self, position: int) -> torch.Tensor:
-        """``[B, H_kv, S]``: the lowest slot is overwritten by the token at ``position`` (``+inf``: never)."""
-        raise NotImplementedError
+class EvictingState(SlotStore):
+    """The engine of an :class:`EvictionPolicy` for one layer: at most ``budget`` slots per (row, KV head).
 
-    def _record_block(self, grouped_query: torch.Tensor) -> None:
-        """Hook: learn from the prefill block's queries ``[B, H_kv, G, T, D]`` before eviction."""
+    A decode token arriving at a full store competes with the stored ones (the lowest priority
+    leaves, ties the oldest) and, when it wins, overwrites the loser's slot in place (O(1) copy, no
+    compaction); a prompt block is appended, attended densely over everything stored, observed,
+    and only then evicted down to the budget. ``prompt_length`` is ``seen`` after the latest prompt
+    block (a block of more than one token).
+    """
 
-    def _record_step(self, probs: torch.Tensor) -> None:
-        """Hook: learn from one decode step's attention weights ``[B, H_kv, G, S]``."""
+    def __init__(self, policy: EvictionPolicy, layer: LayerSpec) -> None:
+        check_int(type(policy).__name__, "budget", policy.budget, 1)
+        super().__init__(policy.budget, layer)
+        self.policy = policy
+        self.method = policy
+        self.prompt_length = 0
+        self._observation = policy.observation
+        if self._observation is not None:
+            self._add_slot_field("attention", self.compute_dtype, 0.0)
+
+    @property
+    def attention_record(self) -> torch.Tensor | None:
+        """``[B, H_kv, S]`` the attention each stored token received (the policy's :class:`Observation`), or None."""
+        return self.field("attention") if self._observation is not None else None
+
+    def _candidates(self, newcomer: torch.Tensor | None = None) -> Candidates:
+        """The stored tokens, followed by the decode token ``newcomer: [B, H_kv, D]`` when given."""
+        record = self.attention_record
+        if newcomer is None:
+            positions, keys = self.positions, lambda: self.keys
+            attention = None if record is None else lambda: record
+        else:
+            B, H, _ = self.positions.shape
+            positions = torch.cat([self.positions, self.positions.new_full((B, H, 1), self.seen)], dim=2)
+            keys = lambda: torch.cat([self.keys, newcomer.unsqueeze(2)], dim=2)  # noqa: E731
+            attention = None if record is None else lambda: torch.cat([record, record.new_zeros(B, H, 1)], dim=2)  # noqa: E731
+        return Candidates(
+            positions, seen=self.seen + (newcomer is not None), prompt_length=self.prompt_length,
+            decode=newcomer is not None, keys=keys, attention=attention, owner=self.policy,
+        )
+
+    def _priority(self, tokens: Candidates) -> torch.Tensor:
+        priority = self.policy.priority(tokens)
+        want = (*tokens.positions.shape,)
+        if not isinstance(priority, torch.Tensor) or tuple(priority.shape) != want or not priority.is_floating_point():
+            got = tuple(priority.shape) if isinstance(priority, torch.Tensor) else type(priority).__name__
+            raise ValueError(f"{self.policy!r}.priority must return a float tensor of shape {want}, got {got}")
+        return defined_priority(priority.double())
+
+    def _settle(self) -> None:
+        if self.length > self.budget:
+            self._compact(self._keep_slots(self._priority(self._candidates()), self.budget))
 
     def _keep_slots(self, priority: torch.Tensor, n: int) -> torch.Tensor:
         """The ``n`` highest-priority slots ``[B, H_kv, n]`` (ties: the newer token), in position order."""
         newest_first = self.positions.argsort(dim=-1, descending=True)
-        ranked = defined_priority(priority).gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
+        ranked = priority.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
         keep = newest_first.gather(-1, ranked[..., :n])
         return keep.gather(-1, self.positions.gather(-1, keep).argsort(dim=-1))
 
-    def _victim(self, position: int) -> torch.Tensor:
-        """The slot ``[B, H_kv]`` the token at ``position`` overwrites: lowest priority, then oldest."""
-        priority = defined_priority(self._eviction_priority(position))
+    def _admit(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A decode token ``[B, H_kv, D]`` at a full store: it and the stored tokens compete, the lowest leaves."""
+        tokens = self._candidates(key)
+        priority = self._priority(tokens)
         low = priority.amin(dim=-1, keepdim=True)
         if bool((low == float("inf")).any()):
-            raise RuntimeError(f"{type(self).__name__}: every slot is protected, nothing can be evicted (a bug)")
-        oldest = self.positions.masked_fill(priority != low, torch.iinfo(torch.long).max)
-        return oldest.argmin(dim=-1)
-
-    def _settle(self) -> None:
-        """Evict down to ``budget`` what a prefill block left above it."""
-        if self.length > self.budget:
-            self._compact(self._keep_slots(self._prefill_priority().double(), self.budget))
-
-    def _insert(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """A decode token ``[B, H_kv, D]`` into a full store: overwrite the evicted slot."""
-        self._write(self._victim(self.seen), key, value, self.seen)
-
-    def _can_insert(self) -> bool:
-        return True
+            raise RuntimeError(f"{self.policy!r}: every token is protected (+inf), nothing can be evicted")
+        oldest = tokens.positions.masked_fill(priority != low, torch.iinfo(torch.long).max)
+        loser = oldest.argmin(dim=-1)  # [B, H]; == S: the newcomer itself
+        stored = loser < self.length
+        if bool(stored.all()):
+            self._write(loser, key, value, self.seen)
+            return
+        # Some KV heads keep what they have: their slot is rewritten with its own content.
+        slot = loser.clamp(max=self.length - 1)
+        B, H, D = key.shape
+        index = slot.view(B, H, 1, 1).expand(B, H, 1, D)
+        keep = stored.view(B, H, 1)
+        new_key = torch.where(keep, key, self.keys.gather(2, index).squeeze(2))
+        new_value = torch.where(keep, value, self.values.gather(2, index).squeeze(2))
+        fields = {name: self.field(name).gather(2, slot.view(B, H, 1)) for name in self._fields}
+        position = torch.where(stored, self.seen, self.positions.gather(2, slot.view(B, H, 1)).squeeze(2))
+        self._write(slot, new_key, new_value, position)
+        for name, old in fields.items():
+            self.field(name).scatter_(2, slot.view(B, H, 1), torch.where(keep, self.field(name).gather(2, slot.view(B, H, 1)), old))
 
     # -- the DecodeState protocol --------------------------------------------------------------
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``[B, H_kv, T, D]``: one decode token overwrites an evicted slot when the store is full;
-        a block is appended and evicted after :meth:`attend_block` (or the next step) has seen it."""
+        """Add ``[B, H_kv, T, D]``: one decode token competes for a slot when the store is full; a block is
+        appended, and evicted after :meth:`attend_block` (or the next step) has seen it."""
         self._check_block("keys", keys, True)
         self._check_block("values", values, True)
         if keys.shape != values.shape:
@@ -226,47 +373,43 @@ class EvictingState(KVState):
         B, H, T, _ = keys.shape
         if T == 1 and self.length >= self.budget:
             self._settle()
-            if self._can_insert():
-                self._insert(keys[:, :, 0], values[:, :, 0])
-                self.seen += 1
-                return
+            self._admit(keys[:, :, 0], values[:, :, 0])
+            self.seen += 1
+            return
         positions = torch.arange(self.seen, self.seen + T, device=self.device).expand(B, H, T)
         self._append_slots(keys, values, positions)
         self.seen += T
-        if T == 1:
+        if T > 1:
+            self.prompt_length = self.seen
+            if self._observation is not None and self._observation.per_prompt:
+                self.field("attention").zero_()  # a new prompt's observation replaces the last one's
+        else:
             self._settle()
-
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Same as :meth:`append` (dispatched, so a subclass's ``append`` is the one that runs)."""
-        self.append(keys, values)
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
         """Dense causal prefill attention ``[B, H_q, T, D]`` over everything stored, then eviction to ``budget``."""
         out = super().attend_block(query)
-        B, H, D = self.batch, self.kv_heads, self.head_dim
-        self._record_block(query.reshape(B, H, query.shape[1] // H, query.shape[2], D))
+        obs = self._observation
+        if obs is not None:
+            B, H, D = self.batch, self.kv_heads, self.head_dim
+            grouped = query.reshape(B, H, query.shape[1] // H, query.shape[2], D)
+            if obs.prompt_queries is not None:
+                grouped = grouped[:, :, :, -min(obs.prompt_queries, grouped.shape[3]) :]
+            sums = finite_evidence(causal_probability_sums(grouped, self.keys, self.scale, self.softcap))
+            record = self.field("attention")
+            record.copy_(sums) if obs.per_prompt else record.add_(sums)
         self._settle()
         return out
-
-    def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per-slot ``(den_weight, num_weight)`` for :func:`slot_attention` (None: plain attention)."""
-        return None, None
-
-    def _floor_weight(self) -> torch.Tensor | None:
-        """Per-slot ``floor_weight`` for :func:`slot_attention` (None: no floor on the normaliser)."""
-        return None
-
-    def _live(self) -> torch.Tensor:
-        return torch.ones(self.batch, self.kv_heads, self.length, dtype=torch.bool, device=self.device)
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SlotSelection]:
         """Attention of ``query: [B, H_q, D]`` over every stored slot: ``([B, H_q, D], selection)``."""
         group = self._check_query(query)
         self._settle()
         B, H, D = self.batch, self.kv_heads, self.head_dim
-        den, num = self._weights()
         grouped = query.reshape(B, H, group, 1, D)
-        out, probs = slot_attention(grouped, self.keys, self.values, den, num, self.scale, self.softcap, self._floor_weight())
-        self._record_step(probs[:, :, :, 0])
-        info = SlotSelection(live=self._live(), positions=self.positions.clone(), group=group)
+        out, probs = slot_attention(grouped, self.keys, self.values, None, None, self.scale, self.softcap)
+        if self._observation is not None and self._observation.decode:
+            self.field("attention").add_(finite_evidence(probs[:, :, :, 0]).sum(dim=2))
+        live = torch.ones(B, H, self.length, dtype=torch.bool, device=self.device)
+        info = SlotSelection(live=live, positions=self.positions.clone(), group=group)
         return out.reshape(B, H * group, D).to(query.dtype), info

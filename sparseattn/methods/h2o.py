@@ -4,19 +4,17 @@ Inference of Large Language Models")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int, check_number
-from sparseattn.methods.eviction import EvictingState, finite_evidence
-from sparseattn.ops.slots import causal_probability_sums
+from sparseattn.methods.always import RecentWindow
+from sparseattn.methods.eviction import Candidates, Evicting, Observation
 from sparseattn.registry import MethodEntry, Option, register
 
 
 @dataclass(frozen=True)
-class H2O(StatefulMethod):
+class H2O(Evicting):
     """Keep, per KV head, the tokens with the largest accumulated attention plus the most recent ones.
 
     Each stored token accumulates the attention it receives: during prefill the column sums of the
@@ -37,7 +35,7 @@ class H2O(StatefulMethod):
 
     budget: int = 1024
     heavy_ratio: float = 0.5
-    hands_over_tokens: ClassVar[bool] = True
+    observation = Observation(prompt_queries=None, decode=True)  # every query's attention, accumulated
 
     def __post_init__(self) -> None:
         check_int("H2O", "budget", self.budget, 1)
@@ -53,40 +51,9 @@ class H2O(StatefulMethod):
         """Most recent tokens always kept: ``budget - heavy``."""
         return self.budget - self.heavy
 
-    def state_type(self) -> type:
-        return H2OState
-
-
-class H2OState(EvictingState):
-    """Per-slot accumulated attention (``field("score")``, in the compute dtype); the recent window is protected."""
-
-    def __init__(self, method: H2O, layer: LayerSpec) -> None:
-        super().__init__(method.budget, layer)
-        self.method = method
-        self._add_slot_field("score", self.compute_dtype, 0.0)
-
-    @property
-    def scores(self) -> torch.Tensor:
-        """``[B, H_kv, S]`` attention accumulated by each stored token."""
-        return self.field("score")
-
-    def _with_recent(self, newest: int) -> torch.Tensor:
-        """Scores, with the ``recent`` tokens ending at position ``newest`` protected."""
-        recent = self.positions > newest - self.method.recent
-        return self.scores.double().masked_fill(recent, float("inf"))
-
-    def _record_block(self, grouped_query: torch.Tensor) -> None:
-        sums = causal_probability_sums(grouped_query, self.keys, self.scale, self.softcap)
-        self.scores.add_(finite_evidence(sums))
-
-    def _record_step(self, probs: torch.Tensor) -> None:
-        self.scores.add_(finite_evidence(probs).sum(dim=2))
-
-    def _prefill_priority(self) -> torch.Tensor:
-        return self._with_recent(self.seen - 1)
-
-    def _eviction_priority(self, position: int) -> torch.Tensor:
-        return self._with_recent(position)
+    def priority(self, tokens: Candidates) -> torch.Tensor:
+        """Accumulated attention; the ``recent`` newest tokens (the newcomer included) never leave."""
+        return tokens.attention.double().masked_fill(RecentWindow(self.recent).mask(tokens), float("inf"))
 
 
 register(

@@ -4,20 +4,16 @@ You are Looking for Before Generation")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 
-from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int
-from sparseattn.methods.eviction import EvictingState, finite_evidence
-from sparseattn.ops.slots import causal_probability_sums
+from sparseattn.methods.eviction import Candidates, Evicting, Observation
 from sparseattn.registry import MethodEntry, Option, register
 
 
 @dataclass(frozen=True)
-class SnapKV(StatefulMethod):
+class SnapKV(Evicting):
     """Compress the prompt to the tokens its last queries attend to most, then decode in a sliding window.
 
     After the prompt has been attended (densely), the queries of its last ``observation_window``
@@ -44,7 +40,6 @@ class SnapKV(StatefulMethod):
     observation_window: int = 32
     kernel_size: int = 5
     pooling: str = "max"
-    hands_over_tokens: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("SnapKV", "observation_window", self.observation_window, 1)
@@ -57,8 +52,24 @@ class SnapKV(StatefulMethod):
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"SnapKV.pooling must be 'max' or 'avg', got {self.pooling!r}")
 
-    def state_type(self) -> type:
-        return SnapKVState
+    @property
+    def observation(self) -> Observation:
+        """The votes: attention from the last ``observation_window`` queries of the latest prompt block only."""
+        return Observation(prompt_queries=self.observation_window, decode=False, per_prompt=True)
+
+    def priority(self, tokens: Candidates) -> torch.Tensor:
+        """After a prompt: the pooled votes of the tokens before the window (the window stays). At a decode
+        step: the newer the better, the prompt's survivors (before its window) pinned."""
+        before_window = tokens.positions < tokens.seen - self.observation_window
+        if tokens.decode:
+            pinned = tokens.positions < tokens.prompt_length - self.observation_window
+            return tokens.positions.double().masked_fill(pinned, float("inf"))
+        order = tokens.positions.argsort(dim=-1)  # pool neighbours in the sequence, not in the slots
+        pooled = pool_votes(
+            tokens.attention.gather(-1, order), before_window.gather(-1, order), self.kernel_size, self.pooling
+        )
+        votes = torch.empty_like(pooled).scatter_(-1, order, pooled).double()
+        return votes.masked_fill(~before_window, float("inf"))
 
 
 def pool_votes(votes: torch.Tensor, candidate: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -74,54 +85,6 @@ def pool_votes(votes: torch.Tensor, candidate: torch.Tensor, kernel_size: int, p
         return F.max_pool1d(x, kernel_size, stride=1, padding=pad).reshape(B, H, L)
     x = votes.masked_fill(~candidate, 0.0).reshape(B * H, 1, L)
     return F.avg_pool1d(x, kernel_size, stride=1, padding=pad).reshape(B, H, L)
-
-
-class SnapKVState(EvictingState):
-    """Pinned slots (``field("pinned")``) hold the selected prompt tokens; the rest is the sliding window."""
-
-    def __init__(self, method: SnapKV, layer: LayerSpec) -> None:
-        super().__init__(method.budget, layer)
-        self.method = method
-        self._add_slot_field("pinned", torch.bool, False)
-        self._votes: torch.Tensor | None = None
-        self._prompt_open = False
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        block = isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[2] > 1
-        super().append(keys, values)  # validates first: a refused block must not open a prompt
-        if block:
-            self._prompt_open = True
-
-    def _record_block(self, grouped_query: torch.Tensor) -> None:
-        w = min(self.method.observation_window, grouped_query.shape[3])
-        votes = causal_probability_sums(grouped_query[:, :, :, -w:], self.keys, self.scale, self.softcap)
-        self._votes = finite_evidence(votes)
-
-    def _candidates(self) -> torch.Tensor:
-        """Tokens before the observation window, which compete for the pinned slots."""
-        return self.positions < self.seen - self.method.observation_window
-
-    def _prefill_priority(self) -> torch.Tensor:
-        candidate = self._candidates()
-        if self._votes is None or self._votes.shape != candidate.shape:
-            votes = torch.zeros(candidate.shape, dtype=torch.float64, device=self.device)
-        else:
-            order = self.positions.argsort(dim=-1)  # pool neighbours in the sequence, not in the slots
-            pooled = pool_votes(
-                self._votes.gather(-1, order), candidate.gather(-1, order), self.method.kernel_size, self.method.pooling
-            )
-            votes = torch.empty_like(pooled).scatter_(-1, order, pooled).double()
-        return votes.masked_fill(~candidate, float("inf"))
-
-    def _settle(self) -> None:
-        super()._settle()
-        self._votes = None
-        if self._prompt_open:
-            self.field("pinned").logical_or_(self._candidates())
-            self._prompt_open = False
-
-    def _eviction_priority(self, position: int) -> torch.Tensor:
-        return self.positions.double().masked_fill(self.field("pinned"), float("inf"))
 
 
 register(

@@ -4,18 +4,16 @@ Models with Attention Sinks")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
-from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int
-from sparseattn.methods.eviction import EvictingState
+from sparseattn.methods.always import Sinks
+from sparseattn.methods.eviction import Candidates, Evicting
 from sparseattn.registry import MethodEntry, Option, register
 
 
 @dataclass(frozen=True)
-class StreamingLLM(StatefulMethod):
+class StreamingLLM(Evicting):
     """Keep the first ``sinks`` tokens and the last ``budget - sinks``; evict everything in between.
 
     Budget rule: a decode step attends ``min(t, budget)`` tokens, ``sinks`` of them the attention
@@ -37,7 +35,6 @@ class StreamingLLM(StatefulMethod):
 
     budget: int = 1024
     sinks: int = 4
-    hands_over_tokens: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("StreamingLLM", "sinks", self.sinks, 0)
@@ -49,26 +46,9 @@ class StreamingLLM(StatefulMethod):
         """Recent tokens kept: ``budget - sinks``."""
         return self.budget - self.sinks
 
-    def state_type(self) -> type:
-        return StreamingLLMState
-
-
-class StreamingLLMState(EvictingState):
-    """Sinks are protected; among the others the oldest token goes first."""
-
-    def __init__(self, method: StreamingLLM, layer: LayerSpec) -> None:
-        super().__init__(method.budget, layer)
-        self.method = method
-
-    def _recency(self) -> torch.Tensor:
-        pos = self.positions.double()
-        return pos.masked_fill(self.positions < self.method.sinks, float("inf"))
-
-    def _prefill_priority(self) -> torch.Tensor:
-        return self._recency()
-
-    def _eviction_priority(self, position: int) -> torch.Tensor:
-        return self._recency()
+    def priority(self, tokens: Candidates) -> torch.Tensor:
+        """The newer the better; the sinks never leave."""
+        return tokens.positions.double().masked_fill(Sinks(self.sinks).mask(tokens), float("inf"))
 
 
 register(

@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int, check_number
-from sparseattn.methods.eviction import EvictingState
+from sparseattn.methods.eviction import SlotSelection, SlotStore
 from sparseattn.ops.slots import slot_attention
 from sparseattn.registry import MethodEntry, Option, Range, register
 
@@ -91,7 +90,6 @@ class SubGen(StatefulMethod):
     radius: float = 0.0
     seed: int = 0
     guard: bool = False
-    hands_over_tokens: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_int("SubGen", "window", self.window, 1)
@@ -125,7 +123,7 @@ class SubGen(StatefulMethod):
         return SubGenState
 
 
-class SubGenState(EvictingState):
+class SubGenState(SlotStore):
     """Slots ``[0, sinks + window)`` exact, then ``value_samples`` l2 samples, then ``clusters x t`` key samples.
 
     Per-slot weights ``field("den")`` and ``field("num")`` feed :func:`slot_attention`: exact slots
@@ -321,25 +319,23 @@ class SubGenState(EvictingState):
         self.field("num")[:, :, sinks : self.exact_end] = 1.0
         self._fold(*fold)
 
-    # -- EvictingState hooks -------------------------------------------------------------------
-
-    def _can_insert(self) -> bool:
-        return self.sketched
+    # -- the engine ------------------------------------------------------------------------------
+    # SubGen keeps its own engine: its store is not a set of ranked tokens but a sketch (reservoir
+    # samples whose weights change as clusters grow, value samples redrawn by l2 mass), so no
+    # per-token priority can say what it keeps; only the exact window is evicted oldest-first.
 
     def _settle(self) -> None:
         if self.length > self.budget:
             self._fold_overflow() if self.sketched else self._build_sketch()
 
-    def _eviction_priority(self, position: int) -> torch.Tensor:
-        """Only the window's slots compete (oldest first); sinks and the sketch are not evicted this way."""
-        priority = self.positions.double()
-        priority[:, :, : self.method.sinks] = float("inf")
-        priority[:, :, self.exact_end :] = float("inf")
-        return priority
+    def _window_victim(self) -> torch.Tensor:
+        """The window's slot ``[B, H_kv]`` holding its oldest token (the one that leaves)."""
+        window = self.positions[:, :, self.method.sinks : self.exact_end]
+        return window.argmin(dim=-1) + self.method.sinks
 
     def _insert(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The token leaving the window is folded into the sketch; the new one takes its slot."""
-        slot = self._victim(self.seen)
+        slot = self._window_victim()
         B, H, D = key.shape
         index = slot.view(B, H, 1)
         leaving = [
@@ -349,6 +345,37 @@ class SubGenState(EvictingState):
         ]
         self._fold(*leaving)
         self._write(slot, key, value, self.seen)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``[B, H_kv, T, D]``: once sketched, one decode token enters the window and folds the oldest
+        into the sketch; a block is appended and folded after :meth:`attend_block` (or the next step)."""
+        self._check_block("keys", keys, True)
+        self._check_block("values", values, True)
+        if keys.shape != values.shape:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+        B, H, T, _ = keys.shape
+        if T == 1 and self.length >= self.budget:
+            self._settle()
+            if self.sketched:
+                self._insert(keys[:, :, 0], values[:, :, 0])
+                self.seen += 1
+                return
+        positions = torch.arange(self.seen, self.seen + T, device=self.device).expand(B, H, T)
+        self._append_slots(keys, values, positions)
+        self.seen += T
+        if T == 1:
+            self._settle()
+
+    def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SlotSelection]:
+        """Attention of ``query: [B, H_q, D]`` over the exact slots and the sketch: ``([B, H_q, D], selection)``."""
+        group = self._check_query(query)
+        self._settle()
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        den, num = self._weights()
+        grouped = query.reshape(B, H, group, 1, D)
+        out, _ = slot_attention(grouped, self.keys, self.values, den, num, self.scale, self.softcap, self._floor_weight())
+        info = SlotSelection(live=self._live(), positions=self.positions.clone(), group=group)
+        return out.reshape(B, H * group, D).to(query.dtype), info
 
     def _weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (self.field("den"), self.field("num")) if self.sketched else (None, None)
@@ -361,13 +388,15 @@ class SubGenState(EvictingState):
 
     def _live(self) -> torch.Tensor:
         if not self.sketched:
-            return super()._live()
+            return torch.ones(self.batch, self.kv_heads, self.length, dtype=torch.bool, device=self.device)
         return (self.field("den") > 0) | (self.field("num") > 0)
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
         """Prefill: dense until the sketch exists; afterwards the block's queries see the sketch through its weights."""
         if not self.sketched:
-            return super().attend_block(query)
+            out = super().attend_block(query)  # dense
+            self._settle()
+            return out
         group = self._check_query(query, block=True)
         B, H, D, T, S = self.batch, self.kv_heads, self.head_dim, query.shape[2], self.length
         if T > S:
