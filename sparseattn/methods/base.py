@@ -320,12 +320,16 @@ class KVState:
         self._check_block("value", value, False)
         self._check_query_tensor(query)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Add a block of tokens ``[B, H_kv, T, D]`` (prefill, chunked prefill or one decode token)."""
+    def _check_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Validate a block of keys and values ``[B, H_kv, T, D]`` (same shape, this state's dtype and device)."""
         self._check_block("keys", keys, True)
         self._check_block("values", values, True)
         if keys.shape != values.shape:
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add a block of tokens ``[B, H_kv, T, D]`` (prefill, chunked prefill or one decode token)."""
+        self._check_kv(keys, values)
         self._keys.append(keys)
         self._values.append(values)
         self._after_append(keys.shape[2])

@@ -224,6 +224,12 @@ class SlotStore(KVState):
         meta = sum(buf.view().numel() * buf.view().element_size() for buf in self._buffers()[2:] if len(buf))
         return {**super().nbytes(), "slot_meta": meta}
 
+    def _append_block(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store a block ``[B, H_kv, T, D]`` in new slots, positions ``seen .. seen + T - 1``."""
+        B, H, T, _ = keys.shape
+        self._append_slots(keys, values, torch.arange(self.seen, self.seen + T, device=self.device).expand(B, H, T))
+        self.seen += T
+
     def _append_slots(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         B, H, T, _ = keys.shape
         self._keys.append(keys)
@@ -366,19 +372,14 @@ class EvictingState(SlotStore):
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``[B, H_kv, T, D]``: one decode token competes for a slot when the store is full; a block is
         appended, and evicted after :meth:`attend_block` (or the next step) has seen it."""
-        self._check_block("keys", keys, True)
-        self._check_block("values", values, True)
-        if keys.shape != values.shape:
-            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
-        B, H, T, _ = keys.shape
+        self._check_kv(keys, values)
+        T = keys.shape[2]
         if T == 1 and self.length >= self.budget:
             self._settle()
             self._admit(keys[:, :, 0], values[:, :, 0])
             self.seen += 1
             return
-        positions = torch.arange(self.seen, self.seen + T, device=self.device).expand(B, H, T)
-        self._append_slots(keys, values, positions)
-        self.seen += T
+        self._append_block(keys, values)
         if T > 1:
             self.prompt_length = self.seen
             if self._observation is not None and self._observation.per_prompt:

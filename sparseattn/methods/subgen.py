@@ -349,20 +349,15 @@ class SubGenState(SlotStore):
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``[B, H_kv, T, D]``: once sketched, one decode token enters the window and folds the oldest
         into the sketch; a block is appended and folded after :meth:`attend_block` (or the next step)."""
-        self._check_block("keys", keys, True)
-        self._check_block("values", values, True)
-        if keys.shape != values.shape:
-            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
-        B, H, T, _ = keys.shape
+        self._check_kv(keys, values)
+        T = keys.shape[2]
         if T == 1 and self.length >= self.budget:
             self._settle()
             if self.sketched:
                 self._insert(keys[:, :, 0], values[:, :, 0])
                 self.seen += 1
                 return
-        positions = torch.arange(self.seen, self.seen + T, device=self.device).expand(B, H, T)
-        self._append_slots(keys, values, positions)
-        self.seen += T
+        self._append_block(keys, values)
         if T == 1:
             self._settle()
 

@@ -1,4 +1,4 @@
-"""The ``Selector`` protocol: which segments a decode query attends to."""
+"""The ``Selector`` protocol: which segments a decode query attends to, and its optional capabilities."""
 
 from __future__ import annotations
 
@@ -13,11 +13,38 @@ class Selector(Protocol):
 
     ``scores: [B, H, G, S]`` (log-mass estimates from a :class:`~sparseattn.summaries.Summary`);
     returns distinct segment indices ``[B, H, G, min(k, S)]``. Selectors that ignore scores set
-    ``uses_scores = False`` so the method skips scoring altogether. A selector whose indices are
-    distinct by construction may declare ``distinct_indices = True`` in its class body to skip the
-    per-step check (a device sync; not inherited by subclasses); otherwise every selection is checked.
+    ``uses_scores = False`` so the method skips scoring altogether. Optional capabilities are the
+    protocols below; the decode state asks for them with ``isinstance`` and nothing else.
     """
 
     uses_scores: bool
 
     def select(self, scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SeededSelector(Selector, Protocol):
+    """A selector that draws at random: the decode state seeds its generator from ``seed`` and the layer index."""
+
+    seed: int
+
+
+@runtime_checkable
+class DistinctSelector(Selector, Protocol):
+    """A selector whose indices are distinct and in range by construction (e.g. ``topk``).
+
+    ``distinct_indices = True`` skips the per-step check of the selection (a device sync). Only the
+    class's own declaration counts: a subclass that overrides ``select`` is checked again.
+    """
+
+    distinct_indices: bool
+
+
+def has_distinct_indices(selector: Selector) -> bool:
+    """Whether ``selector``'s own class declares ``distinct_indices = True`` (see :class:`DistinctSelector`)."""
+    return isinstance(selector, DistinctSelector) and bool(type(selector).__dict__.get("distinct_indices", False))
+
+
+def selector_seed(selector: Selector) -> int:
+    """The seed of a :class:`SeededSelector`; 0 for a selector that draws nothing."""
+    return int(selector.seed) if isinstance(selector, SeededSelector) else 0
