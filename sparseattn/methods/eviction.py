@@ -80,6 +80,24 @@ class Observation:
     per_prompt: bool = False
 
 
+def observe_prompt(
+    observation: Observation, record: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float | None
+) -> None:
+    """Record a prompt block's attention as ``observation`` says: ``record: [B, H_kv, S]`` gets the sums.
+
+    ``query: [B, H_q, T, D]`` are the block's queries (the last ``T`` of the ``S`` stored tokens
+    ``keys: [B, H_kv, S, D]``); each stored token receives the attention of the observed queries,
+    summed over them and over its KV group's query heads, added to the record (or, ``per_prompt``,
+    replacing it). Shared by every engine that keeps a record.
+    """
+    B, H, S, D = keys.shape
+    grouped = query.reshape(B, H, query.shape[1] // H, query.shape[2], D)
+    if observation.prompt_queries is not None:
+        grouped = grouped[:, :, :, -min(observation.prompt_queries, grouped.shape[3]) :]
+    sums = finite_evidence(causal_probability_sums(grouped, keys, scale, softcap))
+    record.copy_(sums) if observation.per_prompt else record.add_(sums)
+
+
 class Candidates:
     """The tokens a policy (or an :class:`~sparseattn.methods.always.AlwaysKept` part) ranks: ``[B, H_kv, n]`` per token.
 
@@ -390,15 +408,8 @@ class EvictingState(SlotStore):
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
         """Dense causal prefill attention ``[B, H_q, T, D]`` over everything stored, then eviction to ``budget``."""
         out = super().attend_block(query)
-        obs = self._observation
-        if obs is not None:
-            B, H, D = self.batch, self.kv_heads, self.head_dim
-            grouped = query.reshape(B, H, query.shape[1] // H, query.shape[2], D)
-            if obs.prompt_queries is not None:
-                grouped = grouped[:, :, :, -min(obs.prompt_queries, grouped.shape[3]) :]
-            sums = finite_evidence(causal_probability_sums(grouped, self.keys, self.scale, self.softcap))
-            record = self.field("attention")
-            record.copy_(sums) if obs.per_prompt else record.add_(sums)
+        if self._observation is not None:
+            observe_prompt(self._observation, self.field("attention"), query, self.keys, self.scale, self.softcap)
         self._settle()
         return out
 
