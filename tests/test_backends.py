@@ -17,15 +17,22 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from sparseattn.backends import (  # noqa: E402
+    BACKENDS,
+    OPS,
+    REFERENCES,
+    AttentionBackend,
+    BackendBase,
+    Capability,
     CpuBackend,
     TorchBackend,
     TritonBackend,
     XformersBackend,
     merge_partials,
+    backend_names,
     merge_partials_ref,
     select_backend,
 )
-from sparseattn.backends.cpu_kernels import cpu_kernel_refusal  # noqa: E402
+from sparseattn.backends.cpu_kernels import cpu_kernel_refusal, supported_dtypes  # noqa: E402
 from sparseattn.backends.triton_backend import interpreting, segment_decode_partials  # noqa: E402
 from sparseattn.ops.attention import segment_attention_ref, segment_mask  # noqa: E402
 from sparseattn.ops.layout import SegmentLayout  # noqa: E402
@@ -258,20 +265,23 @@ def test_cpu_kernel_rejects_an_out_of_range_segment():
     values = torch.randn_like(call["keys"])
     bad = torch.tensor([2, 3]).view(1, 1, 1, 2).expand(1, 2, 1, 2)
     with pytest.raises(ValueError, match=r"segment index is outside \[0, n_segments\)"):
-        CpuBackend().segment_attention(call["q"], call["keys"], values, call["layout"], bad)
+        CpuBackend().segment_attention(call["q"], call["keys"], values, SMALL_LAYOUT, bad)
 
 
 def test_cpu_backend_refusals_say_why():
     call = small_call()
-    assert "dtype torch.float64 is not supported" in CpuBackend().refusal(**small_call(torch.float64))
+    assert "dtype torch.float64 is not supported" in CpuBackend().refusal(ATTEND, **small_call(torch.float64))
     q = call["q"].clone().requires_grad_()
     with torch.enable_grad():
-        assert "no backward" in CpuBackend().refusal(q, call["keys"], call["layout"], call["segments"])
+        assert "no backward" in CpuBackend().refusal(ATTEND, q, call["keys"])
     many = torch.randn(1, 2, 65, 16)
-    assert "at most 64" in CpuBackend().refusal(many, call["keys"], call["layout"], call["segments"])
+    assert "at most 64" in CpuBackend().refusal(ATTEND, many, call["keys"])
+    assert CpuBackend().refusal("slot_attention", call["q"].unsqueeze(3), call["keys"]).startswith(
+        "it does not implement slot_attention (it implements: segment_attention, segment_log_mass, dense)"
+    )
     if CPU_KERNEL is None:
         strided = torch.randn(1, 2, 16, 12).transpose(-1, -2)
-        assert "head dim is not contiguous" in CpuBackend().refusal(call["q"], strided, call["layout"], call["segments"])
+        assert "head dim is not contiguous" in CpuBackend().refusal(ATTEND, call["q"], strided)
 
 
 @needs_cpu_kernel
@@ -296,9 +306,8 @@ def test_cpu_backend_without_a_compiler_refuses_and_auto_falls_to_torch(tmp_path
         "import torch, sparseattn.backends as b\n"
         "from sparseattn.ops.layout import SegmentLayout\n"
         "lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)\n"
-        "kw = dict(q=torch.randn(1, 2, 3, 16), keys=torch.randn(1, 2, 12, 16), layout=lay,\n"
-        "          segments=torch.zeros(1, 2, 1, 1, dtype=torch.long))\n"
-        "print(b.CpuBackend().refusal(**kw))\n"
+        "kw = dict(q=torch.randn(1, 2, 3, 16), keys=torch.randn(1, 2, 12, 16))\n"
+        "print(b.CpuBackend().refusal('segment_attention', **kw))\n"
         "print('auto:', b.select_backend(**kw).name)\n"
     )
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "SPARSEATTN_CACHE": str(tmp_path / "cache")}
@@ -319,9 +328,9 @@ KERNEL_PROBE = (
     "lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)\n"
     "q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)\n"
     "seg = torch.zeros(1, 2, 1, 1, dtype=torch.long)\n"
-    "print('refusal:', b.CpuBackend().refusal(q, k, lay, seg))\n"
-    "print('auto:', b.select_backend(q=q, keys=k, layout=lay, segments=seg).name)\n"
-    "if b.CpuBackend().refusal(q, k, lay, seg) is None:\n"
+    "print('refusal:', b.CpuBackend().refusal('segment_attention', q, k))\n"
+    "print('auto:', b.select_backend(q=q, keys=k).name)\n"
+    "if b.CpuBackend().refusal('segment_attention', q, k) is None:\n"
     "    out = b.CpuBackend().segment_attention(q, k, v, lay, seg)\n"
     "    ref = segment_attention_ref(q.double(), k.double(), v.double(), lay, seg)\n"
     "    print('max error:', float((out.double() - ref).abs().max()))\n"
@@ -548,13 +557,18 @@ def test_interpreter_tests_in_a_fresh_process():
 # --- dispatch --------------------------------------------------------------------------------------
 
 
+ATTEND = "segment_attention"
+
+#: The layout and selection of :func:`small_call`'s step.
+SMALL_LAYOUT = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)
+SMALL_SEGMENTS = torch.tensor([2, 0]).view(1, 1, 1, 2).expand(1, 2, 1, 2)
+
+
 def small_call(dtype=torch.float32, D=16, device="cpu"):
-    lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)
+    """The query and keys of a small segment-attention step (what dispatch looks at)."""
     return dict(
         q=torch.randn(1, 2, 3, D, dtype=dtype, device=device),
         keys=torch.randn(1, 2, 12, D, dtype=dtype, device=device),
-        layout=lay,
-        segments=torch.tensor([2, 0], device=device).view(1, 1, 1, 2).expand(1, 2, 1, 2),
     )
 
 
@@ -566,10 +580,9 @@ def test_auto_without_the_interpreter_picks_the_cpu_kernel_on_cpu_and_says_why_n
         "print('triton imported:', 'triton' in sys.modules)\n"
         "from sparseattn.ops.layout import SegmentLayout\n"
         "lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3)\n"
-        "kw = dict(q=torch.randn(1, 2, 3, 16), keys=torch.randn(1, 2, 12, 16), layout=lay,\n"
-        "          segments=torch.zeros(1, 2, 1, 1, dtype=torch.long))\n"
+        "kw = dict(q=torch.randn(1, 2, 3, 16), keys=torch.randn(1, 2, 12, 16))\n"
         "print('auto:', b.select_backend(**kw).name)\n"
-        "print('triton:', b.TritonBackend().refusal(kw['q'], kw['keys'], lay, kw['segments']))\n"
+        "print('triton:', b.TritonBackend().refusal('segment_attention', kw['q'], kw['keys']))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -612,16 +625,16 @@ def test_when_nothing_fits_every_backend_and_its_reason_is_listed():
     assert lines[0].endswith("tried in priority order:")
     assert [line.split(":")[0] for line in lines[1:]] == ["  - triton", "  - xformers"]
     if importlib.util.find_spec("xformers") is None:
-        assert lines[2] == "  - xformers: xformers is not installed"
+        assert lines[2] == "  - xformers: xformers is not installed (auto walks only installed backends)"
 
 
 @needs_interpreter
 def test_triton_refuses_head_dims_below_16_and_mixed_dtypes():
-    reason = TritonBackend().refusal(**small_call(D=8), softcap=None)
+    reason = TritonBackend().refusal(ATTEND, **small_call(D=8), softcap=None)
     assert reason == "head dim 8 is not supported (supported: 16..256)"
     call = small_call()
     call["keys"] = call["keys"].half()
-    assert "one dtype" in TritonBackend().refusal(**call)
+    assert "one dtype" in TritonBackend().refusal(ATTEND, **call)
 
 
 def test_unknown_backend_names_the_choices():
@@ -633,10 +646,10 @@ def test_a_refusing_backend_raises_instead_of_falling_back():
     call = small_call(torch.float64)
     values = torch.randn_like(call["keys"])
     with pytest.raises(ValueError, match="the xformers backend cannot run segment_attention"):
-        XformersBackend().segment_attention(call["q"], call["keys"], values, call["layout"], call["segments"])
+        XformersBackend().segment_attention(call["q"], call["keys"], values, SMALL_LAYOUT, SMALL_SEGMENTS)
     if HAS_TRITON:
         with pytest.raises(ValueError, match="the triton backend cannot run segment_attention.*float64"):
-            TritonBackend().segment_attention(call["q"], call["keys"], values, call["layout"], call["segments"])
+            TritonBackend().segment_attention(call["q"], call["keys"], values, SMALL_LAYOUT, SMALL_SEGMENTS)
 
 
 NO_SEGMENTS = torch.zeros(1, 2, 1, 0, dtype=torch.long)
@@ -654,7 +667,7 @@ NO_SEGMENTS = torch.zeros(1, 2, 1, 0, dtype=torch.long)
     ids=["selection-groups", "float-indices", "short-cache", "softcap-0", "empty"],
 )
 def test_invalid_inputs_raise_whatever_the_backend(change, message):
-    call = {**small_call(), "softcap": None, **change}
+    call = {**small_call(), "layout": SMALL_LAYOUT, "segments": SMALL_SEGMENTS, "softcap": None, **change}
     values = torch.randn_like(call["keys"])
     with pytest.raises(ValueError, match=message):
         TorchBackend().segment_attention(
@@ -664,10 +677,17 @@ def test_invalid_inputs_raise_whatever_the_backend(change, message):
 
 def test_backends_declare_what_they_support():
     for backend in (TritonBackend(), XformersBackend(), CpuBackend(), TorchBackend()):
-        assert isinstance(backend.name, str) and isinstance(backend.SUPPORTED_DTYPES, tuple)
-    assert torch.float64 in TorchBackend.SUPPORTED_DTYPES and torch.float64 not in TritonBackend.SUPPORTED_DTYPES
-    assert CpuBackend.SUPPORTED_DEVICES == ("cpu",) and torch.float64 not in CpuBackend.SUPPORTED_DTYPES
-    assert 64 in TritonBackend.SUPPORTED_HEAD_DIMS and 8 not in TritonBackend.SUPPORTED_HEAD_DIMS
+        assert isinstance(backend, AttentionBackend) and isinstance(backend.name, str)
+        assert set(backend.CAPABILITIES) <= set(OPS)
+        assert all(isinstance(c.dtypes, tuple) for c in backend.CAPABILITIES.values())
+    assert set(TorchBackend.CAPABILITIES) == set(OPS)
+    assert set(CpuBackend.CAPABILITIES) == {"segment_attention", "segment_log_mass", "dense"}
+    assert set(TritonBackend.CAPABILITIES) == {"segment_attention"}
+    attend = {b.name: b.CAPABILITIES[ATTEND] for b in (TritonBackend(), CpuBackend(), TorchBackend())}
+    assert torch.float64 in attend["torch"].dtypes and torch.float64 not in attend["triton"].dtypes
+    assert attend["cpu"].devices == ("cpu",) and torch.float64 not in attend["cpu"].dtypes
+    assert 64 in attend["triton"].head_dims and 8 not in attend["triton"].head_dims
+    assert TritonBackend.REQUIRES == ("triton",) and XformersBackend.REQUIRES == ("xformers",)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         TritonBackend(block_n=24)
 
@@ -738,3 +758,221 @@ def test_segment_log_mass_torch_path_is_the_reference_too():
     got = segment_log_mass(SegmentKeys(raw, 0.5, torch.float64), queries, index)
     want = torch.logsumexp(torch.einsum("bhrd,bhscd->bhrsc", queries, raw * 0.5), -1).gather(-1, index.expand(1, 2, 3, 2))
     assert_close(got, want, torch.float64)
+
+
+# --- every op on every backend that accepts it, against the op's float64 reference ----------------
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """Sizes of one call of any op: batch, KV heads, query rows per KV head, head dim, stored tokens."""
+
+    B: int
+    H: int
+    G: int
+    D: int
+    t: int
+
+    @property
+    def id(self) -> str:
+        return f"B{self.B}H{self.H}G{self.G}-D{self.D}-t{self.t}"
+
+
+# Odd sizes, batch > 1, GQA groups, a head dim that is not a power of two.
+OP_CASES = [OpCase(2, 2, 3, 16, 37), OpCase(1, 3, 5, 80, 63)]
+
+
+def capacity_view(gen, B, H, t, D, dtype):
+    """``[B, H, t, D]``: a narrow of a larger, token-major capacity buffer (not contiguous), as a cache is."""
+    return torch.randn(B, t + 5, H, D, generator=gen).to(dtype).narrow(1, 0, t).transpose(1, 2)
+
+
+def op_call(op, case, dtype, softcap, seed):
+    """``(args, q, keys)`` of a fresh random call of ``op``: the method's positional arguments, and what dispatch sees."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, t = case.B, case.H, case.G, case.D, case.t
+    keys, values = capacity_view(gen, B, H, t, D, dtype), capacity_view(gen, B, H, t, D, dtype)
+    if op == "segment_attention":
+        c, n_seg = 5, (t - 3) // 5  # 3 sinks; the rest of the tokens is the tail
+        lay = SegmentLayout(length=t, sinks=3, segment_size=c, n_segments=n_seg, window=4)
+        q = torch.randn(B, H, G, D, generator=gen).to(dtype)
+        segments = torch.stack([torch.randperm(n_seg, generator=gen)[:2] for _ in range(B * H * G)]).view(B, H, G, 2)
+        return (q, keys, values, lay, segments, 0.3, softcap), q, keys
+    if op == "dense":
+        q = torch.randn(B, H, G, D, generator=gen).to(dtype)
+        return (q, keys, values, 0.3, softcap), q, keys
+    if op == "slot_attention":
+        T = 3  # the last three slots are the queries' own tokens (causal)
+        q = torch.randn(B, H, G, T, D, generator=gen).to(dtype)
+        den, num = torch.rand(B, H, t, generator=gen), torch.rand(B, H, t, generator=gen)
+        return (q, keys, values, den, num, 0.3, softcap, num), q, keys
+    # segment_log_mass: queries pre-scaled in the compute dtype, one segment list per query row.
+    from sparseattn.ops.segments import SegmentKeys
+
+    c = 4
+    S = t // c
+    raw = keys[:, :, : S * c].unflatten(2, (S, c))
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    queries = torch.randn(B, H, G, D, generator=gen, dtype=compute) * D**-0.25
+    index = torch.stack([torch.randperm(S, generator=gen)[:3] for _ in range(B * H * G)]).view(B, H, G, 3)
+    return (SegmentKeys(raw, D**-0.25, compute), queries, index), queries, raw
+
+
+def run_op(backend, op, args, checked=True):
+    """``backend``'s method for ``op`` on ``args``: the output (``out`` alone for slot attention)."""
+    out = getattr(backend, op)(*args, checked=checked)
+    return out[0] if op == "slot_attention" else out
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("op", OPS)
+def test_every_backend_that_accepts_an_op_matches_its_reference(op, case, dtype, softcap):
+    if op == "segment_log_mass" and softcap is not None:
+        return  # masses have no soft-capping: the softcap=None run covers them
+    args, q, keys = op_call(op, case, dtype, softcap, seed=OPS.index(op) + 7 * case.D)
+    want = REFERENCES[op](*args)  # each reference takes its op's arguments
+    ran = []
+    for backend in BACKENDS:
+        if backend.refusal(op, q, keys, softcap) is not None:
+            continue
+        got = run_op(backend, op, args)
+        assert_close(got, want, dtype, what=f"{backend.name} {op}")
+        # The unchecked path the decode states take runs the same arithmetic.
+        assert torch.equal(run_op(backend, op, args, checked=False), got)
+        ran.append(backend.name)
+    assert "torch" in ran  # the torch backend runs every op, on every dtype
+    if CPU_KERNEL is None and op in CpuBackend.CAPABILITIES and dtype in supported_dtypes():
+        assert "cpu" in ran
+    if INTERPRETING and op == ATTEND and dtype != torch.float64:
+        assert "triton" in ran
+
+
+# --- the registry: names once, dispatch by declared capability, no cycle ---------------------------
+
+
+def test_names_are_listed_once_and_the_methods_check_theirs_against_them():
+    from sparseattn import Dense
+    from sparseattn.methods.segment_search import SegmentSearch
+
+    names = backend_names()
+    assert names == tuple(b.name for b in BACKENDS) == ("triton", "xformers", "cpu", "torch")
+    assert backend_names("dense") == ("cpu", "torch") and backend_names("slot_attention") == ("torch",)
+    with pytest.raises(ValueError, match=r"SegmentSearch.backend must be one of \('auto', 'triton', 'xformers', 'cpu', 'torch'\), got 'flash'"):
+        SegmentSearch(backend="flash")
+    with pytest.raises(ValueError, match=r"Dense.backend must be one of \('torch', 'cpu'\), got 'triton'"):
+        Dense(backend="triton")
+    with pytest.raises(ValueError, match=r"got \['cpu'\]"):
+        Dense(backend=["cpu"])
+    assert SegmentSearch().backend == "auto" and Dense().backend == "torch"
+
+
+class MissingPackageBackend(BackendBase):
+    """A backend whose package is not installed: auto must not even ask it."""
+
+    name = "missing"
+    REQUIRES = ("sparseattn_no_such_package",)
+    CAPABILITIES = {ATTEND: Capability(devices=("cpu",), dtypes=(torch.float32,))}
+    asked = 0
+
+    def refusal(self, op, q, keys, softcap=None):
+        MissingPackageBackend.asked += 1
+        return super().refusal(op, q, keys, softcap)
+
+
+def test_auto_does_not_walk_a_backend_that_is_not_installed_but_a_named_one_says_so():
+    MissingPackageBackend.asked = 0
+    backends = [MissingPackageBackend(), TorchBackend()]
+    assert select_backend("auto", ATTEND, **small_call(), backends=backends).name == "torch"
+    assert MissingPackageBackend.asked == 0
+    with pytest.raises(ValueError, match="  - missing: sparseattn_no_such_package is not installed$"):
+        select_backend("missing", ATTEND, **small_call(), backends=backends)
+
+
+def test_auto_skips_backends_that_do_not_declare_the_op_or_the_device():
+    call = small_call()
+    assert select_backend("auto", "slot_attention", q=call["q"].unsqueeze(3), keys=call["keys"]).name == "torch"
+    with pytest.raises(ValueError) as err:
+        select_backend("auto", "slot_attention", q=call["q"].unsqueeze(3), keys=call["keys"], backends=[CpuBackend()])
+    assert str(err.value).endswith("  - cpu: it does not implement slot_attention")
+    with pytest.raises(ValueError, match="unknown op 'flash'; the ops are 'segment_attention', "):
+        select_backend("auto", "flash", **call)
+
+
+def test_the_interface_module_imports_no_backend_and_the_backends_form_no_cycle():
+    # Static: every import of a sparseattn module in sparseattn/backends and sparseattn/ops, wherever it is
+    # written (function-local imports count: they hid the old cycle), except typing-only ones.
+    import ast
+    from pathlib import Path
+
+    import sparseattn
+
+    root = Path(sparseattn.__file__).parent
+
+    def imports(path):
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparseattn"):
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("sparseattn")}
+        return found
+
+    modules = {f"sparseattn.{p.parent.name}.{p.stem}": imports(p) for d in ("backends", "ops") for p in (root / d).glob("*.py") if p.stem != "__init__"}
+    assert not {m for m in modules["sparseattn.backends.base"] if m.startswith("sparseattn.backends")}
+    for name, found in modules.items():
+        if name.startswith("sparseattn.ops"):
+            assert not {m for m in found if m.startswith("sparseattn.backends")}, name
+    graph = {name: {m for m in found if m in modules} for name, found in modules.items()}
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in graph[start])
+
+    assert not [name for name in graph if reaches(name, name)]
+
+
+def test_the_hot_paths_name_no_backend():
+    import inspect
+
+    import sparseattn.methods.dense as dense
+    import sparseattn.methods.segment_search as segment_search
+    import sparseattn.summaries.base as summaries
+
+    for module in (segment_search, dense, summaries):
+        source = inspect.getsource(module)
+        assert ".name ==" not in source and "cpu_kernels" not in source and "CpuBackend" not in source, module.__name__
+
+
+def test_a_state_chooses_its_backends_once(monkeypatch):
+    import sparseattn.methods.segment_search as segment_search
+    from sparseattn.summaries import Centroid, Rerank
+
+    chosen = []
+    real = segment_search.select_backend
+    monkeypatch.setattr(segment_search, "select_backend", lambda *a, **kw: chosen.append(a[1]) or real(*a, **kw))
+    method = segment_search.SegmentSearch(Rerank(Centroid(), shortlist=2), top_k=1)
+    state = method.new_state(1, 2, 16)
+    state.prefill(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16))
+    with torch.no_grad():
+        for _ in range(4):
+            state.step(torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16))
+    assert sorted(chosen) == ["segment_attention", "segment_log_mass"]
+    assert state._backend.name == AUTO_ON_CPU and state._mass_backend.name == AUTO_ON_CPU
+
+
+def test_the_slot_attention_backend_is_slot_attention_bit_for_bit():
+    from sparseattn.ops.slots import slot_attention
+
+    args, q, keys = op_call("slot_attention", OP_CASES[0], torch.float32, 5.0, seed=3)
+    backend = select_backend("auto", "slot_attention", q=q, keys=keys, softcap=5.0)
+    got = backend.slot_attention(*args, checked=False)
+    want = slot_attention(*args)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

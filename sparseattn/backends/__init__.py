@@ -1,26 +1,44 @@
-"""Attention backends for one decode step of segment-sparse attention, and dispatch between them.
+"""Backends for the hot-path ops (segment attention, exact segment masses, slot attention, dense decode), and dispatch.
 
-``select_backend("auto", q=..., keys=..., layout=..., segments=...)`` returns the first backend in
-priority order (triton, xformers, cpu, torch) that accepts the call, or raises with each refusal. Triton
-is imported only when the Triton backend runs, so this package imports without it; the cpu backend's C
-kernel is compiled on its first use (a refusal, not an import error, where no compiler is found).
+``select_backend("auto", op, q=..., keys=...)`` returns the first registered backend in priority
+order (triton, xformers, cpu, torch) that declares ``op``, is installed, declares the tensors' device
+and accepts the call, or raises with each refusal. The interface is in :mod:`.base`, the registry in
+:mod:`.registry`, the float64 references in :mod:`.naive`. Triton is imported only when the Triton
+backend runs, so this package imports without it; the cpu backend's C kernel is compiled on its
+first use (a refusal, not an import error, where no compiler is found).
 """
 
-from sparseattn.backends.base import AttentionBackend, check_inputs, default_backends, select_backend
+from sparseattn.backends.base import OPS, AttentionBackend, BackendBase, Capability, check_inputs
 from sparseattn.backends.cpu_backend import CpuBackend
-from sparseattn.backends.naive import merge_partials_ref
+from sparseattn.backends.naive import REFERENCES, merge_partials_ref
+from sparseattn.backends.registry import (
+    BACKENDS,
+    backend_names,
+    check_backend_name,
+    default_backends,
+    get_backend,
+    select_backend,
+)
 from sparseattn.backends.torch_backend import TorchBackend
 from sparseattn.backends.triton_backend import TritonBackend, merge_partials
 from sparseattn.backends.xformers_backend import XformersBackend
 
 __all__ = [
+    "BACKENDS",
+    "OPS",
+    "REFERENCES",
     "AttentionBackend",
+    "BackendBase",
+    "Capability",
     "CpuBackend",
     "TorchBackend",
     "TritonBackend",
     "XformersBackend",
+    "backend_names",
+    "check_backend_name",
     "check_inputs",
     "default_backends",
+    "get_backend",
     "merge_partials",
     "merge_partials_ref",
     "select_backend",

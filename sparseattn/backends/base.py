@@ -1,40 +1,83 @@
-"""What an attention backend declares, the input checks every backend shares, and dispatch.
+"""The backend interface: the hot-path ops, what a backend declares for each, and the checks they share.
 
-A backend runs one decode step of segment-sparse attention (the op of
-:func:`sparseattn.ops.attention.segment_attention`) and declares what it supports, xformers-style:
-``SUPPORTED_DEVICES``, ``SUPPORTED_DTYPES``, ``SUPPORTED_HEAD_DIMS`` and a :meth:`refusal` that says
-in words why it cannot run a given call (``None`` when it can). :func:`select_backend` walks a
-priority list and, when nothing fits, raises with every backend tried and its reason: there is no
-silent fallback to a slower path.
+A backend implements some of the hot-path ops (:data:`OPS`) and declares, per op, the devices,
+dtypes and head dims it accepts (a :class:`Capability`, xformers-style), the packages it needs
+(``REQUIRES``), and a :meth:`~AttentionBackend.refusal` that says in words why it cannot run a given
+call (``None`` when it can). Dispatch (:mod:`sparseattn.backends.registry`) walks the registered
+backends in priority order and, when nothing fits, raises with every backend tried and its reason:
+there is no silent fallback to a slower path.
 
-Shapes (as in :mod:`sparseattn.ops.attention`): ``q: [B, H_kv, G, D]``,
-``keys, values: [B, H_kv, t_cap, D]`` (usually a view of a larger capacity buffer),
-``segments: [B, H_kv, G', k]`` with ``G'`` in ``{1, G}``.
+This module imports no backend: the backends import it, and the registry imports them.
+
+The ops, their shapes, and their float64 references (:mod:`sparseattn.backends.naive` lists them):
+
+* ``segment_attention``: one decode step over sinks, selected segments and tail.
+  ``q: [B, H_kv, G, D]``, ``keys, values: [B, H_kv, t_cap, D]`` (usually a view of a larger
+  capacity buffer), ``segments: [B, H_kv, G', k]`` with ``G'`` in ``{1, G}`` -> ``[B, H_kv, G, D]``.
+* ``segment_log_mass``: exact log masses ``logsumexp_{j in segment} q . k_j`` of listed segments.
+  A :class:`~sparseattn.ops.segments.SegmentKeys` view of the segments' keys ``[B, H, S, c, D]``,
+  ``queries: [B, H, R, D]`` (pre-scaled, compute dtype), ``index: [B, H, R', m]`` with ``R'`` in
+  ``{1, R}`` -> ``[B, H, R, m]``. Dispatch sees ``q = queries`` and ``keys = segment_keys.raw``.
+* ``slot_attention``: attention over weighted slots (the evicting methods).
+  ``q: [B, H_kv, G, T, D]``, ``keys, values: [B, H_kv, S, D]`` -> ``(out, probs)``.
+* ``dense``: one decode step over every stored token. ``q: [B, H_kv, G, D]``,
+  ``keys, values: [B, H_kv, t, D]`` -> ``[B, H_kv, G, D]``.
+
+Every op method takes ``checked``: with ``checked=True`` (the default) it validates the inputs and
+raises ValueError with the backend's reason if it refuses; a decode state that had the backend
+accept its inputs once (:func:`~sparseattn.backends.registry.select_backend`) passes
+``checked=False`` on every later step, so the hot path pays for no checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
-from typing import Protocol, runtime_checkable
+import functools
+import importlib.util
+import sys
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from sparseattn.ops.layout import SegmentLayout
 
+if TYPE_CHECKING:  # the op's argument type only; ops never import backends at run time
+    from sparseattn.ops.buffers import Workspace
+    from sparseattn.ops.segments import SegmentKeys
+
+#: The hot-path ops, in the order the docs list them; a backend's method for each has the op's name.
+OPS = ("segment_attention", "segment_log_mass", "slot_attention", "dense")
+
+#: Every head dim (the default of :class:`Capability`).
+ANY_HEAD_DIM = range(1, sys.maxsize)
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What a backend accepts for one op: the query's device and dtype, and the head dim.
+
+    A backend's :meth:`~AttentionBackend.refusal` may refuse more (a cache dtype, a stride, a missing
+    compiler); ``auto`` takes a backend only on the devices it declares here.
+    """
+
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: Container[int] = ANY_HEAD_DIM
+
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """One implementation of ``segment_attention``; see the module docstring for the shapes."""
+    """One implementation of some of the hot-path ops; see the module docstring for the ops and shapes."""
 
     name: str
-    SUPPORTED_DEVICES: tuple[str, ...]
-    SUPPORTED_DTYPES: tuple[torch.dtype, ...]
-    SUPPORTED_HEAD_DIMS: Container[int]
+    #: Packages that must be importable for the backend to run; ``auto`` does not walk it otherwise.
+    REQUIRES: tuple[str, ...]
+    #: The ops it implements, and what it accepts for each.
+    CAPABILITIES: Mapping[str, Capability]
 
-    def refusal(
-        self, q: torch.Tensor, keys: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor, softcap: float | None = None
-    ) -> str | None:
-        """Why this backend cannot run the call, in words; ``None`` when it can."""
+    def refusal(self, op: str, q: torch.Tensor, keys: torch.Tensor, softcap: float | None = None) -> str | None:
+        """Why this backend cannot run ``op`` for query ``q`` over ``keys``, in words; ``None`` when it can."""
         ...
 
     def segment_attention(
@@ -46,8 +89,46 @@ class AttentionBackend(Protocol):
         segments: torch.Tensor,
         scale: float | None = None,
         softcap: float | None = None,
+        *,
+        workspace: Workspace | None = None,
+        checked: bool = True,
     ) -> torch.Tensor:
-        """``[B, H_kv, G, D]`` in float32 (float64 for float64 inputs); raises ValueError when it refuses."""
+        """``[B, H_kv, G, D]`` float32 (float64 for float64 inputs). ``workspace``: scratch a backend may reuse."""
+        ...
+
+    def segment_log_mass(
+        self, segment_keys: SegmentKeys, queries: torch.Tensor, index: torch.Tensor, *, checked: bool = True
+    ) -> torch.Tensor:
+        """``[B, H, R, m]`` in the queries' dtype (float32 from a kernel)."""
+        ...
+
+    def slot_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        den_weight: torch.Tensor | None = None,
+        num_weight: torch.Tensor | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        floor_weight: torch.Tensor | None = None,
+        *,
+        checked: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, H_kv, G, T, D], probs [B, H_kv, G, T, S])`` in the compute dtype."""
+        ...
+
+    def dense(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+        *,
+        checked: bool = True,
+    ) -> torch.Tensor:
+        """``[B, H_kv, G, D]`` float32 (float64 for float64 inputs)."""
         ...
 
 
@@ -60,23 +141,39 @@ def head_dim_range(dims: range) -> str:
     return f"{dims.start}..{dims.stop - 1}"
 
 
-def declared_refusal(
-    backend: AttentionBackend, q: torch.Tensor, devices: tuple[str, ...] | None = None
-) -> str | None:
-    """The refusals that follow from a backend's declarations alone (device, dtype, head dim).
+@functools.cache
+def package_missing(package: str) -> bool:
+    """Whether ``package`` cannot be imported (looked up once per process, without importing it)."""
+    return importlib.util.find_spec(package) is None
 
-    ``devices`` overrides ``SUPPORTED_DEVICES`` (the Triton interpreter also runs on CPU).
+
+def not_installed(backend: AttentionBackend) -> str | None:
+    """``"triton is not installed"`` when a package the backend needs is missing; None otherwise."""
+    missing = [p for p in backend.REQUIRES if package_missing(p)]
+    return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed" if missing else None
+
+
+def declared_refusal(
+    backend: AttentionBackend, op: str, q: torch.Tensor, devices: tuple[str, ...] | None = None
+) -> str | None:
+    """The refusals that follow from a backend's declarations alone: the op, the device, dtype and head dim.
+
+    ``devices`` overrides the declared ones (the Triton interpreter also runs on CPU, when named).
     """
-    devices = backend.SUPPORTED_DEVICES if devices is None else devices
+    capability = backend.CAPABILITIES.get(op)
+    if capability is None:
+        implemented = ", ".join(backend.CAPABILITIES) or "none"
+        return f"it does not implement {op} (it implements: {implemented})"
+    devices = capability.devices if devices is None else devices
     if q.device.type not in devices:
         return f"tensors are on {q.device.type}; it supports {', '.join(devices) or 'no device'}"
-    if q.dtype not in backend.SUPPORTED_DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in backend.SUPPORTED_DTYPES)
-        return f"dtype {q.dtype} is not supported (supported: {names})"
-    dims = backend.SUPPORTED_HEAD_DIMS
+    if q.dtype not in capability.dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in capability.dtypes)
+        return f"dtype {q.dtype} is not supported (supported: {names or 'none'})"
+    dims = capability.head_dims
     if q.shape[-1] not in dims:
         shown = head_dim_range(dims) if isinstance(dims, range) else ", ".join(map(str, dims))
-        return f"head dim {q.shape[-1]} is not supported (supported: {shown})"
+        return f"head dim {q.shape[-1]} is not supported (supported: {shown or 'none'})"
     return None
 
 
@@ -88,23 +185,13 @@ def check_inputs(
     segments: torch.Tensor,
     softcap: float | None = None,
 ) -> None:
-    """Raise ValueError for a call no backend could run (bad shapes), whatever the backend.
+    """Raise ValueError for a ``segment_attention`` call no backend could run (bad shapes), whatever the backend.
 
     Segment indices must be distinct and in ``[0, n_segments)``; that is not checked here (it would
     cost a device sync per step): the decode state guarantees it, as for the torch op.
     """
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, H_kv, G, D], got shape {tuple(q.shape)}")
-    B, H, G, D = q.shape
-    for name, x in (("keys", keys), ("values", values)):
-        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
-            raise ValueError(f"{name} must be [B={B}, H_kv={H}, t, D={D}] like q {tuple(q.shape)}, got {tuple(x.shape)}")
-        if x.shape[2] < layout.length:
-            raise ValueError(f"{name} hold {x.shape[2]} tokens, fewer than the layout's length {layout.length}")
-        if x.device != q.device:
-            raise ValueError(f"{name} are on {x.device} but q is on {q.device}")
-    if values.dtype != keys.dtype:
-        raise ValueError(f"keys are {keys.dtype} but values are {values.dtype}")
+    check_cache(q, keys, values, layout.length, softcap)
+    B, H, G, _ = q.shape
     if segments.dim() != 4 or segments.shape[:2] != (B, H) or segments.shape[2] not in (1, G):
         raise ValueError(f"segments must be [B={B}, H_kv={H}, 1 or {G}, k], got shape {tuple(segments.shape)}")
     if segments.dtype.is_floating_point or segments.dtype.is_complex or segments.dtype == torch.bool:
@@ -115,90 +202,72 @@ def check_inputs(
         raise ValueError(f"{segments.shape[-1]} segments selected but the layout has only {layout.n_segments}")
     if layout.sink_end + layout.tail_size == 0 and segments.shape[-1] == 0:
         raise ValueError(f"nothing to attend: the layout {layout} has no sink and no tail, and no segment is selected")
+
+
+def check_cache(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, softcap: float | None = None
+) -> None:
+    """Raise ValueError unless ``q: [B, H_kv, G, D]`` can attend ``keys, values: [B, H_kv, >= length, D]``."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, H_kv, G, D], got shape {tuple(q.shape)}")
+    B, H, _, D = q.shape
+    for name, x in (("keys", keys), ("values", values)):
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
+            raise ValueError(f"{name} must be [B={B}, H_kv={H}, t, D={D}] like q {tuple(q.shape)}, got {tuple(x.shape)}")
+        if x.shape[2] < length:
+            raise ValueError(f"{name} hold {x.shape[2]} tokens, fewer than the layout's length {length}")
+        if x.device != q.device:
+            raise ValueError(f"{name} are on {x.device} but q is on {q.device}")
+    if values.dtype != keys.dtype:
+        raise ValueError(f"keys are {keys.dtype} but values are {values.dtype}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
 
 
-def default_backends() -> tuple[AttentionBackend, ...]:
-    """The priority list ``auto`` walks: the fused kernels first (Triton on CUDA, C on the CPU), the torch op last."""
-    # Imported here: the backend modules import this one.
-    from sparseattn.backends.cpu_backend import CpuBackend
-    from sparseattn.backends.torch_backend import TorchBackend
-    from sparseattn.backends.triton_backend import TritonBackend
-    from sparseattn.backends.xformers_backend import XformersBackend
-
-    return (TritonBackend(), XformersBackend(), CpuBackend(), TorchBackend())
-
-
-def select_backend(
-    name: str = "auto",
-    *,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    layout: SegmentLayout,
-    segments: torch.Tensor,
-    softcap: float | None = None,
-    backends: Sequence[AttentionBackend] | None = None,
-) -> AttentionBackend:
-    """The backend that will run this call: ``name``, or for ``"auto"`` the first in priority order that accepts.
-
-    ``"auto"`` never picks Triton for CPU tensors (that would be its interpreter); name it to test it.
-
-    Args:
-        name: ``"auto"`` or a backend's ``name`` (``"triton"``, ``"xformers"``, ``"cpu"``, ``"torch"``).
-        q, keys, layout, segments, softcap: the call to run (see the module docstring for shapes).
-        backends: the priority list (default: :func:`default_backends`).
-    Raises:
-        ValueError: the name is unknown, or the named backend (for ``"auto"``: every backend)
-            refuses; the message lists each backend tried and why it refused.
-
-    Example:
-        >>> from sparseattn.ops.layout import SegmentLayout
-        >>> lay = SegmentLayout(length=10, sinks=1, segment_size=3, n_segments=3)
-        >>> kw = dict(q=torch.randn(1, 1, 2, 8), keys=torch.randn(1, 1, 10, 8), layout=lay,
-        ...           segments=torch.zeros(1, 1, 1, 1, dtype=torch.long))
-        >>> select_backend("torch", **kw).name
-        'torch'
-        >>> select_backend("xformers", **kw)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: backend 'xformers' cannot run segment_attention for q [1, 1, 2, 8] torch.float32 on cpu, ...:
-          - xformers: ...
-    """
-    backends = default_backends() if backends is None else tuple(backends)
-    names = [b.name for b in backends]
-    if name == "auto":
-        candidates = backends
-    elif name in names:
-        candidates = tuple(b for b in backends if b.name == name)
-    else:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(map(repr, ['auto', *names]))}")
-    refusals = []
-    for backend in candidates:
-        if name == "auto" and backend.name == "triton" and q.device.type == "cpu":
-            # On CPU the kernel could only run in the Triton interpreter, a test vehicle far slower than torch.
-            refusals.append("  - triton: auto does not use the Triton interpreter on cpu (name 'triton' to test it)")
-            continue
-        reason = backend.refusal(q, keys, layout, segments, softcap)
-        if reason is None:
-            return backend
-        refusals.append(f"  - {backend.name}: {reason}")
-    call = f"segment_attention for q {describe(q)}, keys {describe(keys)}, softcap={softcap}"
-    head = f"backend {name!r} cannot run {call}" if name != "auto" else f"no backend can run {call}; tried in priority order"
-    raise ValueError(head + ":\n" + "\n".join(refusals))
+def check_slots(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Raise ValueError unless ``q: [B, H_kv, G, T, D]`` can attend slots ``keys, values: [B, H_kv, S >= T, D]``."""
+    if q.dim() != 5:
+        raise ValueError(f"q must be [B, H_kv, G, T, D], got shape {tuple(q.shape)}")
+    B, H, _, T, D = q.shape
+    for name, x in (("keys", keys), ("values", values)):
+        if x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D or x.shape[2] < T:
+            raise ValueError(f"{name} must be [B={B}, H_kv={H}, S >= {T}, D={D}] like q {tuple(q.shape)}, got {tuple(x.shape)}")
 
 
-def refuse_or_check(
-    backend: AttentionBackend,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: SegmentLayout,
-    segments: torch.Tensor,
-    softcap: float | None,
-) -> None:
-    """Check the inputs, then raise ValueError with the backend's reason if it refuses (no fallback)."""
-    check_inputs(q, keys, values, layout, segments, softcap)
-    reason = backend.refusal(q, keys, layout, segments, softcap)
+def refuse(backend: AttentionBackend, op: str, q: torch.Tensor, keys: torch.Tensor, softcap: float | None = None) -> None:
+    """Raise ValueError with the backend's reason if it refuses ``op`` for this call (no fallback)."""
+    reason = backend.refusal(op, q, keys, softcap)
     if reason is not None:
-        raise ValueError(f"the {backend.name} backend cannot run segment_attention for q {describe(q)}: {reason}")
+        raise ValueError(f"the {backend.name} backend cannot run {op} for q {describe(q)}: {reason}")
+
+
+class BackendBase:
+    """What every backend shares: the op methods of the ops it does not implement raise with its reason.
+
+    A backend subclasses this, declares ``name``, ``REQUIRES`` and ``CAPABILITIES``, writes
+    :meth:`refusal` (usually :func:`declared_refusal` plus what only it knows) and overrides the
+    methods of the ops it declares.
+    """
+
+    name: ClassVar[str]
+    REQUIRES: ClassVar[tuple[str, ...]] = ()
+    CAPABILITIES: ClassVar[Mapping[str, Capability]] = {}
+
+    def refusal(self, op: str, q: torch.Tensor, keys: torch.Tensor, softcap: float | None = None) -> str | None:
+        return not_installed(self) or declared_refusal(self, op, q)
+
+    def segment_attention(self, q, keys, values, layout, segments, scale=None, softcap=None, *, workspace=None, checked=True):
+        refuse(self, "segment_attention", q, keys, softcap)
+        raise AssertionError(f"unreachable: the {self.name} backend declares segment_attention but does not define it")
+
+    def segment_log_mass(self, segment_keys, queries, index, *, checked=True):
+        refuse(self, "segment_log_mass", queries, segment_keys.raw)
+        raise AssertionError(f"unreachable: the {self.name} backend declares segment_log_mass but does not define it")
+
+    def slot_attention(self, q, keys, values, den_weight=None, num_weight=None, scale=None, softcap=None, floor_weight=None, *, checked=True):
+        refuse(self, "slot_attention", q, keys, softcap)
+        raise AssertionError(f"unreachable: the {self.name} backend declares slot_attention but does not define it")
+
+    def dense(self, q, keys, values, scale=None, softcap=None, *, checked=True):
+        refuse(self, "dense", q, keys, softcap)
+        raise AssertionError(f"unreachable: the {self.name} backend declares dense but does not define it")

@@ -296,25 +296,14 @@ def segment_attention_cpu(
     return out
 
 
-def kernel_reads(x: torch.Tensor) -> bool:
-    """Whether the kernel can read ``x`` in place: a CPU tensor of a storage dtype it was built for, last dim contiguous."""
-    return (
-        x.device.type == "cpu"
-        and x.stride(-1) == 1
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and cpu_kernel_refusal() is None
-        and x.dtype in supported_dtypes()
-    )
-
-
 def segment_log_mass_cpu(queries: torch.Tensor, segment_keys: torch.Tensor, factor: float, index: torch.Tensor) -> torch.Tensor:
     """Exact log masses ``logsumexp_j q . (factor k_j)`` of listed segments, the keys read in place.
 
     ``queries: [B, H, R, D]`` float32; ``segment_keys: [B, H, S, c, D]`` (a view of the cache, last dim
-    contiguous, any strides otherwise; see :func:`kernel_reads`); ``index: [B, H, R', m]`` integer
+    contiguous, any strides otherwise: the cpu backend checks that); ``index: [B, H, R', m]`` integer
     segment indices with ``R'`` in ``{1, R}`` (one list shared by the R rows, each segment read once
-    for all of them, or one per row). Returns ``[B, H, R, m]`` float32. Reference: the torch path of
-    :func:`sparseattn.summaries.base.segment_log_mass`.
+    for all of them, or one per row). Returns ``[B, H, R, m]`` float32. Reference:
+    :func:`sparseattn.ops.segments.segment_log_mass_ref`.
     """
     lib = load_library()
     B, H, R, D = queries.shape

@@ -1,16 +1,33 @@
-"""Float64 references for the backends' fast paths: slow, obvious, and independent of the kernels.
+"""Float64 references for the backends' ops: slow, obvious, and independent of the kernels.
 
-The reference of the segment-attention op itself, soft-capping included, is
-:func:`sparseattn.ops.attention.segment_attention_ref`; here:
+:data:`REFERENCES` names the reference of each op of :data:`~sparseattn.backends.base.OPS`; each
+lives beside its torch implementation in :mod:`sparseattn.ops` and takes that op's arguments:
 
-* :func:`merge_partials_ref`: combine attention states over disjoint key sets by log-sum-exp
-  (FlashInfer's ``merge_state``), written as one softmax over the states' LSEs.
+* ``segment_attention``: :func:`sparseattn.ops.attention.segment_attention_ref` (a dense mask, soft-capping included);
+* ``segment_log_mass``: :func:`sparseattn.ops.segments.segment_log_mass_ref`;
+* ``slot_attention``: :func:`sparseattn.ops.slots.slot_attention_ref` (returns ``out`` only);
+* ``dense``: :func:`sparseattn.ops.attention.dense_decode_attention_ref`.
+
+Here, for the Triton kernel's split merge: :func:`merge_partials_ref`, combining attention states over
+disjoint key sets by log-sum-exp (FlashInfer's ``merge_state``), written as one softmax over the states' LSEs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 
+from sparseattn.ops.attention import dense_decode_attention_ref, segment_attention_ref
+from sparseattn.ops.segments import segment_log_mass_ref
+from sparseattn.ops.slots import slot_attention_ref
+
+REFERENCES: Mapping[str, Callable[..., torch.Tensor]] = {
+    "segment_attention": segment_attention_ref,
+    "segment_log_mass": segment_log_mass_ref,
+    "slot_attention": slot_attention_ref,
+    "dense": dense_decode_attention_ref,
+}
 
 
 def merge_partials_ref(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from sparseattn.backends.base import declared_refusal, refuse_or_check
+from sparseattn.backends.base import BackendBase, Capability, check_inputs, declared_refusal, package_missing, refuse
+from sparseattn.ops.buffers import Workspace
 from sparseattn.ops.layout import SegmentLayout
 
 #: Splits per row are capped so the merge kernel holds all of a row's states in one tile.
@@ -52,7 +53,7 @@ def multiprocessors(device_index: int) -> int:
 
 
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return not package_missing("triton")
 
 
 def interpreting() -> bool:
@@ -176,8 +177,12 @@ def segment_decode_partials(
 
 
 @dataclass(frozen=True)
-class TritonBackend:
+class TritonBackend(BackendBase):
     """Fused segment-sparse decode on CUDA (or on CPU in the Triton interpreter, for tests).
+
+    Implements ``segment_attention`` only: a Triton kernel for another op (``segment_log_mass``,
+    ``slot_attention``, ``dense``) goes beside it in ``triton_kernels.py``, with its capability
+    declared here (see docs/backends.md).
 
     Fields:
         block_n: attended tokens per block (a power of two >= 16).
@@ -186,7 +191,8 @@ class TritonBackend:
         num_warps: warps per program.
 
     With ``TRITON_INTERPRET=1`` set before triton is first imported, kernels run in the Triton
-    interpreter, which also accepts CPU tensors (slow: for tests).
+    interpreter, which also accepts CPU tensors when the backend is named (slow: for tests; ``auto``
+    keeps to the declared devices).
     """
 
     block_n: int = 64
@@ -194,10 +200,13 @@ class TritonBackend:
     num_warps: int = 4
 
     name: ClassVar[str] = "triton"
-    SUPPORTED_DEVICES: ClassVar[tuple[str, ...]] = ("cuda",)
-    SUPPORTED_DTYPES: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
-    #: ``tl.dot`` needs K >= 16; dims that are not powers of two are padded to one and masked.
-    SUPPORTED_HEAD_DIMS: ClassVar[range] = range(16, 257)
+    REQUIRES: ClassVar[tuple[str, ...]] = ("triton",)
+    CAPABILITIES: ClassVar[Mapping[str, Capability]] = {
+        # tl.dot needs K >= 16; dims that are not powers of two are padded to one and masked.
+        "segment_attention": Capability(
+            devices=("cuda",), dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=range(16, 257)
+        ),
+    }
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -207,11 +216,11 @@ class TritonBackend:
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
             raise ValueError(f"TritonBackend.num_warps must be a power of two, got {self.num_warps}")
 
-    def refusal(
-        self, q: torch.Tensor, keys: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor, softcap: float | None = None
-    ) -> str | None:
+    def refusal(self, op: str, q: torch.Tensor, keys: torch.Tensor, softcap: float | None = None) -> str | None:
         if not triton_installed():
             return "triton is not installed (pip install 'sparseattn[gpu]')"
+        if op not in self.CAPABILITIES:  # before interpreting(), which imports triton
+            return declared_refusal(self, op, q)
         interpret = interpreting()
         if q.device.type == "cpu" and not interpret:
             late = " (it is set now, but triton was imported before)" if os.environ.get("TRITON_INTERPRET") == "1" else ""
@@ -220,8 +229,7 @@ class TritonBackend:
                 f"TRITON_INTERPRET=1 before triton is first imported{late}"
             )
         # The interpreter runs CPU tensors (and CUDA ones, through host copies).
-        devices = ("cpu", "cuda") if interpret else self.SUPPORTED_DEVICES
-        reason = declared_refusal(self, q, devices=devices)
+        reason = declared_refusal(self, op, q, devices=("cpu", "cuda") if interpret else None)
         if reason is not None:
             return reason
         if keys.dtype != q.dtype:
@@ -237,9 +245,14 @@ class TritonBackend:
         segments: torch.Tensor,
         scale: float | None = None,
         softcap: float | None = None,
+        *,
+        workspace: Workspace | None = None,
+        checked: bool = True,
     ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; returns ``[B, H_kv, G, D]`` float32."""
-        refuse_or_check(self, q, keys, values, layout, segments, softcap)
+        """See :class:`sparseattn.backends.base.AttentionBackend`; returns ``[B, H_kv, G, D]`` float32. ``workspace`` is unused."""
+        if checked:
+            check_inputs(q, keys, values, layout, segments, softcap)
+            refuse(self, "segment_attention", q, keys, softcap)
         B, H, G, D = q.shape
         interpret = interpreting()
         n_virtual = layout.sink_end + segments.shape[-1] * layout.segment_size + layout.tail_size

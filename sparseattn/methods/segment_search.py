@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.backends.base import select_backend
-from sparseattn.backends.cpu_kernels import segment_attention_cpu
+from sparseattn.backends.registry import check_backend_name, select_backend
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
-from sparseattn.ops.attention import segment_attention, segment_mask
+from sparseattn.ops.attention import segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.registry import MethodEntry, Option, Range, register
@@ -23,8 +22,6 @@ from sparseattn.selectors.base import Selector
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import SegmentKeys, Summary
 from sparseattn.summaries.performer import PerformerFeatures
-
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "xformers")
 
 # Tokens x heads summarised at once during a rebuild: bounds the [.., c, n_features] temporary.
 _SUMMARY_CHUNK = 8192
@@ -103,8 +100,7 @@ class SegmentSearch(StatefulMethod):
                 raise ValueError(f"SegmentSearch.{name} must be an int >= 0, got {value!r}")
         if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1):
             raise ValueError(f"SegmentSearch.budget must be None or an int >= 1, got {self.budget!r}")
-        if self.backend not in BACKEND_NAMES:
-            raise ValueError(f"SegmentSearch.backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        check_backend_name("SegmentSearch.backend", self.backend, "segment_attention", "auto", auto=True)
 
     def segments_for(self, layout: SegmentLayout) -> int:
         """Segments one step attends under this layout: ``top_k``, or what the ``budget`` leaves room for."""
@@ -282,6 +278,7 @@ class SegmentSearchState(KVState):
         self.n_rebuilds = 0
         self._nonfinite = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.bool, device=self.device)
         self._backend = None  # chosen on the first step, when the inputs are known
+        self._mass_backend = None  # likewise, for the exact segment masses of summaries that read keys
         self._workspace = Workspace()
 
     # -- structure -----------------------------------------------------------------------------
@@ -379,11 +376,15 @@ class SegmentSearchState(KVState):
         if self.layout.n_segments == 0:
             return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
         summaries = tuple(buf.view() for buf in self._summaries)
-        seg_keys = SegmentKeys(self._segment_keys(), math.sqrt(self.scale), self.compute_dtype, self._workspace) if summary.reads_keys else None
+        queries = self._scaled(grouped_query)
+        seg_keys = None
+        if summary.reads_keys:
+            raw = self._segment_keys()
+            if self._mass_backend is None:  # exact segment masses: auto's choice, once per state
+                self._mass_backend = select_backend("auto", "segment_log_mass", q=queries, keys=raw)
+            seg_keys = SegmentKeys(raw, math.sqrt(self.scale), self.compute_dtype, self._workspace, self._mass_backend)
         extra = {"top_k": top_k} if getattr(summary, "uses_top_k", False) else {}
-        return summary.score(
-            self._params, summaries, self._scaled(grouped_query), seg_keys, self.layout.segment_size, **extra
-        )
+        return summary.score(self._params, summaries, queries, seg_keys, self.layout.segment_size, **extra)
 
     def group_scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
         """Log of each KV group's summed estimated masses ``[B, H_kv, 1, S]`` (the shared selection's scores).
@@ -418,15 +419,12 @@ class SegmentSearchState(KVState):
             _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
         if self._backend is None:
             self._backend = select_backend(
-                self.method.backend, q=grouped, keys=self.keys, layout=lay, segments=segments, softcap=self.softcap
+                self.method.backend, "segment_attention", q=grouped, keys=self.keys, softcap=self.softcap
             )
-        # The ops themselves where the state already guarantees what a backend checks.
-        if self._backend.name == "torch":
-            out = segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap, self._workspace)
-        elif self._backend.name == "cpu":
-            out = segment_attention_cpu(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
-        else:
-            out = self._backend.segment_attention(grouped, self.keys, self.values, lay, segments, self.scale, self.softcap)
+        # Unchecked: the backend accepted this state's inputs once, and the state guarantees the shapes it checks.
+        out = self._backend.segment_attention(
+            grouped, self.keys, self.values, lay, segments, self.scale, self.softcap, workspace=self._workspace, checked=False
+        )
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend

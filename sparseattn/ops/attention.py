@@ -212,6 +212,13 @@ def dense_decode_attention(
     return _attend(q.to(cd), keys.to(cd), values.to(cd), scale, softcap, None)
 
 
+def dense_decode_attention_ref(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Reference for :func:`dense_decode_attention`: :func:`attention_ref` without a mask, in float64."""
+    return attention_ref(q, keys, values, None, scale, softcap)
+
+
 # Query rows per chunk in block attention: bounds the [B, H, rows, L] logits of the math path.
 _BLOCK_ROWS = 512
 
