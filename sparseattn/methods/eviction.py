@@ -34,7 +34,8 @@ import torch
 
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
 from sparseattn.validation import check_int
-from sparseattn.ops.slots import causal_probability_sums, slot_attention
+from sparseattn.backends.registry import select_backend
+from sparseattn.ops.slots import causal_probability_sums
 from sparseattn.ops.buffers import GrowableBuffer
 
 
@@ -218,6 +219,14 @@ class SlotStore(KVState):
         self.seen = 0
         self._positions = GrowableBuffer(dim=2)
         self._fields: dict[str, tuple[GrowableBuffer, torch.dtype, float]] = {}
+        self._slots = None  # the slot_attention backend, chosen on the first step
+
+    def _attend_slots(self, grouped, keys, values, den=None, num=None, floor=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~sparseattn.ops.slots.slot_attention` of ``grouped: [B, H_kv, G, T, D]`` through the backend
+        that accepted this state's inputs (chosen once; unchecked afterwards)."""
+        if self._slots is None:
+            self._slots = select_backend("auto", "slot_attention", q=grouped, keys=keys, softcap=self.softcap)
+        return self._slots.slot_attention(grouped, keys, values, den, num, self.scale, self.softcap, floor, checked=False)
 
     # -- storage -------------------------------------------------------------------------------
 
@@ -419,7 +428,7 @@ class EvictingState(SlotStore):
         self._settle()
         B, H, D = self.batch, self.kv_heads, self.head_dim
         grouped = query.reshape(B, H, group, 1, D)
-        out, probs = slot_attention(grouped, self.keys, self.values, None, None, self.scale, self.softcap)
+        out, probs = self._attend_slots(grouped, self.keys, self.values)
         if self._observation is not None and self._observation.decode:
             self.field("attention").add_(finite_evidence(probs[:, :, :, 0]).sum(dim=2))
         live = torch.ones(B, H, self.length, dtype=torch.bool, device=self.device)

@@ -46,7 +46,6 @@ import torch
 from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_int, check_number
 from sparseattn.methods.eviction import SlotSelection, SlotStore
-from sparseattn.ops.slots import slot_attention
 from sparseattn.registry import MethodEntry, Option, Range, register
 
 _NO_DISTANCE = float("inf")
@@ -368,7 +367,7 @@ class SubGenState(SlotStore):
         B, H, D = self.batch, self.kv_heads, self.head_dim
         den, num = self._weights()
         grouped = query.reshape(B, H, group, 1, D)
-        out, _ = slot_attention(grouped, self.keys, self.values, den, num, self.scale, self.softcap, self._floor_weight())
+        out, _ = self._attend_slots(grouped, self.keys, self.values, den, num, self._floor_weight())
         info = SlotSelection(live=self._live(), positions=self.positions.clone(), group=group)
         return out.reshape(B, H * group, D).to(query.dtype), info
 
@@ -402,14 +401,12 @@ class SubGenState(SlotStore):
         for start in range(0, T, rows):
             end = min(T, start + rows)
             visible = S - T + end  # the chunk's queries are the last ones of the first `visible` slots
-            part, _ = slot_attention(
+            part, _ = self._attend_slots(
                 grouped[:, :, :, start:end],
                 self.keys[:, :, :visible],
                 self.values[:, :, :visible],
                 self.field("den")[:, :, :visible],
                 self.field("num")[:, :, :visible],
-                self.scale,
-                self.softcap,
                 None if not self.method.guard else self.field("num")[:, :, :visible],
             )
             out[:, :, :, start:end] = part.to(query.dtype)
