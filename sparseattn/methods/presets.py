@@ -17,6 +17,9 @@ Each is a :class:`~sparseattn.methods.segment_search.SegmentSearch` with one par
 
 from __future__ import annotations
 
+import dataclasses
+
+from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
 from sparseattn.methods.segment_search import Radar, SegmentSearch, feature_options, segment_options
 from sparseattn.methods.snapkv import SnapKV
@@ -269,6 +272,30 @@ def SnapKVRadar(
     return PrefillEviction(prefill=prompt, decode=decode)
 
 
+def RadarH2O(
+    top_k: int = 64,
+    n_features: int = 4096,
+    *,
+    sinks: int = 1,
+    window: int | None = None,
+    heavy: int | None = None,
+    seed: int = 0,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """:func:`Radar` plus H2O's heavy hitters: every step also attends the ``heavy`` tokens that received the
+    most attention so far (prompt and decode steps), wherever they lie.
+
+    ``heavy`` defaults to ``budget // 8`` (128 without a budget) and counts against the budget; the
+    rest is Radar's (1 sink, a window of ``min(1024, budget // 4)``, segments). The one-line composition::
+
+        dataclasses.replace(Radar(budget=1024), always=HeavyHitters(128))
+    """
+    if heavy is None:
+        heavy = 128 if budget is None else max(1, budget // 8)
+    radar = Radar(top_k, n_features, sinks=sinks, window=window, seed=seed, budget=budget)
+    return dataclasses.replace(radar, always=HeavyHitters(heavy))
+
+
 for _entry in (
     MethodEntry(
         "radar-alg1",
@@ -334,6 +361,17 @@ for _entry in (
             *segment_options(sinks=1, window=None),
             Option("prefill_budget", int, None, "prompt tokens SnapKV keeps per KV head; None: 4 x budget, 2048 without"),
             Option("observation_window", int, 32, "last prompt queries that vote"),
+            *feature_options(4096),
+        ),
+    ),
+    MethodEntry(
+        "radar+h2o",
+        "Radar plus H2O's heavy hitters: the --heavy tokens with the most attention so far (default budget / 8) "
+        "are attended on top of the segments",
+        RadarH2O,
+        (
+            *segment_options(sinks=1, window=None),
+            Option("heavy", int, None, "heavy-hitter tokens attended per step; None: budget // 8, 128 without a budget"),
             *feature_options(4096),
         ),
     ),

@@ -9,18 +9,21 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseattn.backends.registry import check_backend_name, select_backend
+from sparseattn.methods.always import AlwaysKept
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
+from sparseattn.methods.eviction import Candidates, finite_evidence, observe_prompt
 from sparseattn.ops.attention import segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.tokens import segment_index, token_attention
 from sparseattn.registry import MethodEntry, Option, Range, register
 from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.schedules.base import Schedule, SegmentGrid
 from sparseattn.validation import check_int
 from sparseattn.schedules.sqrt import SqrtSchedule
-from sparseattn.selectors.base import Selector
+from sparseattn.selectors.base import Selector, has_distinct_indices, selector_seed
 from sparseattn.selectors.topk import TopK
-from sparseattn.summaries.base import SegmentKeys, Summary
+from sparseattn.summaries.base import GroupScoringSummary, SegmentKeys, Summary, TopKAwareSummary
 from sparseattn.summaries.performer import PerformerFeatures
 
 # Tokens x heads summarised at once during a rebuild: bounds the [.., c, n_features] temporary.
@@ -73,6 +76,12 @@ class SegmentSearch(StatefulMethod):
             with ``window = 0``); the schedule's remainder is attended on top of them.
         shared_kv_selection: one selection per KV head, from the group's summed estimated masses,
             instead of one per query head (cheaper gathers under grouped-query attention).
+        always: an always-kept part (:mod:`sparseattn.methods.always`) whose tokens every step
+            attends on top of the selection, e.g. ``HeavyHitters(64)``: H2O's heavy hitters plus
+            segment search. Its ``size`` counts against ``budget``. It ranks every stored token (an
+            O(t) pass over positions and, for heavy hitters, a 4-byte-per-token attention record,
+            not over the keys), and the step runs the torch gather path (the fused kernels take
+            contiguous ranges only).
     """
 
     summary: Summary = field(default_factory=PerformerFeatures)
@@ -84,8 +93,13 @@ class SegmentSearch(StatefulMethod):
     shared_kv_selection: bool = False
     budget: int | None = None
     backend: str = "auto"
+    always: AlwaysKept | None = None
 
     def __post_init__(self) -> None:
+        if self.always is not None and (isinstance(self.always, type) or not isinstance(self.always, AlwaysKept)):
+            raise ValueError(
+                f"SegmentSearch.always must be None or an always-kept part instance (HeavyHitters(n), Sinks(n), a | b), got {self.always!r}"
+            )
         for name, proto in (("summary", Summary), ("selector", Selector), ("schedule", Schedule)):
             part = getattr(self, name)
             if isinstance(part, type):
@@ -106,8 +120,15 @@ class SegmentSearch(StatefulMethod):
         """Segments one step attends under this layout: ``top_k``, or what the ``budget`` leaves room for."""
         if self.budget is None:
             return min(self.top_k, layout.n_segments)
-        room = self.budget - layout.sink_end - layout.tail_size
+        if self.budget >= layout.length:  # everything fits: dense attention, whatever the always part adds
+            return layout.n_segments
+        room = self.budget - layout.sink_end - layout.tail_size - self.extra_tokens
         return min(layout.n_segments, max(1, room // layout.segment_size))
+
+    @property
+    def extra_tokens(self) -> int:
+        """Tokens the ``always`` part may add to a step (0 without one)."""
+        return 0 if self.always is None else self.always.size
 
     @property
     def held_back(self) -> int:
@@ -116,7 +137,7 @@ class SegmentSearch(StatefulMethod):
 
     def _warn_over_budget(self, layout: SegmentLayout, k: int) -> None:
         """Warn, once per method instance, when a step attends more than ``budget`` tokens."""
-        attended = layout.max_attended(k)
+        attended = min(layout.length, layout.max_attended(k) + self.extra_tokens)
         if self.budget is None or attended <= self.budget or self.__dict__.get("_warned_over_budget"):
             return
         object.__setattr__(self, "_warned_over_budget", True)  # not a field: equality and repr unchanged
@@ -214,6 +235,8 @@ class SegmentSelection:
     group: int
     rebuilt: bool  #: the latest append rebuilt every summary
     sealed: int  #: segments the latest append sealed onto the grid
+    extra: torch.Tensor | None = None  #: ``[B, H_kv, n]`` positions the ``always`` part added
+    extra_valid: torch.Tensor | None = None  #: ``[B, H_kv, G', n]``: which of them each selection attends
 
     @property
     def per_query_head(self) -> torch.Tensor:
@@ -227,12 +250,21 @@ class SegmentSelection:
         lay = self.layout
         starts = lay.sink_end + self.per_query_head * lay.segment_size
         in_segments = (lay.tail_start - starts).clamp(0, lay.segment_size).sum(-1)
-        return in_segments + lay.sink_end + lay.tail_size
+        attended = in_segments + lay.sink_end + lay.tail_size
+        if self.extra_valid is not None:
+            B, H, sets, n = self.extra_valid.shape
+            attended = attended + self.extra_valid.sum(-1).expand(B, H, self.group).reshape(B, H * self.group)
+        return attended
 
     def to_mask(self) -> torch.Tensor:
         """The attended set as a boolean mask ``[B, H_q, t]``."""
         mask = segment_mask(self.layout, self.segments, self.group)
         B, H, G, t = mask.shape
+        if self.extra_valid is not None:
+            sets, n = self.extra_valid.shape[2:]
+            extra = torch.zeros(B, H, sets, t, dtype=torch.long, device=mask.device)
+            extra.scatter_add_(-1, self.extra.unsqueeze(2).expand(B, H, sets, n), self.extra_valid.long())
+            mask = mask | (extra > 0)
         return mask.reshape(B, H * G, t)
 
 
@@ -240,9 +272,7 @@ def _check_selection(selector: Selector, segments: torch.Tensor, shape: tuple[in
     """A selector must return distinct in-range indices: a repeat would count tokens twice in the softmax."""
     if tuple(segments.shape) != shape or segments.dtype != torch.long:
         raise ValueError(f"{selector!r} returned {segments.dtype} indices of shape {tuple(segments.shape)}, expected long {shape}")
-    # Guaranteed by construction (e.g. topk): skip the sync. Only the class's own declaration counts, so a
-    # subclass that overrides select() is checked again.
-    if type(selector).__dict__.get("distinct_indices", False):
+    if has_distinct_indices(selector):  # guaranteed by construction (e.g. topk): skip the sync
         return
     ordered = segments.sort(dim=-1).values
     bad = (ordered[..., 0] < 0) | (ordered[..., -1] >= n_segments) | (ordered.diff(dim=-1) == 0).any(-1)
@@ -271,7 +301,7 @@ class SegmentSearchState(KVState):
         self._params = method.summary.prepare(
             layer.kv_heads, layer.head_dim, layer_idx=layer.layer_idx, device=self.device, dtype=self.compute_dtype
         )
-        seed = getattr(method.selector, "seed", 0)
+        seed = selector_seed(method.selector)
         self._generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + layer.layer_idx) % (2**63))
         self._rebuilt_since_attend = False
         self._sealed_since_attend = 0
@@ -280,6 +310,11 @@ class SegmentSearchState(KVState):
         self._backend = None  # chosen on the first step, when the inputs are known
         self._mass_backend = None  # likewise, for the exact segment masses of summaries that read keys
         self._workspace = Workspace()
+        # The attention each stored token received, when the always-kept part reads it (heavy hitters).
+        observation = None if method.always is None else method.always.observation
+        self._observation = observation
+        self._record = GrowableBuffer(dim=2) if observation is not None else None
+        self.prompt_length = 0  #: ``length`` after the latest prompt block (a block of more than one token)
 
     # -- structure -----------------------------------------------------------------------------
 
@@ -299,10 +334,16 @@ class SegmentSearchState(KVState):
         """Bytes held: ``kv`` (the cache itself) and ``summaries`` (the O(sqrt t) per-segment structure)."""
         summaries = sum(buf.view().numel() * buf.view().element_size() for buf in self._summaries if len(buf))
         params = self._params.numel() * self._params.element_size() if isinstance(self._params, torch.Tensor) else 0
-        return {**super().nbytes(), "summaries": summaries, "projection": params}
+        record = {"attention_record": self._record.view().numel() * self._record.view().element_size()} if self._record is not None and len(self._record) else {}
+        return {**super().nbytes(), "summaries": summaries, "projection": params, **record}
 
     def _buffers(self) -> list[GrowableBuffer]:
-        return [*super()._buffers(), *self._summaries]
+        return [*super()._buffers(), *self._summaries, *([self._record] if self._record is not None else [])]
+
+    @property
+    def attention_record(self) -> torch.Tensor | None:
+        """``[B, H_kv, t]`` the attention each stored token received (what the ``always`` part observes), or None."""
+        return self._record.view() if self._record is not None and len(self._record) else None
 
     def _after_append(self, n_new: int) -> None:
         """Build or extend the segment structure as the schedule says (a prefill of t tokens: one O(t) pass)."""
@@ -311,7 +352,20 @@ class SegmentSearchState(KVState):
         # it. One O(new tokens) check here, a flag per (row, KV head), no device sync.
         new_k, new_v = self.keys[:, :, -n_new:], self.values[:, :, -n_new:]
         self._nonfinite |= ~(torch.isfinite(new_k).all(dim=(2, 3)) & torch.isfinite(new_v).all(dim=(2, 3)))
+        if n_new > 1:
+            self.prompt_length = self.length
+        if self._record is not None:
+            if n_new > 1 and self._observation.per_prompt and len(self._record):
+                self._record.view().zero_()  # a new prompt's observation replaces the last one's
+            self._record.append(torch.zeros(self.batch, self.kv_heads, n_new, dtype=self.compute_dtype, device=self.device))
         self._restructure()
+
+    def attend_block(self, query: torch.Tensor) -> torch.Tensor:
+        """Dense causal prefill attention ``[B, H_q, T, D]``; the ``always`` part's observation records it."""
+        out = super().attend_block(query)
+        if self._record is not None:
+            observe_prompt(self._observation, self._record.view(), query, self.keys, self.scale, self.softcap)
+        return out
 
     def _segmentable(self) -> int:
         """Tokens the schedule may cut into segments: after the sinks, before the held-back newest ones."""
@@ -383,7 +437,7 @@ class SegmentSearchState(KVState):
             if self._mass_backend is None:  # exact segment masses: auto's choice, once per state
                 self._mass_backend = select_backend("auto", "segment_log_mass", q=queries, keys=raw)
             seg_keys = SegmentKeys(raw, math.sqrt(self.scale), self.compute_dtype, self._workspace, self._mass_backend)
-        extra = {"top_k": top_k} if getattr(summary, "uses_top_k", False) else {}
+        extra = {"top_k": top_k} if isinstance(summary, TopKAwareSummary) and summary.uses_top_k else {}
         return summary.score(self._params, summaries, queries, seg_keys, self.layout.segment_size, **extra)
 
     def group_scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
@@ -393,7 +447,7 @@ class SegmentSearchState(KVState):
         the heads' features first); otherwise it is the logsumexp of :meth:`scores` over the group.
         """
         summary = self.method.summary
-        if not hasattr(summary, "score_group") or self.layout.n_segments == 0:
+        if not isinstance(summary, GroupScoringSummary) or self.layout.n_segments == 0:
             return torch.logsumexp(self.scores(grouped_query, top_k), dim=2, keepdim=True)
         summaries = tuple(buf.view() for buf in self._summaries)
         return summary.score_group(self._params, summaries, self._scaled(grouped_query), None, self.layout.segment_size)
@@ -417,6 +471,8 @@ class SegmentSearchState(KVState):
                 scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
             segments = selector.select(scores, k, self._generator)
             _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
+        if self.method.always is not None:
+            return self._attend_with_always(query, grouped, lay, segments, group)
         if self._backend is None:
             self._backend = select_backend(
                 self.method.backend, "segment_attention", q=grouped, keys=self.keys, softcap=self.softcap
@@ -430,6 +486,51 @@ class SegmentSearchState(KVState):
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend
         )
         return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info
+
+    def _always_tokens(self, lay: SegmentLayout, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the ``always`` part adds: positions ``[B, H_kv, n]`` and ``[B, H_kv, G', n]`` flags of those
+        the selection does not attend already (sinks, tail and selected segments count once)."""
+        B, H, t = self.batch, self.kv_heads, lay.length
+        positions = torch.arange(t, device=self.device).expand(B, H, t)
+        record = self.attention_record
+        tokens = Candidates(
+            positions, seen=t, prompt_length=self.prompt_length, keys=lambda: self.keys,
+            attention=None if record is None else (lambda: record), owner=self.method,
+        )
+        marked = self.method.always.mask(tokens)  # [B, H, t]
+        n = min(self.method.always.size, t)
+        extra = marked.to(torch.int8).topk(n, dim=-1, sorted=False).indices  # marked tokens first
+        outside = (extra >= lay.sink_end) & (extra < lay.tail_start)  # not a sink, not in the tail
+        valid = (marked.gather(-1, extra) & outside).unsqueeze(2)  # [B, H, 1, n]
+        sets, k = segments.shape[2], segments.shape[3]
+        if lay.n_segments and k:
+            chosen = torch.zeros(B, H, sets, lay.n_segments, dtype=torch.bool, device=self.device)
+            chosen.scatter_(-1, segments, True)
+            segment_of = ((extra - lay.sink_end) // lay.segment_size).clamp(0, lay.n_segments - 1)
+            selected = chosen.gather(-1, segment_of.unsqueeze(2).expand(B, H, sets, n))  # outside => in a segment
+            valid = valid & ~selected
+        return extra, valid
+
+    def _attend_with_always(self, query, grouped, lay, segments, group) -> tuple[torch.Tensor, SegmentSelection]:
+        """The selection plus the ``always`` part's tokens, in one softmax over the gathered tokens (torch)."""
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        extra, extra_valid = self._always_tokens(lay, segments)
+        index, mask = segment_index(lay, segments)
+        sets = max(extra_valid.shape[2], 1 if mask is None else mask.shape[2])
+        main = torch.ones(B, H, sets, index.shape[-1], dtype=torch.bool, device=self.device) if mask is None else mask.expand(B, H, sets, -1)
+        valid = torch.cat([main, extra_valid.expand(B, H, sets, -1)], dim=-1)
+        out, probs = token_attention(
+            grouped, self.keys, self.values, torch.cat([index, extra], dim=-1), valid, self.scale, self.softcap, self._workspace
+        )
+        if self._observation is not None and self._observation.decode:
+            # Invalid entries (padding, or a token listed twice) have weight 0: adding them changes nothing.
+            self._record.view().scatter_add_(-1, torch.cat([index, extra], dim=-1), finite_evidence(probs).sum(dim=2))
+        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
+        info = SegmentSelection(
+            layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
+            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid,
+        )
+        return out.reshape(B, H * group, D).to(query.dtype), info
 
 
 def segment_options(top_k: int | None = 64, sinks: int = 0, window: int | None = 0) -> tuple[Option, ...]:

@@ -22,8 +22,8 @@ from sparseattn.ops.layout import SegmentLayout
 def segment_index(layout: SegmentLayout, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens a segment selection attends, as a token list and a per-head mask.
 
-    ``segments: [B, H_kv, G', k]`` -> ``index: [B, H_kv, L]`` (sinks, the union over the ``G'``
-    selections of the selected segments' tokens, the tail) and ``mask: [B, H_kv, G', L]`` of the
+    ``segments: [B, H_kv, G', k]`` -> ``index: [B, H_kv, L]`` (sinks, ``min(S, G' k)`` segments'
+    tokens holding the union over the ``G'`` selections, the tail) and ``mask: [B, H_kv, G', L]`` of the
     tokens each selection attends (None when every listed token is attended by every head). A
     segment reaching into the tail attends only its tokens before ``tail_start`` (the tail has them).
 
@@ -41,8 +41,10 @@ def segment_index(layout: SegmentLayout, segments: torch.Tensor) -> tuple[torch.
         chosen = torch.zeros(B, H, sets, layout.n_segments, dtype=torch.bool, device=device)
         chosen.scatter_(-1, segments, True)
         union = chosen.any(2)  # [B, H, S]
-        width = int(union.sum(-1).max())  # the largest union among the KV heads
-        # Selected segments first (True sorts above False); rows with a smaller union pad with unselected ones.
+        # A width fixed by the shapes (not the largest union), so what one row selects never changes the
+        # arithmetic of another (and no device sync). Selected segments first (True sorts above False);
+        # the rest pads with unselected ones, masked out.
+        width = min(layout.n_segments, sets * k)
         picked = union.to(torch.int8).topk(width, dim=-1, sorted=False).indices  # [B, H, U]
         positions = (layout.sink_end + picked.unsqueeze(-1) * c + torch.arange(c, device=device)).reshape(B, H, width * c)
         parts.append(positions)

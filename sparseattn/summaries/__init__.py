@@ -1,6 +1,6 @@
 """Segment summaries: each scores a segment by an estimate of its log attention mass."""
 
-from sparseattn.summaries.base import SegmentKeys, Summary
+from sparseattn.summaries.base import GroupScoringSummary, SegmentKeys, Summary, TopKAwareSummary
 from sparseattn.summaries.centered import CenteredFeatures
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.exact import ExactScore
@@ -8,4 +8,15 @@ from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.performer import PerformerFeatures
 from sparseattn.summaries.rerank import Rerank
 
-__all__ = ["CenteredFeatures", "Centroid", "ExactScore", "MinMaxBound", "PerformerFeatures", "Rerank", "SegmentKeys", "Summary"]
+__all__ = [
+    "CenteredFeatures",
+    "Centroid",
+    "ExactScore",
+    "GroupScoringSummary",
+    "MinMaxBound",
+    "PerformerFeatures",
+    "Rerank",
+    "SegmentKeys",
+    "Summary",
+    "TopKAwareSummary",
+]

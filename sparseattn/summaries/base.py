@@ -62,17 +62,40 @@ class Summary(Protocol):
         params: Any,
         summaries: tuple[torch.Tensor, ...],
         queries: torch.Tensor,
-        segment_keys: torch.Tensor | None,
+        segment_keys: SegmentKeys | torch.Tensor | None,
         segment_size: int,
     ) -> torch.Tensor:
         """Log-mass estimates ``[B, H, G, S]`` for ``queries: [B, H, G, D]``.
 
         ``segment_keys`` (:class:`SegmentKeys`, ``[B, H, S, c, D]`` read on demand) is passed only
-        when ``reads_keys`` is True; read it with :func:`scaled_keys` or :func:`take_keys`. A summary
-        that declares ``uses_top_k = True`` also receives ``top_k=`` (the segments the step attends).
-
-        A summary may also define ``score_group`` with the same arguments, returning ``[B, H, 1, S]``:
-        the log of the group's summed masses, ``logsumexp_g score[..., g, :]``, computed more cheaply
-        (selections shared by a KV group use it; without it the state takes that logsumexp itself).
+        when ``reads_keys`` is True; read it with :func:`scaled_keys` or :func:`take_keys`.
+        Optional capabilities are the protocols below (:class:`TopKAwareSummary`,
+        :class:`GroupScoringSummary`); the decode state asks for them with ``isinstance`` only.
         """
+        ...
+
+
+@runtime_checkable
+class TopKAwareSummary(Summary, Protocol):
+    """A summary whose ``score`` also takes ``top_k=`` (the segments the step attends), e.g. a rerank
+    that rescores a shortlist sized by it. Declares ``uses_top_k = True``."""
+
+    uses_top_k: bool
+
+
+@runtime_checkable
+class GroupScoringSummary(Summary, Protocol):
+    """A summary that scores a KV group at once, more cheaply than per query head (PerformerFeatures
+    adds the heads' features first); selections shared by a group use it, others take the
+    logsumexp of :meth:`Summary.score` over the group."""
+
+    def score_group(
+        self,
+        params: Any,
+        summaries: tuple[torch.Tensor, ...],
+        queries: torch.Tensor,
+        segment_keys: SegmentKeys | torch.Tensor | None,
+        segment_size: int,
+    ) -> torch.Tensor:
+        """``[B, H, 1, S]``: ``logsumexp_g score[..., g, :]`` for ``queries: [B, H, G, D]``."""
         ...
