@@ -43,6 +43,8 @@ from functools import lru_cache
 from importlib.resources import files
 from typing import Any, Literal
 
+from sparseattn.validation import check_int
+
 #: RULER's "noise" haystack and Landmark/LongLoRA's passkey filler: five sentences, repeated.
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NOISE_SENTENCES = tuple(s + "." for s in NOISE.rstrip(".").split(". "))
@@ -178,8 +180,7 @@ class RetrievalTask:
         haystack_text: str | None = None,
     ) -> NeedleSample:
         """The sample with exactly ``haystack_units`` haystack units (no length fitting)."""
-        if isinstance(haystack_units, bool) or not isinstance(haystack_units, int) or haystack_units < 0:
-            raise ValueError(f"haystack_units must be an int >= 0, got {haystack_units!r}")
+        check_int("", "haystack_units", haystack_units, 0)
         depth_list = _depth_list(depths)
         self._check_inputs(depth_list, haystack_text)
         parts = self._parts(haystack_units, seed, depth_list, haystack_text)
@@ -218,8 +219,7 @@ class RetrievalTask:
             reserve_tokens: tokens to leave free, e.g. for the answer (RULER reserves the
                 generation length).
         """
-        if isinstance(target_tokens, bool) or not isinstance(target_tokens, int) or target_tokens < 1:
-            raise ValueError(f"target_tokens must be a positive int, got {target_tokens!r}")
+        check_int("", "target_tokens", target_tokens, 1)
         if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or not 0 <= reserve_tokens < target_tokens:
             raise ValueError(f"reserve_tokens must be an int in [0, target_tokens={target_tokens}), got {reserve_tokens!r}")
         depth_list = _depth_list(depths)
@@ -342,8 +342,7 @@ class PasskeyTask(RetrievalTask):
     name: str = "passkey"
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_key, bool) or not isinstance(self.max_key, int) or self.max_key < 1:
-            raise ValueError(f"max_key must be a positive int, got {self.max_key!r}")
+        check_int("", "max_key", self.max_key, 1)
 
     def _check_inputs(self, depths: list[float] | None, haystack_text: str | None) -> None:
         if depths is not None and len(depths) != 1:
@@ -453,9 +452,7 @@ class NiahTask(RetrievalTask):
             if getattr(self, field) not in _NEEDLE_TYPES:
                 raise ValueError(f"{field} must be one of {_NEEDLE_TYPES}, got {getattr(self, field)!r}")
         for field in ("num_keys", "num_values", "num_queries"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+            check_int("", field, getattr(self, field), 1)
         if self.num_queries > self.num_keys:
             raise ValueError(f"num_queries={self.num_queries} exceeds num_keys={self.num_keys}: only keys with needles can be asked")
 

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from sparseattn.validation import check_int
+
 TASKS: tuple[str, ...] = (
     "narrativeqa", "qasper", "multifieldqa_en",
     "hotpotqa", "2wikimqa", "musique",
@@ -548,8 +550,7 @@ def truncate_middle(token_ids: Sequence[int], max_tokens: int) -> list[int]:
     >>> truncate_middle(list(range(10)), 5)
     [0, 1, 8, 9]
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
-        raise ValueError(f"max_tokens must be an int >= 2 (one token kept from each end), got {max_tokens!r}")
+    check_int("", "max_tokens", max_tokens, 2, "one token kept from each end")
     ids = list(token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)
     if len(ids) <= max_tokens:
         return ids
@@ -575,8 +576,7 @@ def truncate_prompt(prompt: str, tokenizer: Tokenizer, max_length: int, add_spec
     token then counts toward ``max_length`` and is dropped by the decode. ``add_special_tokens=True``
     reproduces that; the default counts only the prompt's own tokens.
     """
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
-        raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+    check_int("", "max_length", max_length, 2)
     ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     if len(ids) <= max_length:
         return prompt

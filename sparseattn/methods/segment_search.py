@@ -109,11 +109,9 @@ class SegmentSearch(StatefulMethod):
                     f"SegmentSearch.{name} must implement the {proto.__name__} protocol, got {getattr(self, name)!r}"
                 )
         for name in ("top_k", "sinks", "window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"SegmentSearch.{name} must be an int >= 0, got {value!r}")
-        if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1):
-            raise ValueError(f"SegmentSearch.budget must be None or an int >= 1, got {self.budget!r}")
+            check_int("SegmentSearch", name, getattr(self, name), 0)
+        if self.budget is not None:
+            check_int("SegmentSearch", "budget", self.budget, 1, "or None: top_k segments")
         check_backend_name("SegmentSearch.backend", self.backend, "segment_attention", "auto", auto=True)
 
     def segments_for(self, layout: SegmentLayout) -> int:
