@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sparseattn.methods.base import DecodeState, LayerSpec, SparseMethod, StatefulMethod, StepInfo
+from sparseattn.methods.base import DecodeState, KVState, LayerSpec, SparseMethod, StatefulMethod, StepInfo
 from sparseattn.methods.eviction import EvictionPolicy
 
 
@@ -64,6 +64,9 @@ class PrefillEvictionState:
         self.prefill_state = method.prefill.new_state(layer)
         self.decode_state: DecodeState | None = None
         self.seen = 0
+        # Inputs are checked against the layer before the hand-over (which mutates), by a storage-less
+        # KVState of the same layer: the inner states are reached only through DecodeState.
+        self._inputs = KVState(layer)
 
     @property
     def active(self):
@@ -100,18 +103,13 @@ class PrefillEvictionState:
         self.decode_state = state
         self.prefill_state = None
 
-    def _check_block(self, name: str, x: torch.Tensor) -> None:
-        """The active state's checks of a ``[B, H_kv, T, D]`` block, run before the hand-over (which mutates)."""
-        check = getattr(self.active, "_check_block", None)
-        if check is not None:
-            check(name, x, True)
+    def _checker(self) -> KVState:
+        self._inputs.batch = self.active.batch  # beam search may have changed it
+        return self._inputs
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A block goes to the prefill method; the first single token hands over to the decode method."""
-        self._check_block("keys", keys)
-        self._check_block("values", values)
-        if keys.shape != values.shape:
-            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+        self._checker()._check_kv(keys, values)
         if self.decode_state is None and keys.shape[2] == 1:
             self._hand_over()
         self.active.append(keys, values)
@@ -124,16 +122,14 @@ class PrefillEvictionState:
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
         if self.decode_state is None:
-            check = getattr(self.prefill_state, "_check_query", None)
-            if check is not None:
-                check(query)  # a refused query must not trigger the hand-over
+            self._checker()._check_query_tensor(query)  # a refused query must not trigger the hand-over
+            if self.prefill_state.length == 0:
+                raise ValueError("attend() called on an empty state: append keys and values first")
             self._hand_over()
         return self.decode_state.attend(query)
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
         """Append one token and attend; a malformed input raises ValueError before the hand-over or any append."""
-        check = getattr(self.active, "_check_step", None)
-        if check is not None:
-            check(query, key, value)
+        self._checker()._check_step(query, key, value)
         self.append(key.unsqueeze(2), value.unsqueeze(2))
         return self.attend(query)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseattn.methods.base import LayerSpec, StatefulMethod
-from sparseattn.validation import check_int, check_number
+from sparseattn.validation import check_bool, check_int, check_number
 from sparseattn.methods.eviction import SlotSelection, SlotStore
 from sparseattn.registry import MethodEntry, Option, Range, register
 
@@ -103,8 +103,7 @@ class SubGen(StatefulMethod):
         check_int("SubGen", "budget", self.budget, floor, why)
         check_number("SubGen", "value_share", self.value_share, "a number in (0, 1)", lambda x: 0.0 < x < 1.0)
         check_number("SubGen", "radius", self.radius, "a finite number >= 0", lambda x: x >= 0.0)
-        if not isinstance(self.guard, bool):
-            raise ValueError(f"SubGen.guard must be True or False, got {self.guard!r}")
+        check_bool("SubGen", "guard", self.guard)
 
     @property
     def clusters(self) -> int:
