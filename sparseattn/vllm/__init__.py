@@ -1,0 +1,11 @@
+"""sparseattn inside vLLM: a ``vllm.general_plugins`` entry point and a paged decode engine.
+
+* :mod:`sparseattn.vllm.config`: which method an engine runs (``additional_config["sparseattn"]`` or
+  ``SPARSEATTN_VLLM_METHOD``), checked by the registry;
+* :mod:`sparseattn.vllm.paged`: the paged engine (pure torch, no vLLM import): a segment is one KV
+  page (block) of one KV head;
+* :mod:`sparseattn.vllm.backend`: vLLM's CPU backend with the paged engine answering decode tokens;
+* :mod:`sparseattn.vllm.plugin`: the entry point.
+
+Only ``backend`` and ``plugin`` need vLLM, and only when called. See docs/serving.md.
+"""

@@ -1,0 +1,262 @@
+"""The paged engine: a segment-search policy answering decode queries over vLLM's paged KV cache.
+
+A *page* is one vLLM KV block of one KV head: ``block_size`` consecutive tokens of a sequence,
+found through the sequence's block table. The paged engine cuts a sequence of ``L`` tokens (the
+current one included) exactly as :class:`~sparseattn.ops.layout.SegmentLayout` describes, with the
+segment size fixed to ``block_size`` and every boundary on a page boundary::
+
+    pages [0, sink_pages)                  sinks: the pages holding the method's first ``sinks`` tokens
+    pages [sink_pages, first_tail_page)    candidates: full pages, scored and selected
+    pages [first_tail_page, ceil(L / bs))  tail: the pages holding the window and the current token
+
+so the policy's own parts decide: ``method.summary`` summarises and scores the candidate pages,
+``method.selector`` picks them, ``method.segments_for`` turns the token ``budget`` (or ``top_k``)
+into a page count. The method's *schedule* is not used: the pages are the segments. With
+``sinks`` a multiple of ``block_size`` and ``page_size == block_size`` (Quest) the layout, the
+selection and the output are those of :class:`~sparseattn.methods.segment_search.SegmentSearchState`
+on the same tokens (``tests/test_vllm_paged.py`` holds them equal).
+
+No vLLM import here: the engine reads a cache tensor and integer tables. The vLLM CPU cache of one
+layer is ``[num_blocks, H_kv, block_size, 2 * D]``; per (block, KV head) its ``2 * block_size * D``
+elements are the page's keys stored *transposed*, ``[D, block_size]``, then its values
+``[block_size, D]`` (checked against ``cpu_attn_reshape_and_cache`` for the ``vec``/``vec16`` ISAs:
+see :func:`page_views`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparseattn.methods.dense import Dense
+from sparseattn.methods.segment_search import SegmentSearch
+from sparseattn.ops.layout import SegmentLayout
+from sparseattn.selectors.base import selector_seed
+from sparseattn.summaries.base import TopKAwareSummary
+
+__all__ = ["PageSummaries", "PagedPolicy", "page_layout", "page_views", "paged_decode", "paged_decode_ref"]
+
+
+def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[N, H_kv, D, bs]`` (transposed) and values ``[N, H_kv, bs, D]`` of a CPU cache ``[N, H_kv, bs, 2 D]`` (views, no copy)."""
+    n, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    pages = kv_cache.view(n, h, 2, bs * d)
+    return pages[:, :, 0].view(n, h, d, bs), pages[:, :, 1].view(n, h, bs, d)
+
+
+def page_layout(length: int, block_size: int, sinks: int, window: int) -> SegmentLayout:
+    """The page-aligned :class:`SegmentLayout` of a sequence of ``length`` tokens (the current one included).
+
+    Sinks are rounded up to whole pages; the tail starts at the page holding the first of the last
+    ``max(window, 1)`` tokens (the current token is never in a candidate page).
+
+    >>> lay = page_layout(300, 128, sinks=4, window=0)
+    >>> lay.sink_end, lay.n_segments, lay.tail_start
+    (128, 1, 256)
+    """
+    if length < 1:
+        raise ValueError(f"page_layout: length must be >= 1, got {length}")
+    sink_pages = min(-(-sinks // block_size), -(-length // block_size)) if sinks else 0
+    first_tail_page = max(sink_pages, (length - max(window, 1)) // block_size)
+    return SegmentLayout(
+        length=length, sinks=sink_pages * block_size, segment_size=block_size, n_segments=first_tail_page - sink_pages
+    )
+
+
+@dataclass(frozen=True)
+class PagedPolicy:
+    """A registry method as the paged engine runs it: dense, or a :class:`SegmentSearch` over pages.
+
+    Refused (ValueError naming the method and why): eviction methods (they drop tokens from the
+    cache, which vLLM owns) and segment search with an ``always`` part (heavy hitters need a
+    per-token record). A summary that reads keys (``reads_keys``: radar+'s exact rerank) is handed
+    every candidate page's keys, copied out of the cache each step: correct, O(t) per step.
+    """
+
+    method: Any
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        m, label = self.method, self.name or type(self.method).__name__
+        if isinstance(m, Dense):
+            return
+        if not isinstance(m, SegmentSearch):
+            raise ValueError(
+                f"sparseattn method {label!r} ({type(m).__name__}) cannot run in vLLM: the paged engine runs dense and "
+                "segment-search methods (quest, radar, radar-*...); eviction methods drop tokens from a cache that vLLM "
+                "owns and stay transformers-only"
+            )
+        if m.always is not None:
+            raise ValueError(f"sparseattn method {label!r}: an always-kept part ({m.always!r}) is not supported in vLLM yet")
+    @property
+    def dense(self) -> bool:
+        return isinstance(self.method, Dense)
+
+    def layout(self, length: int, block_size: int) -> SegmentLayout:
+        if self.dense:
+            return page_layout(length, block_size, 0, 0)
+        return page_layout(length, block_size, self.method.sinks, self.method.window)
+
+    def pages_for(self, layout: SegmentLayout) -> int:
+        """Candidate pages one step attends: all for dense, else the method's own count."""
+        return layout.n_segments if self.dense else self.method.segments_for(layout)
+
+    def prepare(self, kv_heads: int, head_dim: int, layer_idx: int) -> tuple[Any, torch.Generator]:
+        """The summary's per-layer parameters and the selector's generator (seeded as the decode state seeds it)."""
+        generator = torch.Generator()
+        if self.dense:
+            return None, generator
+        s = self.method
+        params = s.summary.prepare(kv_heads, head_dim, layer_idx=layer_idx, device=torch.device("cpu"), dtype=torch.float32)
+        generator.manual_seed((selector_seed(s.selector) * 0x9E3779B1 + layer_idx) % (2**63))
+        return params, generator
+
+
+class PageSummaries:
+    """The summaries of one layer's pages, kept per physical block id beside vLLM's cache.
+
+    A page's summary is computed the first time a step needs it (the page is then full and in the
+    past) and kept until vLLM writes into that block again: :meth:`invalidate` is called with every
+    slot mapping vLLM writes through, so a freed block reused for another sequence is summarised
+    afresh, and a block prefix caching shares between sequences is summarised once for all of them.
+    Tensors ``[N, H_kv, ...]`` (one per summary output), float32, allocated on first use.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.valid = torch.zeros(num_blocks, dtype=torch.bool)
+        self.store: list[torch.Tensor] | None = None
+        self.computed = 0  #: pages summarised so far (for tests and accounting)
+
+    def invalidate(self, slot_mapping: torch.Tensor) -> None:
+        """Forget the summaries of the blocks ``slot_mapping`` (slots, ``-1`` for padding) writes into."""
+        slots = slot_mapping[slot_mapping >= 0]
+        if slots.numel():
+            self.valid[torch.div(slots, self.block_size, rounding_mode="floor").long()] = False
+
+    def get(self, summary: Any, params: Any, keys_t: torch.Tensor, blocks: torch.Tensor, root: float) -> tuple[torch.Tensor, ...]:
+        """Summaries ``[1, H_kv, S, ...]`` of the physical ``blocks: [S]``, computing the missing ones."""
+        missing = blocks[~self.valid[blocks]].unique()
+        if missing.numel():
+            seg = keys_t[missing].permute(1, 0, 3, 2).unsqueeze(0).float() * root  # [1, H, m, bs, D]
+            fresh = summary.summarize(params, seg)
+            if self.store is None:
+                n = self.valid.shape[0]
+                self.store = [torch.zeros(n, *t.shape[1:2], *t.shape[3:], dtype=t.dtype) for t in fresh]
+            for buf, t in zip(self.store, fresh):
+                buf[missing] = t[0].transpose(0, 1)
+            self.valid[missing] = True
+            self.computed += int(missing.numel())
+        return tuple(buf[blocks].transpose(0, 1).unsqueeze(0) for buf in self.store)
+
+
+def _select_pages(
+    policy: PagedPolicy, params: Any, generator: torch.Generator, keys_t: torch.Tensor, blocks: torch.Tensor,
+    lay: SegmentLayout, q: torch.Tensor, scale: float, cache: PageSummaries | None = None,
+) -> torch.Tensor:
+    """Logical page numbers each selection attends, ``[H_kv, G', P]`` (sink, selected, tail pages; ascending within parts)."""
+    H, G, _ = q.shape
+    bs = lay.segment_size
+    sink_pages = lay.sink_end // bs
+    n_pages = -(-lay.length // bs)
+    k = policy.pages_for(lay)
+    shared = 1 if policy.dense or policy.method.shared_kv_selection else G
+    if k >= lay.n_segments:
+        chosen = torch.arange(lay.n_segments).expand(H, shared, lay.n_segments)
+    else:
+        m = policy.method
+        root = math.sqrt(scale)
+        if m.selector.uses_scores:
+            cand = blocks[sink_pages : sink_pages + lay.n_segments]
+            seg = None
+            if m.summary.reads_keys:  # [S, H, D, bs] -> [1, H, S, bs, D], scaled: a copy of every candidate's keys
+                seg = keys_t[cand].permute(1, 0, 3, 2).unsqueeze(0).float() * root
+            if cache is not None:
+                summaries = cache.get(m.summary, params, keys_t, cand, root)
+            else:  # the segment keys, pre-scaled as the decode state scales them
+                if seg is None:
+                    seg = keys_t[cand].permute(1, 0, 3, 2).unsqueeze(0).float() * root
+                summaries = m.summary.summarize(params, seg)
+            extra = {"top_k": k} if isinstance(m.summary, TopKAwareSummary) and m.summary.uses_top_k else {}
+            keys_arg = seg if m.summary.reads_keys else None
+            scores = m.summary.score(params, summaries, (q.float() * root).unsqueeze(0), keys_arg, bs, **extra)  # [1, H, G, S]
+            if shared == 1:
+                scores = torch.logsumexp(scores, dim=2, keepdim=True)
+        else:
+            scores = torch.zeros(1, H, shared, lay.n_segments)
+        chosen = m.selector.select(scores, k, generator)[0]  # [H, G', k]
+    chosen = chosen + sink_pages
+    fixed = torch.cat([torch.arange(sink_pages), torch.arange(sink_pages + lay.n_segments, n_pages)])
+    return torch.cat([fixed.expand(H, shared, -1), chosen], dim=-1)
+
+
+def _attend_pages(
+    q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, pages: torch.Tensor,
+    length: int, scale: float, softcap: float | None,
+) -> torch.Tensor:
+    """float32 softmax attention of ``q: [H_kv, G, D]`` over the listed pages ``[H_kv, G', P]``: ``[H_kv, G, D]``."""
+    H, G, D = q.shape
+    bs = keys_t.shape[-1]
+    heads = torch.arange(H)[:, None, None]
+    phys = blocks[pages]  # [H, G', P]
+    k = keys_t[phys, heads].float()  # [H, G', P, D, bs]
+    v = values[phys, heads].float()  # [H, G', P, bs, D]
+    valid = (pages[..., None] * bs + torch.arange(bs)) < length  # [H, G', P, bs]: the last page is partial
+    qg = q.float().reshape(H, pages.shape[1], G // pages.shape[1], D)  # [H, G', G/G', D]
+    logits = torch.einsum("hsgd,hspdn->hsgpn", qg, k) * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    probs = torch.softmax(logits.flatten(-2), dim=-1).view_as(logits)
+    return torch.einsum("hsgpn,hspnd->hsgd", probs, v).reshape(H, G, D)
+
+
+def paged_decode(
+    policy: PagedPolicy, params: Any, generator: torch.Generator, kv_cache: torch.Tensor, query: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
+    summaries: PageSummaries | None = None,
+) -> torch.Tensor:
+    """One decode token per sequence: ``query: [B, H_q, D]`` over the paged cache -> ``[B, H_q, D]`` (query's dtype).
+
+    ``kv_cache: [N, H_kv, bs, 2 D]`` (the CPU layout, :func:`page_views`); ``block_table: [B, >= ceil(L/bs)]``
+    physical block ids; ``seq_lens: [B]`` tokens per sequence, the current one included (already in the cache).
+    Per sequence: sink pages + the selected candidate pages + the tail pages, one float32 softmax.
+    ``summaries`` keeps page summaries between steps (None: summarise the candidate pages every step).
+    """
+    keys_t, values = page_views(kv_cache)
+    H_kv, D, bs = keys_t.shape[1], keys_t.shape[2], keys_t.shape[3]
+    H_q = query.shape[1]
+    out = torch.empty_like(query)
+    for i, length in enumerate(seq_lens.tolist()):
+        blocks = block_table[i, : -(-length // bs)].long()
+        q = query[i].reshape(H_kv, H_q // H_kv, D)
+        lay = policy.layout(length, bs)
+        pages = _select_pages(policy, params, generator, keys_t, blocks, lay, q, scale, summaries)
+        out[i] = _attend_pages(q, keys_t, values, blocks, pages, length, scale, softcap).reshape(H_q, D).to(query.dtype)
+    return out
+
+
+def paged_decode_ref(
+    kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    mask: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Reference: gather each sequence's tokens contiguously and attend in float64 (``mask[i]: [H_q, L]`` optional)."""
+    keys_t, values = page_views(kv_cache)
+    H_kv, D, bs = keys_t.shape[1], keys_t.shape[2], keys_t.shape[3]
+    H_q = query.shape[1]
+    out = torch.empty_like(query)
+    for i, length in enumerate(seq_lens.tolist()):
+        blocks = block_table[i, : -(-length // bs)].long()
+        k = keys_t[blocks].permute(1, 0, 3, 2).reshape(H_kv, -1, D)[:, :length].double()
+        v = values[blocks].permute(1, 0, 2, 3).reshape(H_kv, -1, D)[:, :length].double()
+        k = k.repeat_interleave(H_q // H_kv, dim=0)
+        v = v.repeat_interleave(H_q // H_kv, dim=0)
+        logits = torch.einsum("hd,htd->ht", query[i].double(), k) * scale
+        if mask is not None:
+            logits = logits.masked_fill(~mask[i], float("-inf"))
+        out[i] = torch.einsum("ht,htd->hd", torch.softmax(logits, dim=-1), v).to(query.dtype)
+    return out

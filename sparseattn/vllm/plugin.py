@@ -1,0 +1,50 @@
+"""The ``vllm.general_plugins`` entry point: route vLLM's CPU attention through sparseattn when a method is asked for.
+
+vLLM calls :func:`register` once in every process it starts (the front end, the engine core, each
+worker), before any config exists. It points vLLM's ``CPU_ATTN`` backend entry at
+:data:`sparseattn.vllm.backend.CPU_ATTN` through vLLM's public ``register_backend``; that name
+resolves, when a model's attention layers are built (the engine's config is then current), to vLLM's
+own class unless the config's ``additional_config["sparseattn"]`` or ``SPARSEATTN_VLLM_METHOD`` asks
+for a method (:mod:`sparseattn.vllm.config`). Without a request vLLM runs its own backend unchanged.
+
+A method given through ``SPARSEATTN_VLLM_METHOD`` is checked here (the registry's checks, then the
+paged engine's: an eviction method is refused), so a bad name or option stops
+``LLM(...)``/``vllm serve`` in the front-end process with the registry's message. One given through
+``additional_config`` is checked when the engine core builds the model (still at start-up: the
+engine fails to start, its log shows the registry's message).
+"""
+
+from __future__ import annotations
+
+import os
+
+from sparseattn.vllm.config import ENV_VAR, parse_spec
+from sparseattn.vllm.paged import PagedPolicy
+
+__all__ = ["register"]
+
+#: Where vLLM resolves ``CPU_ATTN`` once the plugin has registered.
+BACKEND_PATH = "sparseattn.vllm.backend.CPU_ATTN"
+
+
+def register() -> None:
+    """Register the ``CPU_ATTN`` override (on the CPU platform); check ``SPARSEATTN_VLLM_METHOD`` if set."""
+    spec = os.environ.get(ENV_VAR, "").strip()
+    if spec:  # the registry's ValueError, or the paged engine's refusal, at start-up in the calling process
+        request = parse_spec(spec)
+        PagedPolicy(request.build(), request.label)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        if spec:
+            raise NotImplementedError(
+                f"{ENV_VAR}={spec!r}: sparseattn's vLLM backend runs on the CPU platform only so far "
+                f"(this platform: {current_platform.device_name}); see docs/serving.md"
+            )
+        return
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)

@@ -1,0 +1,194 @@
+"""The paged engine (sparseattn.vllm.paged, no vLLM needed): one policy, two engines.
+
+A paged cache is built from contiguous keys and values with a shuffled block table, in the vLLM CPU
+layout (keys transposed per page). At a budget covering the context every method is dense attention;
+Quest with ``page_size == block_size`` (and page-aligned sinks) selects and outputs what
+SegmentSearchState outputs on the same tokens.
+"""
+
+import pytest
+import torch
+
+from sparseattn import registry
+from sparseattn.methods.base import LayerSpec
+from sparseattn.testing import assert_close
+from sparseattn.vllm.config import MethodRequest, parse_spec, request_from
+from sparseattn.vllm.paged import (
+    PagedPolicy,
+    page_layout,
+    page_views,
+    paged_decode,
+    paged_decode_ref,
+)
+
+# (lengths of the batch's sequences, block size, kv heads, group, head dim): odd lengths, GQA, batch > 1.
+SHAPES = [
+    ((1, 33, 200), 32, 2, 3, 16),
+    ((129, 64), 16, 3, 1, 32),
+    ((97,), 32, 1, 4, 8),
+]
+
+
+def paged_cache(keys: list[torch.Tensor], values: list[torch.Tensor], block_size: int, seed: int = 0):
+    """A ``[N, H, bs, 2 D]`` cache holding each ``[H, L, D]`` sequence in shuffled blocks, and its block table."""
+    H, D = keys[0].shape[0], keys[0].shape[2]
+    pages = [-(-k.shape[1] // block_size) for k in keys]
+    n_blocks = sum(pages) + 3  # spare blocks hold garbage: a read of one would show
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_blocks, generator=g)
+    cache = torch.randn(n_blocks, H, block_size, 2 * D, generator=g, dtype=keys[0].dtype) * 100
+    keys_t, vals = page_views(cache)
+    table = torch.zeros(len(keys), max(pages), dtype=torch.int32)
+    used = 0
+    for i, (k, v) in enumerate(zip(keys, values)):
+        for p in range(pages[i]):
+            b = int(order[used])
+            used += 1
+            table[i, p] = b
+            n = min(block_size, k.shape[1] - p * block_size)
+            keys_t[b, :, :, :n] = k[:, p * block_size : p * block_size + n].transpose(1, 2)
+            vals[b, :, :n] = v[:, p * block_size : p * block_size + n]
+    return cache, table
+
+
+def sequences(lengths, H, D, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(H, n, D, generator=g, dtype=dtype) for n in lengths]
+    values = [torch.randn(H, n, D, generator=g, dtype=dtype) for n in lengths]
+    return keys, values
+
+
+def decode(name: str, lengths, bs, H, G, D, dtype=torch.float32, **options):
+    keys, values = sequences(lengths, H, D, dtype)
+    cache, table = paged_cache(keys, values, bs)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    policy = PagedPolicy(registry.build(name, **options), name)
+    params, gen = policy.prepare(H, D, layer_idx=0)
+    seq_lens = torch.tensor(lengths)
+    out = paged_decode(policy, params, gen, cache, query, table, seq_lens, D**-0.5)
+    return out, (keys, values, cache, table, query, seq_lens)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s[0]}-bs{s[1]}-H{s[2]}-G{s[3]}-D{s[4]}")
+@pytest.mark.parametrize("name, options", [("dense", {}), ("quest", {"budget": 10**6}), ("quest", {"top_k": 10**6, "sinks": 5, "window": 7})])
+def test_full_budget_is_dense(shape, name, options):
+    lengths, bs, H, G, D = shape
+    out, (_, _, cache, table, query, seq_lens) = decode(name, lengths, bs, H, G, D, **options)
+    assert_close(out, paged_decode_ref(cache, query, table, seq_lens, D**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_cache(dtype):
+    out, (_, _, cache, table, query, seq_lens) = decode("dense", (75, 140), 32, 2, 3, 16, dtype)
+    assert out.dtype == dtype
+    assert_close(out, paged_decode_ref(cache, query, table, seq_lens, 16**-0.5), dtype)
+
+
+@pytest.mark.filterwarnings("ignore:SegmentSearch budget=40 is below")  # the reference's own warning
+@pytest.mark.parametrize("budget", [40, 100, 333])
+@pytest.mark.parametrize("sinks", [0, 16])
+def test_quest_pages_equal_segment_search(budget, sinks):
+    """Quest over vLLM pages == Quest's SegmentSearchState on the same tokens (page_size = block size)."""
+    bs, H, G, D, lengths = 16, 2, 3, 8, (211, 90, 17)
+    out, (keys, values, *_ , query, _) = decode("quest", lengths, bs, H, G, D, budget=budget, sinks=sinks, page_size=bs)
+    method = registry.build("quest", budget=budget, sinks=sinks, page_size=bs)
+    for i, n in enumerate(lengths):
+        state = method.new_state(LayerSpec(batch=1, kv_heads=H, head_dim=D))
+        state.append(keys[i][None], values[i][None])
+        expected, info = state.attend(query[i][None])
+        assert page_layout(n, bs, sinks, 0) == info.layout
+        assert_close(out[i], expected[0], torch.float32, what=f"sequence {i} (L={n})")
+
+
+@pytest.mark.parametrize("name", ["radar+", "radar", "radar-exact"])
+def test_segment_search_presets_over_pages_equal_segment_search(name):
+    """A preset with its schedule replaced by pages of block_size (sinks a whole page): the same output as its decode state."""
+    import dataclasses
+
+    from sparseattn.schedules.fixed import FixedSchedule
+
+    bs, H, G, D, lengths, budget = 16, 2, 3, 8, (211, 150), 96
+    method = dataclasses.replace(registry.build(name, budget=budget), schedule=FixedSchedule(bs), sinks=bs, window=0)
+    keys, values = sequences(lengths, H, D)
+    cache, table = paged_cache(keys, values, bs)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(2))
+    policy = PagedPolicy(method, name)
+    params, gen = policy.prepare(H, D, layer_idx=0)
+    out = paged_decode(policy, params, gen, cache, query, table, torch.tensor(lengths), D**-0.5)
+    for i, n in enumerate(lengths):
+        state = method.new_state(LayerSpec(batch=1, kv_heads=H, head_dim=D))
+        state.append(keys[i][None], values[i][None])
+        expected, info = state.attend(query[i][None])
+        assert info.layout == page_layout(n, bs, bs, 0)
+        assert_close(out[i], expected[0], torch.float32, what=f"{name}, sequence {i} (L={n})")
+
+
+def test_selected_pages_are_what_the_mask_says():
+    """A budget that selects: the output equals the float64 reference under the page mask the policy reports."""
+    bs, H, G, D, lengths = 16, 2, 2, 8, (200,)
+    out, (keys, values, cache, table, query, seq_lens) = decode("quest", lengths, bs, H, G, D, budget=64)
+    method = registry.build("quest", budget=64, page_size=bs)
+    state = method.new_state(LayerSpec(batch=1, kv_heads=H, head_dim=D))
+    state.append(keys[0][None], values[0][None])
+    _, info = state.attend(query[0][None])
+    mask = info.to_mask()[0]
+    assert int(mask.sum(-1).max()) <= 64
+    assert_close(out, paged_decode_ref(cache, query, table, seq_lens, D**-0.5, mask=[mask]), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [("h2o", "eviction methods"), ("streamingllm", "eviction methods"), ("radar+h2o", "always-kept part")],
+)
+def test_refused_methods_say_why(name, why):
+    with pytest.raises(ValueError, match=why):
+        PagedPolicy(registry.build(name), name)
+
+
+def test_page_layout_matches_segment_search_bounds():
+    lay = page_layout(300, 128, sinks=4, window=0)
+    assert (lay.sink_end, lay.n_segments, lay.tail_start, lay.tail_size) == (128, 1, 256, 44)
+    lay = page_layout(256, 128, sinks=0, window=0)  # the current token fills the last page: never a candidate
+    assert (lay.n_segments, lay.tail_start) == (1, 128)
+    lay = page_layout(5, 128, sinks=300, window=0)
+    assert (lay.sink_end, lay.n_segments, lay.tail_size) == (5, 0, 0)
+
+
+def test_requests_from_config_and_environment():
+    assert request_from({"sparseattn": "quest:budget=64"}, {}) == MethodRequest("quest", {"budget": 64})
+    assert request_from({"other": 1}, {"SPARSEATTN_VLLM_METHOD": "dense"}) == MethodRequest("dense")
+    with pytest.raises(ValueError, match="unknown method 'nope'; known methods: dense"):
+        request_from({"sparseattn": {"method": "nope"}}, {})
+    with pytest.raises(ValueError, match='needs "method"'):
+        request_from({"sparseattn": {"budget": 3}}, {})
+    with pytest.raises(ValueError, match="quest does not take n_features"):
+        parse_spec("quest:n_features=3").check()
+    with pytest.raises(ValueError, match="budget 0 is out of range"):
+        MethodRequest("quest", {"budget": 0}).check()
+
+
+def test_page_summaries_are_kept_and_invalidated_by_writes():
+    """Summaries kept per physical block give the selection recomputing them does; a write to a block forgets it."""
+    from sparseattn.vllm.paged import PageSummaries
+
+    bs, H, G, D, lengths = 16, 2, 3, 8, (211, 90)
+    keys, values = sequences(lengths, H, D)
+    cache, table = paged_cache(keys, values, bs)
+    query = torch.randn(2, H * G, D, generator=torch.Generator().manual_seed(2))
+    policy = PagedPolicy(registry.build("quest", budget=48), "quest")
+    params, gen = policy.prepare(H, D, layer_idx=0)
+    seq_lens = torch.tensor(lengths)
+    kept = PageSummaries(cache.shape[0], bs)
+    first = paged_decode(policy, params, gen, cache, query, table, seq_lens, D**-0.5, summaries=kept)
+    n = kept.computed
+    assert n == (210 // bs) + (89 // bs)  # every candidate page once
+    again = paged_decode(policy, params, gen, cache, query, table, seq_lens, D**-0.5, summaries=kept)
+    assert kept.computed == n and torch.equal(first, again)
+    # vLLM reuses block table[0, 3] for new tokens: its keys change and the slot mapping says so
+    block = int(table[0, 3])
+    page_views(cache)[0][block] = torch.randn(H, D, bs) * 10
+    kept.invalidate(torch.tensor([-1, block * bs + 5]))
+    fresh = paged_decode(policy, params, gen, cache, query, table, seq_lens, D**-0.5, summaries=None)
+    kept_out = paged_decode(policy, params, gen, cache, query, table, seq_lens, D**-0.5, summaries=kept)
+    assert kept.computed == n + 1
+    assert torch.equal(fresh, kept_out)

@@ -1,0 +1,128 @@
+"""The vLLM plugin end to end on the default model (needs vLLM: see docs/serving.md for the venv).
+
+One engine per configuration (stock vLLM, the plugin's dense path, quest at a budget covering the
+context), each generating once for every test; float32, so that greedy tokens are compared without
+bfloat16 near-ties (docs/serving.md has the bfloat16 result). ``max_num_batched_tokens=256`` makes the
+long prompts prefill in chunks while the short one decodes: the batches mix prefill and decode.
+"""
+
+import contextlib
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: install sparseattn[vllm] in its own venv, see docs/serving.md")
+
+from sparseattn.hf.models import local_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 24
+ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_batched_tokens": 256, "enable_chunked_prefill": True, "seed": 0}
+
+
+def prompts() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    return ["The capital of France is", text[:2500] + "\nIn short,", text[:6000] + "\nThe main idea is"]
+
+
+@contextlib.contextmanager
+def fd_log(path: Path):
+    """Send this process's stdout/stderr (and those of the engine processes it spawns) to ``path``."""
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "w") as log:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def generate(tmp: Path, label: str, **extra) -> tuple[list[list[int]], str]:
+    """Greedy tokens of every prompt from a fresh engine, and its log; the engine is shut down after."""
+    from vllm import LLM, SamplingParams
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    log = tmp / f"{label}.log"
+    with fd_log(log):
+        llm = LLM(model=str(local_model_dir()), **ENGINE, **extra)
+        outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+        del llm
+        gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outs], log.read_text()
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def stock(tmp):
+    return generate(tmp, "stock")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp):
+    return generate(tmp, "dense", additional_config={"sparseattn": {"method": "dense"}})
+
+
+@pytest.fixture(scope="module")
+def quest_full(tmp):
+    return generate(tmp, "quest", additional_config={"sparseattn": {"method": "quest", "budget": 4096}})
+
+
+def test_stock_engine_does_not_use_the_paged_engine(stock):
+    tokens, log = stock
+    assert all(len(t) == NEW_TOKENS for t in tokens)
+    assert "sparseattn:" not in log
+
+
+def test_plugin_dense_equals_stock(stock, dense):
+    tokens, log = dense
+    assert "first decode step answered by the paged engine (dense)" in log, log[-3000:]
+    assert tokens == stock[0]
+
+
+def test_quest_at_full_budget_equals_stock(stock, quest_full):
+    tokens, log = quest_full
+    assert "first decode step answered by the paged engine (quest:budget=4096)" in log, log[-3000:]
+    assert tokens == stock[0]
+
+
+START = textwrap.dedent(
+    """
+    from vllm import LLM
+    from sparseattn.hf.models import local_model_dir
+    if __name__ == "__main__":
+        LLM(model=str(local_model_dir()), dtype="float32", max_model_len=512, **{extra})
+    """
+)
+
+
+def start_fails(extra: str, env: dict[str, str]) -> str:
+    """Start an engine in a fresh process (plugins load once per process); it must fail: its output."""
+    run = subprocess.run(
+        [sys.executable, "-c", START.format(extra=extra)], env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+        capture_output=True, text=True, timeout=600, cwd=REPO, check=False,
+    )
+    assert run.returncode != 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run.stdout + run.stderr
+
+
+def test_bad_method_from_environment_fails_at_start():
+    out = start_fails("{}", {"SPARSEATTN_VLLM_METHOD": "qwest:budget=64"})
+    assert "ValueError: unknown method 'qwest'; known methods: dense" in out, out[-3000:]
+
+
+def test_bad_option_from_additional_config_fails_at_start():
+    out = start_fails('{"additional_config": {"sparseattn": {"method": "quest", "budget": 0}}}', {})
+    assert "budget 0 is out of range; allowed: an integer in [1, 2147483647]" in out, out[-3000:]
