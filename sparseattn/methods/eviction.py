@@ -31,6 +31,7 @@ from functools import cached_property
 from typing import Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
 from sparseattn.validation import check_int
@@ -340,10 +341,9 @@ class EvictingState(SlotStore):
             positions, keys = self.positions, lambda: self.keys
             attention = None if record is None else lambda: record
         else:
-            B, H, _ = self.positions.shape
-            positions = torch.cat([self.positions, self.positions.new_full((B, H, 1), self.seen)], dim=2)
+            positions = F.pad(self.positions, (0, 1), value=self.seen)  # one op: this runs every decode step
             keys = lambda: torch.cat([self.keys, newcomer.unsqueeze(2)], dim=2)  # noqa: E731
-            attention = None if record is None else lambda: torch.cat([record, record.new_zeros(B, H, 1)], dim=2)  # noqa: E731
+            attention = None if record is None else lambda: F.pad(record, (0, 1))  # noqa: E731
         return Candidates(
             positions, seen=self.seen + (newcomer is not None), prompt_length=self.prompt_length,
             decode=newcomer is not None, keys=keys, attention=attention, owner=self.policy,
@@ -373,12 +373,14 @@ class EvictingState(SlotStore):
         tokens = self._candidates(key)
         priority = self._priority(tokens)
         low = priority.amin(dim=-1, keepdim=True)
-        if bool((low == float("inf")).any()):
-            raise RuntimeError(f"{self.policy!r}: every token is protected (+inf), nothing can be evicted")
         oldest = tokens.positions.masked_fill(priority != low, torch.iinfo(torch.long).max)
         loser = oldest.argmin(dim=-1)  # [B, H]; == S: the newcomer itself
         stored = loser < self.length
-        if bool(stored.all()):
+        # One device sync for both questions: is anything evictable, and did every head take the newcomer?
+        all_protected, all_stored = torch.stack([(low == float("inf")).any(), stored.all()]).tolist()
+        if all_protected:
+            raise RuntimeError(f"{self.policy!r}: every token is protected (+inf), nothing can be evicted")
+        if all_stored:
             self._write(loser, key, value, self.seen)
             return
         # Some KV heads keep what they have: their slot is rewritten with its own content.

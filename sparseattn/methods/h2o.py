@@ -4,6 +4,7 @@ Inference of Large Language Models")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -53,7 +54,12 @@ class H2O(Evicting):
 
     def priority(self, tokens: Candidates) -> torch.Tensor:
         """Accumulated attention; the ``recent`` newest tokens (the newcomer included) never leave."""
-        return tokens.attention.double().masked_fill(RecentWindow(self.recent).mask(tokens), float("inf"))
+        return tokens.attention.double().masked_fill(self.protected.mask(tokens), float("inf"))
+
+    @cached_property
+    def protected(self) -> RecentWindow:
+        """The always-kept part: the ``recent`` newest tokens (built once: priority runs every step)."""
+        return RecentWindow(self.recent)
 
 
 register(

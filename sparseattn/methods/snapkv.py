@@ -60,10 +60,10 @@ class SnapKV(Evicting):
     def priority(self, tokens: Candidates) -> torch.Tensor:
         """After a prompt: the pooled votes of the tokens before the window (the window stays). At a decode
         step: the newer the better, the prompt's survivors (before its window) pinned."""
-        before_window = tokens.positions < tokens.seen - self.observation_window
         if tokens.decode:
             pinned = tokens.positions < tokens.prompt_length - self.observation_window
             return tokens.positions.double().masked_fill(pinned, float("inf"))
+        before_window = tokens.positions < tokens.seen - self.observation_window
         order = tokens.positions.argsort(dim=-1)  # pool neighbours in the sequence, not in the slots
         pooled = pool_votes(
             tokens.attention.gather(-1, order), before_window.gather(-1, order), self.kernel_size, self.pooling

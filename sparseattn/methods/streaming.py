@@ -4,6 +4,7 @@ Models with Attention Sinks")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 import torch
 
 from sparseattn.validation import check_int
@@ -48,7 +49,12 @@ class StreamingLLM(Evicting):
 
     def priority(self, tokens: Candidates) -> torch.Tensor:
         """The newer the better; the sinks never leave."""
-        return tokens.positions.double().masked_fill(Sinks(self.sinks).mask(tokens), float("inf"))
+        return tokens.positions.double().masked_fill(self.protected.mask(tokens), float("inf"))
+
+    @cached_property
+    def protected(self) -> Sinks:
+        """The always-kept part: the first ``sinks`` tokens (built once: priority runs every step)."""
+        return Sinks(self.sinks)
 
 
 register(
