@@ -123,6 +123,26 @@ def test_segment_search_presets_over_pages_equal_segment_search(name):
         assert_close(out[i], expected[0], torch.float32, what=f"{name}, sequence {i} (L={n})")
 
 
+
+@pytest.mark.parametrize("name", ["radar+", "radar", "quest"])
+@pytest.mark.parametrize("ranks", [3, 6], ids=["tp3", "tp6-replicated"])
+def test_tensor_parallel_ranks_decode_their_heads_as_one_process_does(name, ranks):
+    """Each TP rank holds its KV heads' pages (and query heads): with its parameter rows, its output is those heads' rows."""
+    bs, H, G, D, lengths, budget = 16, 3, 2, 8, (211, 150), 64
+    keys, values = sequences(lengths, H, D)
+    cache, table = paged_cache(keys, values, bs)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(3))
+    policy = PagedPolicy(registry.build(name, budget=budget), name)
+    params, gen = policy.prepare(H, D, layer_idx=4)
+    whole = paged_decode(policy, params, gen, cache, query, table, torch.tensor(lengths), D**-0.5)
+    for rank in range(ranks):
+        first = rank * H // ranks  # vLLM's split: H / ranks heads each, or one head replicated ranks / H times
+        heads = list(range(first, first + max(1, H // ranks)))
+        params_r, gen_r = policy.prepare(H, D, layer_idx=4, heads=heads)
+        rows = [h * G + g for h in heads for g in range(G)]
+        out = paged_decode(policy, params_r, gen_r, cache[:, heads].contiguous(), query[:, rows], table, torch.tensor(lengths), D**-0.5)
+        assert_close(out, whole[:, rows], torch.float32, what=f"{name}, rank {rank} of {ranks}, heads {heads}")
+
 def test_selected_pages_are_what_the_mask_says():
     """A budget that selects: the output equals the float64 reference under the page mask the policy reports."""
     bs, H, G, D, lengths = 16, 2, 2, 8, (200,)

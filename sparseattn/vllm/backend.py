@@ -33,6 +33,27 @@ def _layer_index(name: str) -> int:
     return int(found[0]) if found else 0
 
 
+def _rank_kv_heads(local_kv_heads: int) -> tuple[list[int] | None, int]:
+    """The model's KV heads this tensor-parallel rank holds (None without TP), and the model's total.
+
+    vLLM gives rank ``r`` of ``tp`` the heads from ``r * total // tp`` on (``total / tp`` of them, or one
+    replicated head when ``tp > total``); the paged engine draws its random parameters for all heads
+    and keeps these rows, so a head's selection is the same at every TP size.
+    """
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    tp = get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return None, local_kv_heads
+    total = get_current_vllm_config().model_config.get_total_num_kv_heads()
+    first = get_tensor_model_parallel_rank() * total // tp
+    return list(range(first, first + local_kv_heads)), total
+
+
 @functools.lru_cache(maxsize=1)
 def _classes() -> dict[str, type]:
     import torch
@@ -69,6 +90,7 @@ def _classes() -> dict[str, type]:
             ]
             if refused:
                 raise ValueError(f"sparseattn method {request.label!r} cannot run on this layer: it uses {', '.join(refused)}")
+            self._heads = _rank_kv_heads(self.num_kv_heads)
             self._prepared: tuple[Any, torch.Generator] | None = None
             self._summaries: PageSummaries | None = None  # this layer's page summaries, per physical block
             logger.info_once("sparseattn: decode tokens run %r in the paged engine (%r)", request.label, self.policy.method)
@@ -83,7 +105,8 @@ def _classes() -> dict[str, type]:
                     f"runs {isa!r}, whose key layout is not verified (see docs/serving.md)"
                 )
             if self._prepared is None:
-                self._prepared = self.policy.prepare(self.num_kv_heads, self.head_size, _layer_index(layer.layer_name))
+                heads, total = self._heads
+                self._prepared = self.policy.prepare(total, self.head_size, _layer_index(layer.layer_name), heads=heads)
             starts = attn_metadata.query_start_loc
             lengths = starts[1:] - starts[:-1]
             decode = (lengths == 1).nonzero().flatten()
