@@ -159,3 +159,13 @@ def test_cli_runner(workdir, tmp_path):
     assert "sa_mc" in done.stdout and "acc" in done.stdout
     (results,) = (tmp_path / "out").rglob("results_*.json")
     assert json.loads(results.read_text())["config"]["sparseattn_method"] == "quest:budget=32,page_size=8"
+
+
+def test_the_runner_refuses_a_bad_method_in_one_line_with_exit_status_2(capsys):
+    from sparseattn.evaluation.lm_eval_model import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "sparseattn", "--model_args", "pretrained=default,method=quest,budget=0", "--tasks", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "budget 0 is out of range; allowed: an integer in [1, 2147483647]" in err

@@ -197,5 +197,27 @@ class SparseAttnLM(HFLM):
         }
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's command line with ``--model sparseattn`` registered; a bad method in ``--model_args`` is
+    refused first, in one line with exit status 2, before lm-eval loads tasks or weights."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    value = lambda flag: next((a.split("=", 1)[1] for a in args if a.startswith(flag + "=")), None) or next(  # noqa: E731
+        (args[i + 1] for i, a in enumerate(args[:-1]) if a == flag), None
+    )
+    if value("--model") == MODEL_NAME:
+        from sparseattn import registry
+
+        pairs = dict(item.split("=", 1) for item in (value("--model_args") or "").split(",") if "=" in item)
+        options = {k: v for k, v in pairs.items() if k in registry.all_options()}
+        try:
+            build_method(pairs.get("method"), options)
+        except ValueError as err:
+            print(f"sparseattn-lm-eval: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
     cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
