@@ -10,6 +10,10 @@ prefill blocks densely (and the state builds its structure), decode steps sparse
 cache, a plain ``DynamicCache``, a sliding-window layer, a model not linked) the call is dense,
 exactly as transformers' own ``sdpa``. Nothing is kept at module level: several models and caches
 can be used at once.
+
+Under tensor parallelism (``from_pretrained(..., tp_plan="auto")``) the attention function sees the
+heads of its rank only; :func:`kv_head_shard` reads which of the model's KV heads they are off the
+module's sharded parameters, so each state draws per-head randomness as one process would.
 """
 
 from __future__ import annotations
@@ -211,13 +215,68 @@ def _create_state(layer: SparseLayer, module, attention_mask, scale: float, soft
     layer._pending = None
     B, H, L, D = keys.shape
     pads = left_padding(attention_mask, B, L, model)
+    offset, total = kv_head_shard(module, H, model)
 
     def new_state(batch: int):
-        spec = LayerSpec(batch, H, D, layer.layer_idx or 0, keys.device, keys.dtype, scale, softcap)
+        spec = LayerSpec(batch, H, D, layer.layer_idx or 0, keys.device, keys.dtype, scale, softcap, offset, total)
         return layer.method.new_state(spec)
 
     layer.state = new_state(B) if pads is None else RowwiseState([new_state(1) for _ in range(B)], pads)
     layer.state.append(keys, values)
+
+
+def _tensor_parallel_rank(module: torch.nn.Module, model: str) -> tuple[int, int] | None:
+    """``(rank, size)`` on the tensor-parallel mesh dimension ``module``'s parameters are sharded over, or
+    None when none is (no process group, or parameters that are not sharded DTensors)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    from torch.distributed.tensor import DTensor  # only once a process group exists
+
+    for param in module.parameters():
+        if not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        names = mesh.mesh_dim_names or ()
+        if "tp" in names:
+            dim = names.index("tp")
+        elif mesh.ndim == 1:
+            dim = 0
+        else:
+            raise NotImplementedError(
+                f"{model}: attention parameters are sharded over a {mesh.ndim}-D device mesh {names or ''} without a "
+                "'tp' dimension; sparseattn finds its KV heads on a 1-D tensor-parallel mesh or the 'tp' dimension"
+            )
+        if param.placements[dim].is_shard():
+            return mesh.get_local_rank(dim), mesh.size(dim)
+    return None
+
+
+def kv_head_shard(module: torch.nn.Module, kv_heads: int, model: str) -> tuple[int, int]:
+    """``(offset, total)``: this process holds the model's KV heads ``offset .. offset + kv_heads - 1`` of ``total``.
+
+    ``(0, kv_heads)`` unless ``module`` is tensor-parallel (transformers' ``tp_plan`` shards q/k/v
+    column-wise, so the attention function sees ``kv_heads = total / tp_size`` local heads and rank
+    ``r`` holds the ``r``-th block of them). Raises when the local heads are not such a block.
+    """
+    config = getattr(module, "config", None)
+    declared = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    if declared == kv_heads:
+        return 0, kv_heads
+    shard = _tensor_parallel_rank(module, model)
+    if shard is None:
+        return 0, kv_heads
+    rank, size = shard
+    if declared is not None and kv_heads * size != declared:
+        fix = (
+            f"use a tensor-parallel size that divides {declared}" if declared % size
+            else "the model's sharding plan splits them some other way, which sparseattn does not support"
+        )
+        raise ValueError(
+            f"{model}: layer {getattr(module, 'layer_idx', '?')} holds {kv_heads} KV heads on rank {rank} of a {size}-way "
+            f"tensor-parallel mesh, but the model has {declared}: not an even split of {declared} // {size} per rank, "
+            f"so sparseattn cannot tell which of the model's heads these are; {fix}"
+        )
+    return rank * kv_heads, kv_heads * size
 
 
 def _check_no_new_padding(attention_mask: torch.Tensor, seen: int, T: int, model: str) -> None:
@@ -232,6 +291,7 @@ __all__ = [
     "ATTENTION_NAME",
     "CALL_CACHE",
     "dense_attention_forward",
+    "kv_head_shard",
     "left_padding",
     "link_caches",
     "register",

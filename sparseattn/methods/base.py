@@ -38,9 +38,16 @@ class LayerSpec:
     logit soft-capping (None: off), ``layer_idx`` seeds per-layer randomness. Validated on
     construction, so a state never sees a bad shape.
 
+    Under tensor parallelism a process holds only some of the model's KV heads: the ``kv_heads``
+    heads ``kv_head_offset, ..., kv_head_offset + kv_heads - 1`` of ``total_kv_heads`` (None: all of
+    them, ``kv_heads``). Per-head randomness (random-feature projections) is drawn for all
+    ``total_kv_heads`` and these rows kept, so a head decodes the same whatever the TP size.
+
     Example:
         >>> LayerSpec(batch=2, kv_heads=3, head_dim=64).scale
         0.125
+        >>> LayerSpec(batch=1, kv_heads=2, head_dim=64, kv_head_offset=2, total_kv_heads=4).heads  # rank 1 of 2
+        range(2, 4)
     """
 
     batch: int
@@ -51,11 +58,22 @@ class LayerSpec:
     dtype: torch.dtype = torch.float32
     scale: float | None = None
     softcap: float | None = None
+    kv_head_offset: int = 0
+    total_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "kv_heads", "head_dim"):
             check_int("", name, getattr(self, name), 1)
         check_int("", "layer_idx", self.layer_idx, 0)
+        check_int("", "kv_head_offset", self.kv_head_offset, 0)
+        total = self.kv_heads if self.total_kv_heads is None else self.total_kv_heads
+        check_int("", "total_kv_heads", total, 1, "or None")
+        if self.kv_head_offset + self.kv_heads > total:
+            raise ValueError(
+                f"LayerSpec holds KV heads {self.kv_head_offset}..{self.kv_head_offset + self.kv_heads - 1} "
+                f"(kv_head_offset={self.kv_head_offset}, kv_heads={self.kv_heads}) but total_kv_heads={total}"
+            )
+        object.__setattr__(self, "total_kv_heads", total)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
         scale = _positive_real("scale", self.head_dim**-0.5 if self.scale is None else self.scale, self.scale)
@@ -63,6 +81,11 @@ class LayerSpec:
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "softcap", softcap)
+
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this layer holds, in order (all of them unless tensor-parallel)."""
+        return range(self.kv_head_offset, self.kv_head_offset + self.kv_heads)
 
 
 def _positive_real(name: str, value, given, prefix: str = "") -> float:

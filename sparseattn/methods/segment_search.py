@@ -281,6 +281,21 @@ def _check_selection(selector: Selector, segments: torch.Tensor, shape: tuple[in
         )
 
 
+def _prepare_heads(summary: Summary, layer: LayerSpec, dtype: torch.dtype):
+    """The summary's parameters for the KV heads ``layer`` holds: drawn for all ``layer.total_kv_heads``
+    heads and these rows kept, so a head's parameters do not depend on how the heads are sharded."""
+    params = summary.prepare(layer.total_kv_heads, layer.head_dim, layer_idx=layer.layer_idx, device=layer.device, dtype=dtype)
+    if params is None or layer.kv_heads == layer.total_kv_heads:
+        return params
+    if not (isinstance(params, torch.Tensor) and params.dim() >= 1 and params.shape[0] == layer.total_kv_heads):
+        shape = tuple(params.shape) if isinstance(params, torch.Tensor) else type(params).__name__
+        raise ValueError(
+            f"{summary!r}: its parameters ({shape}) are not one row per KV head ({layer.total_kv_heads}), so they "
+            f"cannot be split to the heads {layer.heads.start}..{layer.heads.stop - 1} this layer holds"
+        )
+    return params[layer.heads.start : layer.heads.stop].clone()  # a copy: the other heads' rows are freed
+
+
 class SegmentSearchState(KVState):
     """The decode state of a :class:`SegmentSearch` for one layer.
 
@@ -296,9 +311,7 @@ class SegmentSearchState(KVState):
         self.method = method
         self._summaries: list[GrowableBuffer] = []
         self._grid: SegmentGrid | None = None
-        self._params = method.summary.prepare(
-            layer.kv_heads, layer.head_dim, layer_idx=layer.layer_idx, device=self.device, dtype=self.compute_dtype
-        )
+        self._params = _prepare_heads(method.summary, layer, self.compute_dtype)
         seed = selector_seed(method.selector)
         self._generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + layer.layer_idx) % (2**63))
         self._rebuilt_since_attend = False
