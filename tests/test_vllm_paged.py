@@ -212,3 +212,56 @@ def test_page_summaries_are_kept_and_invalidated_by_writes():
     kept_out = paged_decode(policy, params, gen, cache, query, table, seq_lens, D**-0.5, summaries=kept)
     assert kept.computed == n + 1
     assert torch.equal(fresh, kept_out)
+
+
+@pytest.mark.parametrize("name", ["quest", "radar+", "radar", "radar-exact", "radar-lowest"])
+def test_a_batch_decodes_as_its_sequences_do_one_by_one(name):
+    """Sequences scored together (equal shapes) or alone, padded into one attention pass: each row as if decoded alone."""
+    bs, H, G, D, lengths = 16, 2, 3, 8, (211, 215, 90, 17, 211, 300)
+    keys, values = sequences(lengths, H, D)
+    cache, table = paged_cache(keys, values, bs)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(5))
+    policy = PagedPolicy(registry.build(name, budget=64), name)
+    params, gen = policy.prepare(H, D, layer_idx=1)
+    seq_lens = torch.tensor(lengths)
+    batch = paged_decode(policy, params, gen, cache, query, table, seq_lens, D**-0.5)
+    for i in range(len(lengths)):
+        alone = paged_decode(policy, params, gen, cache, query[i : i + 1], table[i : i + 1], seq_lens[i : i + 1], D**-0.5)
+        assert_close(batch[i], alone[0], torch.float32, what=f"{name}, sequence {i} (L={lengths[i]})")
+
+
+def test_page_keys_take_reads_the_listed_pages():
+    """PageKeys.take(index) == the listed candidates of every candidate's keys (scaled), for per-head lists."""
+    from sparseattn.vllm.paged import PageKeys
+
+    bs, H, D, lengths = 16, 3, 8, (170, 120)
+    keys, values = sequences(lengths, H, D, torch.bfloat16)
+    cache, table = paged_cache(keys, values, bs)
+    cand = table[:, 1:7].long()
+    pk = PageKeys(page_views(cache)[0], cand, 0.5)
+    everything = pk.all()  # [B, H, S, bs, D]
+    assert everything.shape == pk.shape == (2, H, 6, bs, D)
+    expected = torch.stack([keys[i][:, bs : 7 * bs].float().reshape(H, 6, bs, D) * 0.5 for i in range(2)])
+    assert torch.equal(everything, expected)
+    index = torch.randint(0, 6, (2, H, 4), generator=torch.Generator().manual_seed(0))
+    b, h = torch.arange(2).view(2, 1, 1), torch.arange(H).view(1, H, 1)
+    assert torch.equal(pk.take(index), everything[b, h, index])
+
+
+def test_radar_plus_reads_only_its_shortlisted_pages(monkeypatch):
+    """radar+'s exact rerank takes the shortlist's pages from the cache: no step copies every candidate's keys."""
+    from sparseattn.vllm import paged
+
+    def every_page(self):
+        raise AssertionError("radar+ copied every candidate page's keys")
+
+    monkeypatch.setattr(paged.PageKeys, "all", every_page)
+    bs, H, G, D, lengths = 16, 2, 3, 8, (600, 450)
+    keys, values = sequences(lengths, H, D)
+    cache, table = paged_cache(keys, values, bs)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(2))
+    policy = PagedPolicy(registry.build("radar+", budget=96), "radar+")
+    params, gen = policy.prepare(H, D, layer_idx=0)
+    kept = paged.PageSummaries(cache.shape[0], bs)  # as the backend runs it: page summaries kept per block
+    out = paged_decode(policy, params, gen, cache, query, table, torch.tensor(lengths), D**-0.5, summaries=kept)
+    assert kept.computed == (599 // bs - 1) + (449 // bs - 1) and torch.isfinite(out).all()  # 4 sinks: one sink page

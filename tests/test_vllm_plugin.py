@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed: install sparseattn[vllm] in its own venv, see docs/serving.md")
 
@@ -126,3 +127,34 @@ def test_bad_method_from_environment_fails_at_start():
 def test_bad_option_from_additional_config_fails_at_start():
     out = start_fails('{"additional_config": {"sparseattn": {"method": "quest", "budget": 0}}}', {})
     assert "budget 0 is out of range; allowed: an integer in [1, 2147483647]" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, options", [("dense", {}), ("quest", {"budget": 300}), ("radar+", {"budget": 300}), ("radar", {"budget": 300})])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_vllm_kernel_attends_the_listed_pages_as_the_torch_path_does(dtype, name, options, softcap):
+    """kernel_attend_pages (vLLM's paged kernel over per-head page lists) == attend_pages, on shuffled pages."""
+    import dataclasses
+
+    from test_vllm_paged import paged_cache, sequences
+
+    from sparseattn import registry
+    from sparseattn.vllm.backend import kernel_attend_pages
+    from sparseattn.vllm.paged import PagedPolicy, attend_pages, select_pages
+
+    bs, H, G, D, lengths = 32, 3, 3, 64, (700, 1000, 333, 5, 900, 64)
+    keys, values = sequences(lengths, H, D, dtype)
+    cache, table = paged_cache(keys, values, bs)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(4)).to(dtype)
+    method = registry.build(name, **options)
+    if name == "radar":  # one page list per KV group (G' = 1)
+        method = dataclasses.replace(method, shared_kv_selection=True)
+    policy = PagedPolicy(method, name)
+    params, gen = policy.prepare(H, D, layer_idx=2)
+    seq_lens = torch.tensor(lengths)
+    pages = select_pages(policy, params, gen, cache, query, table, seq_lens, D**-0.5)
+    expected = attend_pages(query, cache, table, pages, seq_lens, D**-0.5, softcap)
+    got = kernel_attend_pages(query, cache, table, pages, seq_lens, D**-0.5, softcap, "vec")
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the outputs' own rounding
+    assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol), float((got.float() - expected.float()).abs().max())

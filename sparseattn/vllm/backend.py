@@ -3,8 +3,9 @@
 :class:`SparseCPUAttentionBackend` is vLLM's ``CPUAttentionBackend`` (same name ``CPU_ATTN``, metadata
 builder, KV-cache shape and layout) with its own impl: prefill and chunked prefill run vLLM's kernel
 unchanged; every request with exactly one query token this step (a decode token) is answered by
-:func:`sparseattn.vllm.paged.paged_decode` under the method the engine was configured with
-(:mod:`sparseattn.vllm.config`). A step made only of decode tokens does not call vLLM's kernel; a
+:func:`sparseattn.vllm.paged.select_pages` under the method the engine was configured with
+(:mod:`sparseattn.vllm.config`), and vLLM's own paged kernel attends the selected pages
+(:func:`kernel_attend_pages`). A step made only of decode tokens never attends whole sequences; a
 mixed step runs vLLM's kernel over the batch and then overwrites the decode rows.
 
 The plugin (:mod:`sparseattn.vllm.plugin`) points vLLM's ``CPU_ATTN`` entry at :data:`CPU_ATTN`,
@@ -21,11 +22,54 @@ import functools
 import re
 from typing import Any
 
-__all__ = ["CPU_ATTN", "SUPPORTED_ISAS", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl"]  # noqa: F822 (the classes are built on first access, see __getattr__)
+__all__ = ["CPU_ATTN", "SUPPORTED_ISAS", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "kernel_attend_pages"]  # noqa: F822 (the classes are built on first access, see __getattr__)
 
 #: vLLM CPU kernel ISAs whose cache layout (keys transposed per page) the paged engine reads; the
 #: ``amx``/``neon``/... layouts are not verified here and are refused.
 SUPPORTED_ISAS = ("vec", "vec16")
+
+
+def kernel_attend_pages(
+    query: Any, kv_cache: Any, block_table: Any, pages: Any, seq_lens: Any, scale: float, softcap: float | None, isa: str,
+) -> Any:
+    """:func:`sparseattn.vllm.paged.attend_pages` computed by vLLM's own CPU paged-attention kernel.
+
+    The kernel attends whole sequences of one block table; a sparse selection differs per KV head
+    (and per query head without a shared selection). So every (sequence, KV head, page list) is
+    handed to the kernel as a sequence of its own, over a view of the cache with one KV head per
+    block: ``[N, H_kv, bs, 2 D]`` read as ``[N * H_kv, 1, bs, 2 D]`` (the same memory; block ``b``
+    of head ``h`` is block ``b * H_kv + h``), its block table the listed pages (sinks, selected,
+    tail: the partial last page last), its length the listed pages' tokens. The kernel reads the
+    bf16/fp16 pages in place and accumulates in float32, as it does for stock vLLM's decode.
+    Tested against :func:`~sparseattn.vllm.paged.attend_pages` (tests/test_vllm_plugin.py).
+    """
+    import torch
+    from vllm import _custom_ops as ops
+
+    B, H_q, D = query.shape
+    N, H, bs, _ = kv_cache.shape
+    Gs, P = pages.shape[2], pages.shape[3]
+    g = H_q // H // Gs
+    V = B * H * Gs  # the kernel's sequences
+    phys = block_table.long().gather(1, pages.clamp(min=0).view(B, -1)).view(B, H, Gs, P)
+    table = (phys * H + torch.arange(H).view(1, H, 1, 1)).view(V, P).to(torch.int32)
+    n_pages = (seq_lens.long() + bs - 1) // bs
+    short = (n_pages * bs - seq_lens.long()).view(B, 1, 1)  # unused slots of each sequence's last page
+    lens = ((pages >= 0).sum(-1) * bs - short).view(V).to(torch.int32)
+    key_cache, value_cache = kv_cache.view(N * H, 1, 2 * bs, D).chunk(2, dim=2)
+    q = query.reshape(V, g, D).contiguous()
+    starts = torch.arange(V + 1, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=V, num_heads=g, num_kv_heads=1, head_dim=D, seq_lens=lens, dtype=kv_cache.dtype,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+    )
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts, seq_lens=lens,
+        scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=softcap or 0.0,
+        scheduler_metadata=metadata, s_aux=None,
+    )
+    return out.view(B, H_q, D)
 
 
 def _layer_index(name: str) -> int:
@@ -65,7 +109,7 @@ def _classes() -> dict[str, type]:
     )
 
     from sparseattn.vllm.config import current_request
-    from sparseattn.vllm.paged import PagedPolicy, PageSummaries, paged_decode
+    from sparseattn.vllm.paged import PagedPolicy, PageSummaries, select_pages
 
     logger = init_logger("vllm.sparseattn")  # under vLLM's logger, which has the handlers
 
@@ -120,11 +164,10 @@ def _classes() -> dict[str, type]:
             params, generator = self._prepared
             if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
                 self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
-            out[rows] = paged_decode(
-                self.policy, params, generator, kv_cache, query[rows].view(-1, self.num_heads, self.head_size),
-                attn_metadata.block_table[decode], attn_metadata.seq_lens[decode], self.scale,
-                self.logits_soft_cap or None, self._summaries,
-            )
+            q = query[rows].view(-1, self.num_heads, self.head_size)
+            table, lens = attn_metadata.block_table[decode], attn_metadata.seq_lens[decode]
+            pages = select_pages(self.policy, params, generator, kv_cache, q, table, lens, self.scale, self._summaries)
+            out[rows] = kernel_attend_pages(q, kv_cache, table, pages, lens, self.scale, self.logits_soft_cap or None, isa)
             return output
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

@@ -36,9 +36,12 @@ from sparseattn.methods.dense import Dense
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.selectors.base import selector_seed
-from sparseattn.summaries.base import TopKAwareSummary
+from sparseattn.summaries.base import SegmentKeys, TopKAwareSummary
 
-__all__ = ["PageSummaries", "PagedPolicy", "page_layout", "page_views", "paged_decode", "paged_decode_ref"]
+__all__ = [
+    "PageKeys", "PageSummaries", "PagedPolicy", "attend_pages", "page_layout", "page_views", "paged_decode", "paged_decode_ref",
+    "select_pages",
+]
 
 
 def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,11 +164,10 @@ class PageSummaries:
             self.valid[torch.div(slots, self.block_size, rounding_mode="floor").long()] = False
 
     def get(self, summary: Any, params: Any, keys_t: torch.Tensor, blocks: torch.Tensor, root: float) -> tuple[torch.Tensor, ...]:
-        """Summaries ``[1, H_kv, S, ...]`` of the physical ``blocks: [S]``, computing the missing ones."""
+        """Summaries ``[B, H_kv, S, ...]`` of the physical ``blocks: [B, S]``, computing the missing ones."""
         missing = blocks[~self.valid[blocks]].unique()
         if missing.numel():
-            seg = keys_t[missing].permute(1, 0, 3, 2).unsqueeze(0).float() * root  # [1, H, m, bs, D]
-            fresh = summary.summarize(params, seg)
+            fresh = summary.summarize(params, _page_keys(keys_t, missing[None], root))
             if self.store is None:
                 n = self.valid.shape[0]
                 self.store = [torch.zeros(n, *t.shape[1:2], *t.shape[3:], dtype=t.dtype) for t in fresh]
@@ -173,70 +175,161 @@ class PageSummaries:
                 buf[missing] = t[0].transpose(0, 1)
             self.valid[missing] = True
             self.computed += int(missing.numel())
-        return tuple(buf[blocks].transpose(0, 1).unsqueeze(0) for buf in self.store)
+        return tuple(buf[blocks].transpose(1, 2) for buf in self.store)
 
 
-def _select_pages(
-    policy: PagedPolicy, params: Any, generator: torch.Generator, keys_t: torch.Tensor, blocks: torch.Tensor,
-    lay: SegmentLayout, q: torch.Tensor, scale: float, cache: PageSummaries | None = None,
-) -> torch.Tensor:
-    """Logical page numbers each selection attends, ``[H_kv, G', P]`` (sink, selected, tail pages; ascending within parts)."""
-    H, G, _ = q.shape
-    bs = lay.segment_size
-    sink_pages = lay.sink_end // bs
-    n_pages = -(-lay.length // bs)
-    k = policy.pages_for(lay)
+def _page_keys(keys_t: torch.Tensor, blocks: torch.Tensor, root: float) -> torch.Tensor:
+    """Scaled float32 keys ``[B, H, S, bs, D]`` of the physical ``blocks: [B, S]`` (a copy)."""
+    return keys_t[blocks].permute(0, 2, 1, 4, 3).float() * root  # [B, S, H, D, bs] -> [B, H, S, bs, D]
+
+
+class PageKeys(SegmentKeys):
+    """Candidate pages' keys as a summary that ``reads_keys`` receives them, read from the paged cache on demand.
+
+    radar+'s exact rerank asks for the keys of its shortlist only (:meth:`take`): those pages are
+    copied out of vLLM's cache, the other candidates are never read. :meth:`all` (an oracle such as
+    ``radar-exact``) copies every candidate page. ``blocks: [B, S]`` are the candidates' physical
+    block ids; keys come scaled by ``factor`` in float32, as the decode state hands them.
+    """
+
+    def __init__(self, keys_t: torch.Tensor, blocks: torch.Tensor, factor: float) -> None:
+        from sparseattn.backends.registry import get_backend
+
+        # Not SegmentKeys.__init__: there is no [B, H, S, c, D] view of a paged cache to hold as ``raw``.
+        self.keys_t, self.blocks, self.factor, self.dtype = keys_t, blocks, factor, torch.float32
+        self.workspace = None
+        self.backend = get_backend("torch")  # the cpu kernel reads ``raw`` in place, which pages do not have
+
+    @property
+    def shape(self) -> torch.Size:
+        N, H, D, bs = self.keys_t.shape
+        return torch.Size((self.blocks.shape[0], H, self.blocks.shape[1], bs, D))
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """Every candidate page's unscaled keys ``[B, H, S, bs, D]`` (a copy: for references and tests)."""
+        return self.keys_t[self.blocks].permute(0, 2, 1, 4, 3)
+
+    def all(self) -> torch.Tensor:
+        return _page_keys(self.keys_t, self.blocks, self.factor)
+
+    def take(self, index: torch.Tensor) -> torch.Tensor:
+        """Candidates ``index: [B, H, m]`` -> scaled keys ``[B, H, m, bs, D]``: only those pages are read."""
+        B, H, m = index.shape
+        N, _, D, bs = self.keys_t.shape
+        phys = self.blocks.gather(1, index.reshape(B, H * m)).view(B, H, m)
+        rows = (phys * H + torch.arange(H).view(1, H, 1)).flatten()  # whole contiguous pages of one head
+        taken = self.keys_t.flatten(0, 1).index_select(0, rows).view(B, H, m, D, bs)
+        return taken.transpose(-1, -2).float().mul_(self.factor)
+
+
+def _choose_pages(
+    policy: PagedPolicy, params: Any, generator: torch.Generator, keys_t: torch.Tensor, block_table: torch.Tensor,
+    layouts: list[SegmentLayout], q: torch.Tensor, scale: float, cache: PageSummaries | None,
+) -> list[torch.Tensor]:
+    """Per sequence, the logical pages it attends ``[H_kv, G', P_i]``: sinks, selected candidates, tail.
+
+    The tail comes last, so a list's only partial page (the sequence's last) is its last entry: a
+    paged kernel given the list as a block table and ``(P_i - 1) * bs + `` the last page's fill as the
+    length attends exactly these tokens.
+
+    Sequences whose candidates are scored alike (the same sink pages, candidate count and page count
+    to select) are scored and selected together, as one batch of the method's own parts: any
+    summary and selector sees exactly the tensors the decode state would give it, no padding.
+    """
+    B, H, G, _ = q.shape
     shared = 1 if policy.dense or policy.method.shared_kv_selection else G
-    if k >= lay.n_segments:
-        chosen = torch.arange(lay.n_segments).expand(H, shared, lay.n_segments)
-    else:
+    bs = layouts[0].segment_size
+    chosen: list[torch.Tensor | None] = [None] * B
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, lay in enumerate(layouts):
+        k = policy.pages_for(lay)
+        if k >= lay.n_segments:  # every candidate
+            chosen[i] = torch.arange(lay.n_segments).expand(H, shared, lay.n_segments)
+        else:
+            groups.setdefault((lay.sink_end // bs, lay.n_segments, k), []).append(i)
+    root = math.sqrt(scale)
+    for (sink_pages, n_seg, k), members in groups.items():
         m = policy.method
-        root = math.sqrt(scale)
+        idx = torch.tensor(members)
         if m.selector.uses_scores:
-            cand = blocks[sink_pages : sink_pages + lay.n_segments]
-            seg = None
-            if m.summary.reads_keys:  # [S, H, D, bs] -> [1, H, S, bs, D], scaled: a copy of every candidate's keys
-                seg = keys_t[cand].permute(1, 0, 3, 2).unsqueeze(0).float() * root
+            cand = block_table[idx, sink_pages : sink_pages + n_seg].long()  # [b, S] physical blocks
+            seg_keys = PageKeys(keys_t, cand, root)
             if cache is not None:
                 summaries = cache.get(m.summary, params, keys_t, cand, root)
-            else:  # the segment keys, pre-scaled as the decode state scales them
-                if seg is None:
-                    seg = keys_t[cand].permute(1, 0, 3, 2).unsqueeze(0).float() * root
-                summaries = m.summary.summarize(params, seg)
+            else:
+                summaries = m.summary.summarize(params, seg_keys.all())
             extra = {"top_k": k} if isinstance(m.summary, TopKAwareSummary) and m.summary.uses_top_k else {}
-            keys_arg = seg if m.summary.reads_keys else None
-            scores = m.summary.score(params, summaries, (q.float() * root).unsqueeze(0), keys_arg, bs, **extra)  # [1, H, G, S]
+            keys_arg = seg_keys if m.summary.reads_keys else None
+            scores = m.summary.score(params, summaries, q[idx].float() * root, keys_arg, bs, **extra)  # [b, H, G, S]
             if shared == 1:
                 scores = torch.logsumexp(scores, dim=2, keepdim=True)
         else:
-            scores = torch.zeros(1, H, shared, lay.n_segments)
-        chosen = m.selector.select(scores, k, generator)[0]  # [H, G', k]
-    chosen = chosen + sink_pages
-    fixed = torch.cat([torch.arange(sink_pages), torch.arange(sink_pages + lay.n_segments, n_pages)])
-    return torch.cat([fixed.expand(H, shared, -1), chosen], dim=-1)
+            scores = torch.zeros(len(members), H, shared, n_seg)
+        picked = m.selector.select(scores, k, generator)  # [b, H, G', k]
+        for j, i in enumerate(members):
+            chosen[i] = picked[j]
+    pages = []
+    for lay, c in zip(layouts, chosen):
+        sink_pages, n_pages = lay.sink_end // bs, -(-lay.length // bs)
+        sinks = torch.arange(sink_pages).expand(H, shared, -1)
+        tail = torch.arange(sink_pages + lay.n_segments, n_pages).expand(H, shared, -1)
+        pages.append(torch.cat([sinks, c + sink_pages, tail], dim=-1))
+    return pages
 
 
-def _attend_pages(
-    q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, pages: torch.Tensor,
-    length: int, scale: float, softcap: float | None,
+def select_pages(
+    policy: PagedPolicy, params: Any, generator: torch.Generator, kv_cache: torch.Tensor, query: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, summaries: PageSummaries | None = None,
 ) -> torch.Tensor:
-    """float32 softmax attention of ``q: [H_kv, G, D]`` over the listed pages ``[H_kv, G', P]``: ``[H_kv, G, D]``."""
-    H, G, D = q.shape
-    bs = keys_t.shape[-1]
-    phys = blocks[pages]  # [H, G', P]
-    # One row per (block, head) of the flattened views: index_select copies whole contiguous pages; indexing
-    # keys_t[phys, heads] and converting that to float32 was ~20x slower (strided bf16 -> float32 copy).
-    rows = (phys * keys_t.shape[1] + torch.arange(H)[:, None, None]).flatten()
-    k = keys_t.flatten(0, 1).index_select(0, rows).view(*phys.shape, D, bs).float()  # [H, G', P, D, bs]
-    v = values.flatten(0, 1).index_select(0, rows).view(*phys.shape, bs, D).float()  # [H, G', P, bs, D]
-    valid = (pages[..., None] * bs + torch.arange(bs)) < length  # [H, G', P, bs]: the last page is partial
-    qg = q.float().reshape(H, pages.shape[1], G // pages.shape[1], D)  # [H, G', G/G', D]
-    logits = torch.einsum("hsgd,hspdn->hsgpn", qg, k) * scale
+    """The logical pages each decode query attends: ``[B, H_kv, G', P]``, ``-1`` past a list's end.
+
+    ``G'`` is 1 when a KV group shares its selection (dense, ``shared_kv_selection``), else the
+    group size. Each list is sinks, selected candidates, tail (:func:`_choose_pages`), so the
+    sequence's partial last page is the list's last entry. Arguments as :func:`paged_decode`.
+    """
+    keys_t = page_views(kv_cache)[0]
+    H_kv, D, bs = keys_t.shape[1], keys_t.shape[2], keys_t.shape[3]
+    B, H_q = query.shape[0], query.shape[1]
+    q = query.reshape(B, H_kv, H_q // H_kv, D)
+    layouts = [policy.layout(length, bs) for length in seq_lens.tolist()]
+    lists = _choose_pages(policy, params, generator, keys_t, block_table, layouts, q, scale, summaries)
+    pages = torch.full((B, *lists[0].shape[:2], max(p.shape[-1] for p in lists)), -1, dtype=torch.long)
+    for i, p in enumerate(lists):
+        pages[i, ..., : p.shape[-1]] = p
+    return pages
+
+
+def attend_pages(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, pages: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
+) -> torch.Tensor:
+    """float32 softmax attention of ``query: [B, H_q, D]`` over the listed logical pages ``[B, H_kv, G', P]`` (-1: none).
+
+    The torch path (and the reference of a kernel's): one gather of whole pages for the batch (rows
+    of the ``[N * H_kv, ...]`` views: indexing the bf16 cache per head then converting was ~20x
+    slower), one product per page with the query rows broadcast, one softmax over every page of a
+    row, the last page masked past the sequence's length. Returns ``[B, H_q, D]`` in the query's dtype.
+    """
+    keys_t, values = page_views(kv_cache)
+    B, H_q, D = query.shape
+    H, bs = keys_t.shape[1], keys_t.shape[-1]
+    Gs, P = pages.shape[2], pages.shape[3]
+    g = H_q // H // Gs  # query rows sharing one page list
+    phys = block_table.long().gather(1, pages.clamp(min=0).view(B, -1)).view(B, H, Gs, P)
+    rows = (phys * H + torch.arange(H).view(1, H, 1, 1)).flatten()
+    k = keys_t.flatten(0, 1).index_select(0, rows).view(B, H, Gs, P, D, bs).float()
+    v = values.flatten(0, 1).index_select(0, rows).view(B, H, Gs, P, bs, D).float()
+    positions = pages.unsqueeze(-1) * bs + torch.arange(bs)  # [B, H, G', P, bs]
+    valid = (pages.unsqueeze(-1) >= 0) & (positions < seq_lens.view(B, 1, 1, 1, 1))
+    q = query.float().reshape(B, H, Gs, 1, g, D)
+    logits = torch.matmul(q, k) * scale  # [B, H, G', P, g, bs]
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-    probs = torch.softmax(logits.flatten(-2), dim=-1).view_as(logits)
-    return torch.einsum("hsgpn,hspnd->hsgd", probs, v).reshape(H, G, D)
+    logits = logits.masked_fill(~valid.unsqueeze(-2), float("-inf"))
+    flat = logits.transpose(3, 4).reshape(B, H, Gs, g, P * bs)
+    probs = torch.softmax(flat, dim=-1).view(B, H, Gs, g, P, bs).transpose(3, 4)  # [B, H, G', P, g, bs]
+    return torch.matmul(probs, v).sum(3).reshape(B, H_q, D).to(query.dtype)
 
 
 def paged_decode(
@@ -248,20 +341,13 @@ def paged_decode(
 
     ``kv_cache: [N, H_kv, bs, 2 D]`` (the CPU layout, :func:`page_views`); ``block_table: [B, >= ceil(L/bs)]``
     physical block ids; ``seq_lens: [B]`` tokens per sequence, the current one included (already in the cache).
-    Per sequence: sink pages + the selected candidate pages + the tail pages, one float32 softmax.
-    ``summaries`` keeps page summaries between steps (None: summarise the candidate pages every step).
+    Per sequence: sink pages + the selected candidate pages + the tail pages, one float32 softmax:
+    :func:`select_pages` then :func:`attend_pages` (the vLLM backend runs vLLM's own paged kernel
+    over the same page lists instead). ``summaries`` keeps page summaries between steps (None:
+    summarise the candidate pages every step).
     """
-    keys_t, values = page_views(kv_cache)
-    H_kv, D, bs = keys_t.shape[1], keys_t.shape[2], keys_t.shape[3]
-    H_q = query.shape[1]
-    out = torch.empty_like(query)
-    for i, length in enumerate(seq_lens.tolist()):
-        blocks = block_table[i, : -(-length // bs)].long()
-        q = query[i].reshape(H_kv, H_q // H_kv, D)
-        lay = policy.layout(length, bs)
-        pages = _select_pages(policy, params, generator, keys_t, blocks, lay, q, scale, summaries)
-        out[i] = _attend_pages(q, keys_t, values, blocks, pages, length, scale, softcap).reshape(H_q, D).to(query.dtype)
-    return out
+    pages = select_pages(policy, params, generator, kv_cache, query, block_table, seq_lens, scale, summaries)
+    return attend_pages(query, kv_cache, block_table, pages, seq_lens, scale, softcap)
 
 
 def paged_decode_ref(
