@@ -15,7 +15,7 @@ import sparseattn
 from sparseattn import registry
 from sparseattn.cli.compare import compare
 from sparseattn.cli.demo import demo
-from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, sweep
+from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, ruler, sweep
 from sparseattn.cli.generate import generate
 from sparseattn.data.cli import app as data_app
 from sparseattn.evaluation.longbench_cli import app as longbench_app
@@ -90,7 +90,7 @@ def list_methods() -> None:
     console.print(table)
 
 
-for command in (compare, demo, generate, ppl, plot, needle, diagnose, sweep):
+for command in (compare, demo, generate, ppl, plot, needle, ruler, diagnose, sweep):
     app.command(cls=Command)(command)
 longbench_app.command("run", cls=Command)(longbench_run)
 for sub_app in (data_app, longbench_app):

@@ -1,4 +1,4 @@
-"""The evaluation commands: ``ppl``, ``plot``, ``needle``, ``diagnose``, ``sweep`` and ``longbench run``.
+"""The evaluation commands: ``ppl``, ``plot``, ``needle``, ``ruler``, ``diagnose``, ``sweep`` and ``longbench run``.
 
 Methods are named on the command line as ``NAME[:key=value,...]`` with the keys of
 :mod:`sparseattn.registry` options that the method takes (``sparseattn methods`` lists
@@ -454,6 +454,150 @@ def needle(
         dirs.append(run.path)
     console.print(table)
     wrote(dirs, "config.json, samples.jsonl, summary.json, grid.json, heatmap.png in each")
+
+
+def _ruler_tasks(names: Sequence[str]) -> list[str]:
+    """``--task`` values resolved to RULER task names, in RULER's order, each once (``all``: the 11 offline tasks)."""
+    from sparseattn.data.ruler import RULER_QA, RULER_TASKS
+
+    allowed = f"all, {', '.join(RULER_TASKS)}"
+    chosen: set[str] = set()
+    for name in names:
+        if name in RULER_QA:
+            raise bad("--task", f"{name} needs the {RULER_QA[name]} data set, which cannot be fetched offline, so it is "
+                      f"not generated; allowed: {allowed}")
+        if name != "all" and name not in RULER_TASKS:
+            close = difflib.get_close_matches(name, list(RULER_TASKS), n=2)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise bad("--task", f"unknown task {name!r}{hint}; allowed: {allowed}")
+        chosen |= set(RULER_TASKS) if name == "all" else {name}
+    return [name for name in RULER_TASKS if name in chosen]
+
+
+def ruler(
+    model: str = MODEL,
+    method: list[str] = METHOD,
+    budget: int | None = BUDGET,
+    task: list[str] = typer.Option(
+        ["all"], "--task", help="RULER tasks (repeatable): niah_single_1..3, niah_multikey_1..3, niah_multivalue, "
+        "niah_multiquery, vt, cwe, fwe, or all (qa_1/qa_2 need SQuAD/HotpotQA, not available offline)"
+    ),
+    lengths: list[int] = typer.Option([4096], "--length", help="target prompt lengths in tokens, answer included (repeatable)"),
+    depths: list[float] = typer.Option(
+        None, "--depth", help="needle depths in percent, 0 to 100, for the one-needle NIAH tasks (repeatable; default: "
+        "RULER's random depth per sample); the other tasks spread their needles or have no depth"
+    ),
+    samples: int = typer.Option(1, help="samples per task x length x depth (>= 1; RULER: 500)"),
+    haystack: str = typer.Option("paradise-lost", help="text for the prose haystack (RULER's essays) of NIAH tasks"),
+    max_new_tokens: int | None = typer.Option(
+        None, help="answer tokens generated, for every task (>= 1; default: RULER's, 128 NIAH, 30 vt, 120 cwe, 50 fwe)"
+    ),
+    chat: bool = typer.Option(False, help="wrap prompts in the tokenizer's chat template"),
+    seed: int = typer.Option(0),
+    out: Path = OUT,
+    dtype: str = DTYPE,
+) -> None:
+    """RULER's synthetic tasks (NIAH, vt, cwe, fwe) for several methods, one prefill per prompt: heatmaps and a table."""
+    from sparseattn.data.ruler import RULER_TASKS, tokens_to_generate
+
+    torch_dtype = check_dtype(dtype)
+    names = _ruler_tasks(task)
+    depths = list(depths or [])
+    for length in lengths:
+        check_range("--length", length, 1)
+    for depth in depths:
+        check_range("--depth", depth, 0, 100)
+    if depths and not any(RULER_TASKS[name].num_needles == 1 for name in names):
+        raise bad("--depth", f"none of the tasks {', '.join(names)} has one needle to place (vt and the multi-needle "
+                  "tasks spread theirs as RULER does, cwe and fwe have no depth); allowed: --depth with niah_single_1..3, "
+                  "niah_multikey_2 or niah_multikey_3")
+    check_range("--samples", samples, 1)
+    check_range("--max-new-tokens", max_new_tokens, 1)
+    resolved = parse_methods(method, budget)
+    check_out(out)
+    info = inspect_model(model)
+    for length in lengths:
+        if info.window is not None and length > info.window:
+            raise bad("--length", f"{length} is beyond the model's {info.window} positions; allowed: up to {info.window}")
+    prose = any(getattr(RULER_TASKS[name], "haystack", None) == "prose" for name in names)
+    haystack_text = read_text(haystack, "--haystack") if prose else None
+    tokenizer = info.tokenizer()
+    if chat and getattr(tokenizer, "chat_template", None) is None:
+        raise bad("--chat", f"the tokenizer of {model!r} has no chat template")
+
+    from sparseattn.evaluation.generation import (
+        build_samples,
+        needle_plan,
+        shortest_lengths,
+    )
+
+    # Every prompt is built before the weights load: a length a task cannot be built at fails in seconds.
+    root = out / run_name("ruler", dtype)
+    jobs = []
+    for name in names:
+        retrieval, answer = RULER_TASKS[name], max_new_tokens or tokens_to_generate(name)
+        text = haystack_text if getattr(retrieval, "haystack", None) == "prose" else None
+        plan = needle_plan(retrieval, lengths, depths, samples, seed)
+        shortest = shortest_lengths(retrieval, tokenizer, plan, max_new_tokens=answer, haystack_text=text, chat=chat)
+        for length in lengths:
+            if length < shortest[length]:
+                raise bad("--length", f"{length} is too short for {name}: its prompt without any haystack has "
+                          f"{shortest[length] - answer} tokens, and {answer} answer tokens come on top; "
+                          f"allowed: {shortest[length]} to {info.window}")
+        try:
+            built = build_samples(retrieval, tokenizer, plan, max_new_tokens=answer, haystack_text=text, chat=chat)
+        except ValueError as err:
+            raise bad("--length", str(err)) from None
+        runs = []
+        for label, sparse_method, given in resolved:
+            config = {"command": "ruler", "model": model, "task": name, "task_params": repr(retrieval),
+                      "max_new_tokens": answer, "chat": chat, "seed": seed, "dtype": dtype, "method": label,
+                      "budget": given.get("budget"), "params": repr(sparse_method), "haystack": haystack if text else None}
+            runs.append((label, sparse_method, root / name / _slug(label), config))
+        jobs.append((name, retrieval, answer, plan, built, runs))
+    check_runs([(path, config) for *_, runs in jobs for _, _, path, config in runs])
+
+    from sparseattn.evaluation.generation import accuracy_grid, depth_label, run_shared
+    from sparseattn.evaluation.plots import heatmap, ruler_markdown, ruler_rows
+    from sparseattn.evaluation.runs import RunDir, write_json
+
+    hf_model = info.load(torch_dtype)
+    labels = [label for label, _, _ in resolved]
+    scores: dict[str, dict[str, dict[int, float]]] = {}
+    for name, retrieval, answer, plan, built, runs in jobs:
+        dirs = {label: (sparse_method, RunDir(path, config)) for label, sparse_method, path, config in runs}
+        records = run_shared(hf_model, tokenizer, retrieval, dirs, built, max_new_tokens=answer, chat=chat)
+        shown = list(dict.fromkeys(d for _, d, _ in plan))
+        columns = [depth_label(retrieval, d) for d in shown]
+        scores[name] = {}
+        for label, (_, run) in dirs.items():
+            mine = records[label]
+            grid = accuracy_grid(mine, lengths, shown)
+            scores[name][label] = {n: sum(row) / len(row) for n, row in zip(lengths, grid)}
+            run.finish({**run.config, "lengths": lengths, "depths": shown, "samples": samples, "grid": grid,
+                        "accuracy": sum(r["score"] for r in mine) / len(mine), "n_samples": len(mine),
+                        "mean_attended_tokens": sum(r["attended"] for r in mine) / len(mine)})
+            xlabel = "no needle depth: the answer words are spread over the whole text" if retrieval.num_needles == 0 \
+                else "needle depth"
+            heatmap(grid, [str(n) for n in lengths], columns, run.path / "heatmap.png", f"{name}, {label}", xlabel,
+                    "prompt tokens")
+            write_json(run.path / "grid.json", {"lengths": lengths, "depths": shown, "columns": columns, "accuracy": grid})
+    rows = ruler_rows(scores, lengths)
+    table = Table(title=f"RULER accuracy (%), {samples} sample(s) per cell; mean: over the tasks")
+    for column in ("task", "length", *labels):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row["task"], str(row["length"]), *("-" if row.get(m) is None else f"{row[m]:.1f}" for m in labels))
+    console.print(table)
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(root / "summary.json", {"tasks": names, "methods": labels, "lengths": lengths, "samples": samples,
+                                       "scores": scores, "rows": rows})
+    (root / "summary.md").write_text(ruler_markdown(rows, labels) + "\n")
+    matrix = [[float("nan") if r.get(m) is None else r[m] for m in labels] for r in rows]
+    heatmap(matrix, [f"{r['task']} @ {r['length']}" for r in rows], labels, root / "summary.png",
+            f"RULER accuracy (%), {samples} sample(s) per cell", "method", "task @ length")
+    wrote([root / "summary.md", root / "summary.json", root / "summary.png"],
+          "and per task and method: config.json, samples.jsonl, summary.json, grid.json, heatmap.png")
 
 
 def diagnose(

@@ -92,6 +92,9 @@ def token_counter(tokenizer: Callable[[str], int] | Any) -> Callable[[str], int]
             returning the number of tokens directly.
     """
     encode = getattr(tokenizer, "encode", None)
+    if callable(encode) and hasattr(tokenizer, "model_max_length"):
+        # An HF tokenizer warns of "indexing errors" past its maximum length; fitting probes past it on purpose.
+        return lambda text: len(encode(text, verbose=False))
     if callable(encode):
         return lambda text: len(encode(text))
     if not callable(tokenizer):
@@ -160,9 +163,26 @@ class RetrievalTask:
 
     A subclass has a ``name`` and implements ``_parts(units, seed, depths, haystack_text)``, which
     must draw everything random from ``seed`` alone, so that only the haystack grows with ``units``.
+    A task whose rules depend on the tokenizer or on the target length (RULER's one-shot example of
+    ``vt``, the word frequencies of ``cwe`` below 4096 tokens) fixes them in :meth:`_resolved`; a task
+    that can grow only so far (``cwe``, bounded by its word list) says how far in :attr:`max_units`.
     """
 
     name: str
+
+    @property
+    def num_needles(self) -> int:
+        """Needles with a depth each: 1 (one depth asked for), more (spread as RULER does) or 0 (no depth)."""
+        return 1
+
+    @property
+    def max_units(self) -> int | None:
+        """The largest haystack the task can build (None: unbounded)."""
+        return None
+
+    def _resolved(self, count: Callable[[str], int], target_tokens: int | None) -> RetrievalTask:
+        """The task with its tokenizer- or length-dependent settings fixed (this one when it has none)."""
+        return self
 
     def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> _Parts:
         raise NotImplementedError
@@ -178,13 +198,20 @@ class RetrievalTask:
         seed: int = 0,
         depths: float | Sequence[float] | None = None,
         haystack_text: str | None = None,
+        target_tokens: int | None = None,
     ) -> NeedleSample:
-        """The sample with exactly ``haystack_units`` haystack units (no length fitting)."""
+        """The sample with exactly ``haystack_units`` haystack units (no length fitting).
+
+        ``target_tokens`` is the length the sample is built for, for the tasks whose rules depend on
+        it (``cwe``, ``fwe``); it is recorded, not fitted to.
+        """
         check_int("", "haystack_units", haystack_units, 0)
         depth_list = _depth_list(depths)
         self._check_inputs(depth_list, haystack_text)
-        parts = self._parts(haystack_units, seed, depth_list, haystack_text)
-        return self._sample(parts, token_counter(tokenizer)(parts.prompt), None, haystack_units, seed)
+        count = token_counter(tokenizer)
+        task = self._resolved(count, target_tokens)
+        parts = task._parts(haystack_units, seed, depth_list, haystack_text)
+        return self._sample(parts, count(parts.prompt), target_tokens, haystack_units, seed)
 
     def _sample(self, parts: _Parts, num_tokens: int, target_tokens: int | None, units: int, seed: int) -> NeedleSample:
         return NeedleSample(
@@ -226,11 +253,15 @@ class RetrievalTask:
         self._check_inputs(depth_list, haystack_text)
         count = token_counter(tokenizer)
         budget = target_tokens - reserve_tokens
+        task = self._resolved(count, target_tokens)
+        cap = task.max_units
         memo: dict[int, int] = {}
 
         def tokens(units: int) -> int:
+            if cap is not None and units > cap:
+                return budget + 1  # cannot be built, so it does not fit either
             if units not in memo:
-                memo[units] = count(self._parts(units, seed, depth_list, haystack_text).prompt)
+                memo[units] = count(task._parts(units, seed, depth_list, haystack_text).prompt)
             return memo[units]
 
         if tokens(0) > budget:
@@ -239,7 +270,12 @@ class RetrievalTask:
                 f"but the prompt without any haystack already has {tokens(0)}"
             )
         units = fit_units(tokens, budget)
-        parts = self._parts(units, seed, depth_list, haystack_text)
+        if units == cap:  # the fit stopped at the largest haystack there is, not at the length asked for
+            raise ValueError(
+                f"{self.name}: target_tokens={target_tokens} needs more than the {cap} haystack units this task can "
+                f"build (they make {tokens(cap)} tokens with reserve_tokens={reserve_tokens}); use a shorter length"
+            )
+        parts = task._parts(units, seed, depth_list, haystack_text)
         return self._sample(parts, tokens(units), target_tokens, units, seed)
 
     def samples(
@@ -367,18 +403,19 @@ class PasskeyTask(RetrievalTask):
 # -- RULER NIAH -----------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def _word_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """wonderwords' adjective and noun lists, which RULER combines into ``adjective-noun`` keys."""
+@lru_cache(maxsize=4)
+def wonderwords_list(name: str) -> tuple[str, ...]:
+    """One of wonderwords' word lists (``nounlist.txt``, ``adjectivelist.txt``, ``verblist.txt``), as stored."""
     try:
         assets = files("wonderwords") / "assets"
     except ModuleNotFoundError:
-        raise ImportError("NIAH keys or values of type 'words' need wonderwords: pip install wonderwords") from None
+        raise ImportError("RULER's word tasks (NIAH 'words', cwe) need wonderwords: pip install wonderwords") from None
+    return tuple(w.strip() for w in (assets / name).read_text(encoding="utf-8").splitlines() if w.strip())
 
-    def read(name: str) -> tuple[str, ...]:
-        return tuple(w.strip() for w in (assets / name).read_text(encoding="utf-8").splitlines() if w.strip())
 
-    return read("adjectivelist.txt"), read("nounlist.txt")
+def _word_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """wonderwords' adjective and noun lists, which RULER combines into ``adjective-noun`` keys."""
+    return wonderwords_list("adjectivelist.txt"), wonderwords_list("nounlist.txt")
 
 
 def _draw(rng: random.Random, kind: str) -> str:
@@ -458,6 +495,7 @@ class NiahTask(RetrievalTask):
 
     @property
     def num_needles(self) -> int:
+        """One needle per key and value."""
         return self.num_keys * self.num_values
 
     def _check_inputs(self, depths: list[float] | None, haystack_text: str | None) -> None:

@@ -1,5 +1,6 @@
-"""Greedy generation under a method, and the two generation benchmarks built on it: retrieval
-(needle) tasks and LongBench v1. Both are resumable: one JSONL record per finished sample."""
+"""Greedy generation under a method, and the generation benchmarks built on it: retrieval (needle)
+tasks, RULER's synthetic tasks for several methods over one prefill per prompt, and LongBench v1.
+All are resumable: one JSONL record per finished sample."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from typing import Any
 
 import torch
 
-from sparseattn.data.needle import RetrievalTask, clean_prediction, string_match_all
+from sparseattn.data.needle import (
+    NeedleSample,
+    RetrievalTask,
+    clean_prediction,
+    string_match_all,
+)
 from sparseattn.evaluation import longbench as lb
 from sparseattn.evaluation.runs import RunDir
 from sparseattn.hf import apply
@@ -75,15 +81,48 @@ def greedy(model, tokenizer, sparse, ids: torch.Tensor, max_new_tokens: int, sto
     )
 
 
+def continue_greedy(model, tokenizer, cache, logits: torch.Tensor, prompt_tokens: int, max_new_tokens: int) -> Generation:
+    """Greedy decoding from a prefilled ``cache`` whose prompt's next-token ``logits: [1, vocab]`` are known.
+
+    The tokens :func:`greedy` generates for the same prompt and method: the first is the argmax of
+    the (dense) prefill's logits, each next one the argmax of a decode step through the cache's
+    method; it stops after the end-of-sequence token or at ``max_new_tokens``. ``seconds`` counts the
+    decode steps only (the prefill was shared). The model must have a method applied.
+    """
+    window = getattr(model.config, "max_position_embeddings", None)
+    if window is not None and prompt_tokens + max_new_tokens > window:
+        raise ValueError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model's {window} positions")
+    eos = tokenizer.eos_token_id
+    token = logits.argmax(-1, keepdim=True)  # [1, 1]
+    new = [int(token)]
+    start = time.perf_counter()
+    with torch.no_grad():
+        while len(new) < max_new_tokens and new[-1] != eos:
+            out = model(token.to(model.device), past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            new.append(int(token))
+    return Generation(
+        text=tokenizer.decode(new, skip_special_tokens=True),
+        new_tokens=len(new),
+        prompt_tokens=prompt_tokens,
+        seconds=time.perf_counter() - start,
+        mean_attended=cache.mean_attended(),
+    )
+
+
 def needle_plan(
     task: RetrievalTask, lengths: Sequence[int], depths: Sequence[float], samples: int, seed: int
 ) -> list[tuple[int, float, int]]:
     """The ``(length, depth, seed)`` of every sample :func:`run_needle` runs, in order.
 
-    A distinct seed per sample, so cells do not share needles; tasks with several needles have one
-    depth, :data:`SPREAD` (RULER's spread of depths).
+    A distinct seed per sample, so cells do not share needles. Tasks with several needles (and, when
+    no depth is given, every task) have one depth, :data:`SPREAD`: the task draws its depths as RULER
+    does; tasks without needle depths (``cwe``, ``fwe``: the answer is spread over the whole text)
+    have :data:`NO_DEPTH`.
     """
-    if _needles(task) > 1:
+    if task.num_needles == 0:
+        depths = [NO_DEPTH]
+    elif task.num_needles > 1 or not depths:
         depths = [SPREAD]
     return [
         (n, d, seed + i + samples * (li * len(depths) + di))
@@ -91,6 +130,20 @@ def needle_plan(
         for di, d in enumerate(depths)
         for i in range(samples)
     ]
+
+
+def _task_depths(depth: float) -> list[float] | None:
+    """The ``depths`` argument of a task's ``sample`` for a planned depth (None: the task's own rule)."""
+    return None if depth in (SPREAD, NO_DEPTH) else [depth]
+
+
+def depth_label(task: RetrievalTask, depth: float) -> str:
+    """A heatmap column's name: ``50%``, ``spread`` (several needles), ``random`` (one, RULER's draw) or ``no depth``."""
+    if depth == NO_DEPTH:
+        return "no depth"
+    if depth == SPREAD:
+        return "spread" if task.num_needles > 1 else "random"
+    return f"{depth:g}%"
 
 
 def _counter(tokenizer, chat: bool) -> Callable[[str], int] | Any:
@@ -115,9 +168,31 @@ def shortest_lengths(
     count = _counter(tokenizer, chat)
     shortest: dict[int, int] = {}
     for length, depth, s in plan:
-        bare = task.render(0, count, seed=s, depths=None if depth == SPREAD else [depth], haystack_text=haystack_text)
+        bare = task.render(0, count, seed=s, depths=_task_depths(depth), haystack_text=haystack_text, target_tokens=length)
         shortest[length] = max(shortest.get(length, 0), bare.num_tokens + max_new_tokens)
     return shortest
+
+
+def build_samples(
+    task: RetrievalTask,
+    tokenizer,
+    plan: Sequence[tuple[int, float, int]],
+    *,
+    max_new_tokens: int,
+    haystack_text: str | None = None,
+    chat: bool = False,
+) -> list[tuple[tuple[int, float, int], NeedleSample]]:
+    """Every planned ``(length, depth, seed)`` with its sample, fitted to ``length`` less the answer budget.
+
+    Cheap (the tokenizer only), so a command builds them all before it loads the model: a length a task
+    cannot be built at fails first. Raises the task's ValueError.
+    """
+    counter = _counter(tokenizer, chat)
+    return [
+        ((length, depth, s), task.sample(length, counter, seed=s, depths=_task_depths(depth), haystack_text=haystack_text,
+                                         reserve_tokens=max_new_tokens))
+        for length, depth, s in plan
+    ]
 
 
 def run_needle(
@@ -150,7 +225,7 @@ def run_needle(
     with apply(model, method) as sparse, run.appender("samples.jsonl") as out, \
             show_progress(f"{task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
         for length, depth, s in todo:
-            sample = task.sample(length, counter, seed=s, depths=None if depth == SPREAD else [depth],
+            sample = task.sample(length, counter, seed=s, depths=_task_depths(depth),
                                  haystack_text=haystack_text, reserve_tokens=max_new_tokens)
             prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
             ids = encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
@@ -168,13 +243,69 @@ def run_needle(
     return [r for r in records if (r["length"], r["depth"], r["seed"]) in planned]
 
 
-#: The depth recorded for tasks with several needles, whose depths RULER spreads over the haystack.
+#: The depth recorded for tasks with several needles, whose depths RULER spreads over the haystack, and
+#: for one-needle tasks run without a depth (RULER's random depth).
 SPREAD = -1.0
+#: The depth recorded for tasks whose answer has no depth (``cwe``, ``fwe``: spread over the whole text).
+NO_DEPTH = -2.0
 
 
-def _needles(task: RetrievalTask) -> int:
-    """How many depths a task's sample takes (one per inserted needle)."""
-    return int(getattr(task, "num_needles", 1) or 1)
+def run_shared(
+    model,
+    tokenizer,
+    task: RetrievalTask,
+    runs: dict[str, tuple[Any, RunDir]],
+    samples: Sequence[tuple[tuple[int, float, int], NeedleSample]],
+    *,
+    max_new_tokens: int,
+    chat: bool = False,
+    progress: bool = True,
+) -> dict[str, list[dict[str, Any]]]:
+    """Generate and score each of ``samples`` under every method of ``runs``, prefilling each prompt once.
+
+    ``runs`` maps a label to ``(method, run directory)``; ``samples`` are ``((length, depth, seed),
+    sample)`` pairs (:func:`needle_plan`'s keys, built by the task). A prompt is prefilled once for
+    the methods that have not yet recorded it (:func:`~sparseattn.evaluation.shared_prefill.prefill_shared`),
+    then each method decodes its answer greedily from its own cache (:func:`continue_greedy`: the
+    same tokens as a prefill of its own, tested); records go to each run's ``samples.jsonl`` as they
+    come, so an interrupted run resumes. Returns each method's records of these samples.
+    """
+    from sparseattn.evaluation.shared_prefill import prefill_shared
+
+    records = {label: run.records("samples.jsonl") for label, (_, run) in runs.items()}
+    done = {label: {(r["length"], r["depth"], r["seed"]) for r in rs} for label, rs in records.items()}
+    todo = [(key, sample) for key, sample in samples if any(key not in done[label] for label in runs)]
+    appenders = {label: run.appender("samples.jsonl") for label, (_, run) in runs.items()}
+    try:
+        with show_progress(f"{task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
+            for (length, depth, seed), sample in todo:
+                labels = [label for label in runs if (length, depth, seed) not in done[label]]
+                prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
+                ids = encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
+                begin = time.perf_counter()
+                prefilled = prefill_shared(model, {label: runs[label][0] for label in labels}, ids, progress=progress)
+                prefill_seconds = time.perf_counter() - begin
+                for label in labels:
+                    cache = prefilled.caches.pop(label)  # freed once decoded: one method's cache at a time grows
+                    with apply(model, runs[label][0]):
+                        gen = continue_greedy(model, tokenizer, cache, prefilled.logits, ids.shape[1], max_new_tokens)
+                    del cache
+                    prediction = clean_prediction(gen.text)
+                    record = {
+                        "length": length, "depth": depth, "seed": seed, "task": task.name, "prediction": prediction,
+                        "answers": sample.answers, "score": string_match_all([prediction], [sample.answers]),
+                        "prompt_tokens": gen.prompt_tokens, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
+                        "prefill_seconds": prefill_seconds, "prefilled_with": len(labels), "attended": gen.mean_attended,
+                        "needle_depths": sample.depths,
+                    }  # fmt: skip
+                    appenders[label].write(record)
+                    records[label].append(record)
+                bar.advance()
+    finally:
+        for appender in appenders.values():
+            appender.close()
+    planned = {key for key, _ in samples}  # earlier runs may hold more of the grid than asked for now
+    return {label: [r for r in rs if (r["length"], r["depth"], r["seed"]) in planned] for label, rs in records.items()}
 
 
 def accuracy_grid(records: Sequence[dict[str, Any]], lengths: Sequence[int], depths: Sequence[float]) -> list[list[float]]:

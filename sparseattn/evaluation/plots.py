@@ -258,3 +258,30 @@ def sweep_figure(panels: dict[str, list[tuple[Any, float]]], out: Path, title: s
     fig.suptitle(title)
     fig.tight_layout()
     return save(fig, out)
+
+
+def ruler_rows(scores: dict[str, dict[str, dict[int, float]]], lengths: Sequence[int]) -> list[dict[str, Any]]:
+    """The rows of RULER's summary table: one per task and length, then the mean over tasks per length.
+
+    ``scores[task][method][length]`` is a mean accuracy in percent; a row is ``{"task", "length",
+    <method>: accuracy, ...}`` (RULER reports the average over its tasks as its headline number).
+    """
+    methods = list(dict.fromkeys(m for per_task in scores.values() for m in per_task))
+    rows = [
+        {"task": task, "length": n, **{m: per_task[m].get(n) for m in per_task}}
+        for task, per_task in scores.items()
+        for n in lengths
+    ]
+    for n in lengths:
+        mean = {}
+        for m in methods:
+            values = [r[m] for r in rows if r["length"] == n and r.get(m) is not None and r["task"] != "mean"]
+            mean[m] = sum(values) / len(values) if values else None
+        rows.append({"task": "mean", "length": n, **mean})
+    return rows
+
+
+def ruler_markdown(rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> str:
+    """:func:`ruler_rows` as a markdown table (accuracy in percent, one column per method)."""
+    columns = [("task", "task", "{}"), ("length", "length", "{}"), *((m, m, "{:.1f}") for m in methods)]
+    return markdown_table(rows, columns)

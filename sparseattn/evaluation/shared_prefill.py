@@ -8,7 +8,8 @@ time. :class:`Fanout` is a method whose state forwards every call to the states 
 (each sees exactly the keys, values and queries it would see alone, so each builds exactly its own
 structure: SnapKV its votes, Radar its segments) and answers the prefill with the first method's
 dense output; :func:`prefill_together` runs the forward once under it and splits the cache into one
-:class:`~sparseattn.hf.cache.SparseCache` per method, ready to decode.
+:class:`~sparseattn.hf.cache.SparseCache` per method, ready to decode (:func:`prefill_shared` also returns
+the prompt's next-token logits, the same for every method, for generation: ``sparseattn ruler``).
 """
 
 from __future__ import annotations
@@ -102,26 +103,38 @@ def _split_layer(layer: SparseLayer, method: SparseMethod, index: int) -> Sparse
     return single
 
 
-def prefill_together(
-    model, methods: dict[str, SparseMethod], ids: torch.Tensor, *, progress: bool = True
-) -> dict[str, SparseCache]:
-    """Prefill ``ids: [B, T]`` once and return one ready-to-decode cache per method (same keys as ``methods``).
+@dataclass(frozen=True)
+class Prefilled:
+    """What one shared prefill gives: a ready-to-decode cache per method and the prompt's next-token logits.
+
+    Attributes:
+        caches: one :class:`~sparseattn.hf.cache.SparseCache` per method, keyed as the methods were.
+        logits: ``[B, vocab]`` float logits of the last prompt position. Every method prefills densely,
+            so these are every method's: the first generated token does not depend on the method.
+    """
+
+    caches: dict[str, SparseCache]
+    logits: torch.Tensor
+
+
+def prefill_shared(model, methods: dict[str, SparseMethod], ids: torch.Tensor, *, progress: bool = True) -> Prefilled:
+    """Prefill ``ids: [B, T]`` once: one ready-to-decode cache per method (same keys as ``methods``) and the logits.
 
     Each returned cache is what prefilling that method alone would give: its state received the same
     ``append``/``attend_block`` calls with the same tensors (tested against separate prefills).
     """
     if not methods:
-        raise ValueError("prefill_together needs at least one method, got none")
+        raise ValueError("a shared prefill needs at least one method, got none")
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ValueError(f"ids must be [batch, tokens] with tokens >= 1, got shape {tuple(ids.shape)}")
     labels = list(methods)
     fanout = Fanout(tuple(methods[label] for label in labels))
     shared = SparseCache(fanout, config=model.config)
-    # Prefill logits are not needed here: ask for the last position's only (a [B, T, vocab] tensor otherwise).
+    # Only the last position's logits are needed: ask for them alone (a [B, T, vocab] tensor otherwise).
     keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     description = f"prefill {ids.shape[0]} x {ids.shape[1]} tokens for {len(labels)} methods"
     with apply(model, fanout), torch.no_grad(), forward_progress(model, description, enabled=progress):
-        model(ids.to(model.device), past_key_values=shared, use_cache=True, **keep_last)
+        logits = model(ids.to(model.device), past_key_values=shared, use_cache=True, **keep_last).logits[:, -1].float()
     caches = {}
     for index, label in enumerate(labels):
         cache = SparseCache(methods[label], config=model.config)
@@ -130,7 +143,17 @@ def prefill_together(
             for layer in shared.layers
         ]
         caches[label] = cache
-    return caches
+    return Prefilled(caches, logits)
+
+
+def prefill_together(
+    model, methods: dict[str, SparseMethod], ids: torch.Tensor, *, progress: bool = True
+) -> dict[str, SparseCache]:
+    """Prefill ``ids: [B, T]`` once and return one ready-to-decode cache per method (same keys as ``methods``).
+
+    :func:`prefill_shared` without the logits.
+    """
+    return prefill_shared(model, methods, ids, progress=progress).caches
 
 
 def _copy_dense_layer(layer):
