@@ -158,7 +158,7 @@ def test_selected_pages_are_what_the_mask_says():
 
 @pytest.mark.parametrize(
     "name, why",
-    [("h2o", "eviction methods"), ("streamingllm", "eviction methods"), ("radar+h2o", "always-kept part")],
+    [("h2o", "eviction methods"), ("snapkv", "eviction methods"), ("radar+h2o", "always-kept part")],
 )
 def test_refused_methods_say_why(name, why):
     with pytest.raises(ValueError, match=why):
@@ -265,3 +265,23 @@ def test_radar_plus_reads_only_its_shortlisted_pages(monkeypatch):
     kept = paged.PageSummaries(cache.shape[0], bs)  # as the backend runs it: page summaries kept per block
     out = paged_decode(policy, params, gen, cache, query, table, torch.tensor(lengths), D**-0.5, summaries=kept)
     assert kept.computed == (599 // bs - 1) + (449 // bs - 1) and torch.isfinite(out).all()  # 4 sinks: one sink page
+
+
+@pytest.mark.parametrize("budget, sinks", [(100, 4), (64, 0), (40, 20), (500, 4)])
+def test_streamingllm_attends_its_sink_pages_and_the_recent_pages_within_its_budget(budget, sinks):
+    """StreamingLLM as a selection: the sink pages and the last pages, no more tokens than the budget."""
+    bs, H, G, D, lengths = 16, 2, 3, 8, (211, 90, 17, 33)
+    out, (keys, values, cache, table, query, seq_lens) = decode("streamingllm", lengths, bs, H, G, D, budget=budget, sinks=sinks)
+    masks = []
+    for n in lengths:
+        sink_end = min(-(-sinks // bs) * bs, n) if sinks else 0
+        window = max(1, budget - sink_end - (bs - 1))
+        tail_start = max(sink_end, (n - window) // bs * bs)
+        pos = torch.arange(n)
+        mask = (pos < sink_end) | (pos >= tail_start)
+        # the budget, or at least the whole sink pages and the current token's page; the current token always
+        assert int(mask.sum()) <= max(budget, sink_end + bs) and bool(mask[-1])
+        if n > budget + bs:
+            assert int(mask.sum()) > budget - 2 * bs  # and no page less than fits
+        masks.append(mask.expand(H * G, n))
+    assert_close(out, paged_decode_ref(cache, query, table, seq_lens, D**-0.5, mask=masks), torch.float32)

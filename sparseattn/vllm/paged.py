@@ -34,6 +34,7 @@ import torch
 
 from sparseattn.methods.dense import Dense
 from sparseattn.methods.segment_search import SegmentSearch
+from sparseattn.methods.streaming import StreamingLLM
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.selectors.base import selector_seed
 from sparseattn.summaries.base import SegmentKeys, TopKAwareSummary
@@ -75,10 +76,12 @@ def page_layout(length: int, block_size: int, sinks: int, window: int) -> Segmen
 class PagedPolicy:
     """A registry method as the paged engine runs it: dense, or a :class:`SegmentSearch` over pages.
 
-    Refused (ValueError naming the method and why): eviction methods (they drop tokens from the
-    cache, which vLLM owns) and segment search with an ``always`` part (heavy hitters need a
+    :class:`StreamingLLM` runs as a selection (its sinks' pages and the most recent pages within its
+    budget, whole pages; nothing is evicted). Refused (ValueError naming the method and why): the
+    other eviction methods (they drop tokens from the cache, which vLLM owns, by scores a per-token
+    record would have to keep) and segment search with an ``always`` part (heavy hitters need a
     per-token record). A summary that reads keys (``reads_keys``: radar+'s exact rerank) is handed
-    every candidate page's keys, copied out of the cache each step: correct, O(t) per step.
+    a :class:`PageKeys`: only the pages it takes are read.
     """
 
     method: Any
@@ -86,28 +89,49 @@ class PagedPolicy:
 
     def __post_init__(self) -> None:
         m, label = self.method, self.name or type(self.method).__name__
-        if isinstance(m, Dense):
+        if isinstance(m, (Dense, StreamingLLM)):
             return
         if not isinstance(m, SegmentSearch):
             raise ValueError(
-                f"sparseattn method {label!r} ({type(m).__name__}) cannot run in vLLM: the paged engine runs dense and "
-                "segment-search methods (quest, radar, radar-*...); eviction methods drop tokens from a cache that vLLM "
-                "owns and stay transformers-only"
+                f"sparseattn method {label!r} ({type(m).__name__}) cannot run in vLLM: the paged engine runs dense, "
+                "streamingllm (as a selection) and segment-search methods (quest, radar, radar-*...); eviction methods "
+                "drop tokens from a cache that vLLM owns and stay transformers-only"
             )
         if m.always is not None:
             raise ValueError(f"sparseattn method {label!r}: an always-kept part ({m.always!r}) is not supported in vLLM yet")
+
     @property
     def dense(self) -> bool:
         return isinstance(self.method, Dense)
 
+    @property
+    def fixed(self) -> bool:
+        """True when the pages attended do not depend on the query (dense, streamingllm): nothing is scored."""
+        return isinstance(self.method, (Dense, StreamingLLM))
+
+    @property
+    def shared_selection(self) -> bool:
+        """One page list per KV group (else one per query head)."""
+        return self.fixed or self.method.shared_kv_selection
+
     def layout(self, length: int, block_size: int) -> SegmentLayout:
+        m = self.method
         if self.dense:
             return page_layout(length, block_size, 0, 0)
-        return page_layout(length, block_size, self.method.sinks, self.method.window)
+        if isinstance(m, StreamingLLM):
+            # StreamingLLM as a selection: its sinks' pages and the last pages, none in between. Pages are
+            # whole: the sink pages count whole, and the recent pages are those that fit in what is left
+            # of the budget (their first page may start up to a page before ``window`` tokens from the end).
+            sink_tokens = min(-(-m.sinks // block_size) * block_size, length) if m.sinks else 0
+            window = max(1, m.budget - sink_tokens - (block_size - 1))
+            return page_layout(length, block_size, m.sinks, window)
+        return page_layout(length, block_size, m.sinks, m.window)
 
     def pages_for(self, layout: SegmentLayout) -> int:
-        """Candidate pages one step attends: all for dense, else the method's own count."""
-        return layout.n_segments if self.dense else self.method.segments_for(layout)
+        """Candidate pages one step attends: all for dense, none for streamingllm, else the method's own count."""
+        if self.fixed:
+            return layout.n_segments if self.dense else 0
+        return self.method.segments_for(layout)
 
     def prepare(
         self, kv_heads: int, head_dim: int, layer_idx: int, *, heads: Sequence[int] | None = None
@@ -126,7 +150,7 @@ class PagedPolicy:
         True
         """
         generator = torch.Generator()
-        if self.dense:
+        if self.fixed:
             return None, generator
         s = self.method
         params = s.summary.prepare(kv_heads, head_dim, layer_idx=layer_idx, device=torch.device("cpu"), dtype=torch.float32)
@@ -238,14 +262,14 @@ def _choose_pages(
     summary and selector sees exactly the tensors the decode state would give it, no padding.
     """
     B, H, G, _ = q.shape
-    shared = 1 if policy.dense or policy.method.shared_kv_selection else G
+    shared = 1 if policy.shared_selection else G
     bs = layouts[0].segment_size
     chosen: list[torch.Tensor | None] = [None] * B
     groups: dict[tuple[int, int, int], list[int]] = {}
     for i, lay in enumerate(layouts):
         k = policy.pages_for(lay)
-        if k >= lay.n_segments:  # every candidate
-            chosen[i] = torch.arange(lay.n_segments).expand(H, shared, lay.n_segments)
+        if k >= lay.n_segments or policy.fixed:  # every candidate (dense), or none (streamingllm)
+            chosen[i] = torch.arange(min(k, lay.n_segments)).expand(H, shared, -1)
         else:
             groups.setdefault((lay.sink_end // bs, lay.n_segments, k), []).append(i)
     root = math.sqrt(scale)
