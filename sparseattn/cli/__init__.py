@@ -1,4 +1,5 @@
-"""The ``sparseattn`` command line: ``compare`` (the main job), ``generate``, ``demo``, ``methods``, and the evaluation sub-commands."""
+"""The ``sparseattn`` command line: ``compare`` (the main job), ``generate``, ``demo``, ``methods``, the evaluation
+sub-commands, and ``serve`` / ``serving-bench`` (a method inside vLLM)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sparseattn.cli.compare import compare
 from sparseattn.cli.demo import demo
 from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, ruler, sweep
 from sparseattn.cli.generate import generate
+from sparseattn.cli.serving import serve, serving_bench
 from sparseattn.data.cli import app as data_app
 from sparseattn.evaluation.longbench_cli import app as longbench_app
 
@@ -92,6 +94,8 @@ def list_methods() -> None:
 
 for command in (compare, demo, generate, ppl, plot, needle, ruler, diagnose, sweep):
     app.command(cls=Command)(command)
+app.command(cls=Command)(serve)
+app.command("serving-bench", cls=Command)(serving_bench)
 longbench_app.command("run", cls=Command)(longbench_run)
 for sub_app in (data_app, longbench_app):
     for info in sub_app.registered_commands:

@@ -189,7 +189,8 @@ class PageSummaries:
 
     def get(self, summary: Any, params: Any, keys_t: torch.Tensor, blocks: torch.Tensor, root: float) -> tuple[torch.Tensor, ...]:
         """Summaries ``[B, H_kv, S, ...]`` of the physical ``blocks: [B, S]``, computing the missing ones."""
-        missing = blocks[~self.valid[blocks]].unique()
+        known = self.valid[blocks]
+        missing = blocks[~known].unique() if not bool(known.all()) else blocks[:0]  # all known: no nonzero pass
         if missing.numel():
             fresh = summary.summarize(params, _page_keys(keys_t, missing[None], root))
             if self.store is None:

