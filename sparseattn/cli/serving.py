@@ -32,6 +32,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 OWN_OPTIONS = {
     "--model": "--model", "--additional-config": "--method/--budget", "--dtype": "--dtype",
     "--max-model-len": "--max-model-len", "--host": "--host", "--port": "--port", "--served-model-name": "--name",
+    "--gpu-memory-utilization": "--memory-fraction",
 }  # fmt: skip
 
 MODEL = typer.Option(DEFAULT_MODEL, help="'default' (SmolLM2-135M-Instruct), a local HF directory or a .gguf file")
@@ -77,6 +78,9 @@ def serve(
     port: int = typer.Option(8000, help="port to listen on"),
     name: str | None = typer.Option(None, help="the model's name in requests (default: --model as given, e.g. 'default')"),
     kv_cache_gib: int | None = typer.Option(None, help="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE; default: vLLM's)"),
+    memory_fraction: float = typer.Option(0.5, help="share of the machine's memory vLLM may claim, 0 to 1 (its "
+                                          "--gpu-memory-utilization, which on the CPU backend means host memory; vLLM's "
+                                          "0.92 refuses to start when other processes hold more than 8%)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the server's command line instead of running it"),
     vllm_args: list[str] | None = typer.Argument(None, metavar="VLLM_ARGS", help="more vLLM server options, after --", show_default=False),
 ) -> None:
@@ -90,6 +94,8 @@ def serve(
     check_range("--port", port, 1, 65535)
     check_range("--kv-cache-gib", kv_cache_gib, 1)
     check_range("--max-model-len", max_model_len, 1)
+    if not 0 < memory_fraction <= 1:
+        raise bad("--memory-fraction", f"{memory_fraction} is out of range; allowed: above 0, at most 1")
     extra = list(vllm_args or [])
     if extra and not extra[0].startswith("-"):
         raise bad("VLLM_ARGS", f"unexpected argument {extra[0]!r}; vLLM's own options go after --, e.g. -- --max-num-seqs 8")
@@ -110,7 +116,8 @@ def serve(
             "--dtype", dtype]  # fmt: skip
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
-    argv += ["--additional-config", json.dumps({"sparseattn": config}), "--host", host, "--port", str(port), *extra]
+    argv += ["--additional-config", json.dumps({"sparseattn": config}), "--gpu-memory-utilization", str(memory_fraction),
+             "--host", host, "--port", str(port), *extra]
     env = dict(os.environ)
     prefix = ""
     if kv_cache_gib is not None:
