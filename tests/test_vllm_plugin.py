@@ -130,7 +130,7 @@ def test_bad_option_from_additional_config_fails_at_start():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name, options", [("dense", {}), ("quest", {"budget": 300}), ("radar+", {"budget": 300}), ("radar", {"budget": 300})])
+@pytest.mark.parametrize("name, options", [("dense", {}), ("quest", {"budget": 300}), ("radar+", {"budget": 300}), ("radar", {"budget": 300}), ("streamingllm", {"budget": 300})])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_vllm_kernel_attends_the_listed_pages_as_the_torch_path_does(dtype, name, options, softcap):
     """kernel_attend_pages (vLLM's paged kernel over per-head page lists) == attend_pages, on shuffled pages."""
