@@ -12,45 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
+from cli_driver import run_cli_cases
 from tiny_checkpoint import save_tiny_checkpoint
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
 
-#: Runs each command line of a JSON object (stdin, name -> args) as the ``sparseattn`` script would,
-#: with its stdout and stderr sent to files (so that all the process writes is caught: transformers
-#: logs to the stderr it found at import); prints the exit codes, outputs and tracebacks as JSON.
-DRIVER = r"""
-import json, os, sys, tempfile, traceback
-from sparseattn.cli import app
-cases = json.load(sys.stdin)
-saved = os.dup(1), os.dup(2)
-results = {}
-for name, args in cases.items():
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
-        try:
-            app(args=args, prog_name="sparseattn")
-            code = 0
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-        out.seek(0), err.seek(0)
-        results[name] = {"code": code, "stdout": out.read().decode(errors="replace"), "stderr": err.read().decode(errors="replace")}
-print(json.dumps(results))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +140,7 @@ def results(workspace):
     cases = {name: args for name, (args, _) in refusals(root, model, text, short).items()}
     cases.update(runs(root, model, text))
     env = {**os.environ, "SPARSEATTN_PROGRESS_SECONDS": "0.05", "COLUMNS": "80"}
-    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True, env=env,
-                          cwd=root, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_cli_cases(cases, root, env, timeout=900)
 
 
 def _names(kind):

@@ -17,38 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from cli_driver import run_cli_cases
 from tiny_checkpoint import save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 
-#: Runs each command line of a JSON object (stdin, name -> args) as the ``sparseattn`` script would and
-#: prints the exit codes and outputs as JSON (file descriptors 1 and 2 caught, as in test_cli_input.py).
-DRIVER = r"""
-import json, os, sys, tempfile, traceback
-from sparseattn.cli import app
-cases = json.load(sys.stdin)
-saved = os.dup(1), os.dup(2)
-results = {}
-for name, args in cases.items():
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
-        try:
-            app(args=args, prog_name="sparseattn")
-            code = 0
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-        out.seek(0), err.seek(0)
-        results[name] = {"code": code, "stdout": out.read().decode(errors="replace"), "stderr": err.read().decode(errors="replace")}
-print(json.dumps(results))
-"""
 
 
 def _default_model_dir() -> str | None:
@@ -126,10 +100,7 @@ def results(workspace):
     root, model = workspace
     cases = {name: args for name, (args, _) in refusals(model).items()}
     cases.update({f"dry run: {name}": args for name, args in dry_runs(model).items()})
-    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
-                          cwd=root, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_cli_cases(cases, root)
 
 
 @pytest.mark.parametrize("name", list(refusals("m")))
