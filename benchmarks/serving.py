@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--only", nargs="+", default=None, help="run labels to keep (default: all)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM's page size for every engine (default: vLLM's, 128 "
+                        "on CPU; its CPU kernels take multiples of 16): the paged engine's segment size")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     # The sizes first; the model's window once the model is found (below).
@@ -38,6 +40,8 @@ def main() -> None:
         parser.error(f"{option}: {problem}")
     if args.budget < 1:
         parser.error(f"--budget: {args.budget} is out of range; allowed: >= 1")
+    if args.block_size is not None and (args.block_size < 16 or args.block_size % 16):
+        parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels: 32k through vec, 16 through vec16)")
     if args.kv_cache_gib < 1:
         parser.error(f"--kv-cache-gib: {args.kv_cache_gib} is out of range; allowed: >= 1")
     runs = serving.runs_for(args.budget)
@@ -61,7 +65,7 @@ def main() -> None:
     console = Console(width=160)
     machine, rows = serving.run(
         model, runs, context=args.context, batches=args.batches, new_tokens=args.new_tokens, rounds=args.runs,
-        kv_cache_gib=args.kv_cache_gib, say=console.print,
+        kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, say=console.print,
     )  # fmt: skip
     console.print(serving.table(rows, args.context, args.new_tokens, args.runs))
     out = args.out or REPO / "benchmarks" / "results" / f"serving-cpu-c{args.context}.json"

@@ -184,13 +184,16 @@ def run(
     new_tokens: int,
     rounds: int,
     kv_cache_gib: int = 1,
+    block_size: int | None = None,
     text: str | None = None,
     say: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start one engine per run (``model``: a local HF directory), measure, compare with ``stock``: ``(machine, rows)``.
 
     ``runs`` maps a label to extra ``LLM`` arguments (:func:`runs_for`) and must hold ``stock``, the
-    reference. ``say`` gets the progress lines (the machine's facts, each engine's start time).
+    reference. ``block_size``: vLLM's page size for every engine (None: vLLM's, 128 on CPU), which is
+    the paged engine's segment size. ``say`` gets the progress lines (the machine's facts, each
+    engine's start time).
     """
     if STOCK not in runs:
         raise ValueError(f"the {STOCK} run is the reference: runs must hold it, got {', '.join(runs)}")
@@ -208,7 +211,8 @@ def run(
         t = time.perf_counter()
         engines[label] = LLM(
             model=model, dtype="bfloat16", max_model_len=max_len, enable_prefix_caching=True, seed=0,
-            gpu_memory_utilization=0.2, **extra,  # host memory on CPU: four engines run side by side
+            gpu_memory_utilization=0.2,  # host memory on CPU: four engines run side by side
+            **({"block_size": block_size} if block_size else {}), **extra,
         )
         start_s[label] = time.perf_counter() - t
         for batch in batches:  # fills the prefix cache with the document (and warms the engine)
@@ -235,7 +239,7 @@ def run(
             same, first = compare(got[0]["tokens"], ref)
             tok_s = statistics.median(s["tok_s"] for s in got)
             rows.append({
-                "run": label, "batch": batch, "context": context, "new_tokens": new_tokens,
+                "run": label, "batch": batch, "context": context, "new_tokens": new_tokens, "block_size": block_size,
                 "tok_s": tok_s, "tpot_ms": statistics.median(s["tpot_ms"] for s in got),
                 "tok_s_all": [s["tok_s"] for s in got], "vs_stock": tok_s / stock_tok_s,
                 "same_as_stock": same, "first_diff_step": first, "engine_start_s": start_s[label],
