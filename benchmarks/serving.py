@@ -41,7 +41,7 @@ def main() -> None:
     if args.budget < 1:
         parser.error(f"--budget: {args.budget} is out of range; allowed: >= 1")
     if args.block_size is not None and (args.block_size < 16 or args.block_size % 16):
-        parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels: 32k through vec, 16 through vec16)")
+        parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels: multiples of 32 through vec, of 16 through vec16)")
     if args.kv_cache_gib < 1:
         parser.error(f"--kv-cache-gib: {args.kv_cache_gib} is out of range; allowed: >= 1")
     runs = serving.runs_for(args.budget)
