@@ -51,6 +51,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "always-kept part": (serve + ["-m", "radar+h2o", "--budget", "512"], ["'--method'", "always-kept", "not supported in vLLM"]),
         "bad dtype": (serve + ["--dtype", "float8"], ["'--dtype'", "'float8'", "bfloat16, float16, float32"]),
         "port 0": (serve + ["--port", "0"], ["'--port'", "0 is out of range", "from 1 to 65535"]),
+        "memory fraction 0": (serve + ["--memory-fraction", "0"], ["'--memory-fraction'", "0.0 is out of range", "at most 1"]),
         "model len beyond the window": (serve + ["--max-model-len", "5000", "--dry-run"],
                                         ["'--max-model-len'", "5000", "model's 4096", "1 to 4096"]),
         "own option after --": (serve + ["--dry-run", "--", "--additional-config", "{}"],
