@@ -42,3 +42,14 @@ def run_cli_cases(cases: dict[str, list[str]], cwd: Path, env: dict[str, str] | 
                           cwd=cwd, timeout=timeout)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def assert_one_error_line(result: dict, expected: list[str]) -> str:
+    """A refusal: exit status 2, no traceback, one ``Error:`` line on stderr holding every ``expected`` phrase."""
+    assert result["code"] == 2, result
+    assert "Traceback" not in result["stderr"], result["stderr"]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result["stderr"]
+    for words in expected:
+        assert words in errors[0], errors[0]
+    return errors[0]

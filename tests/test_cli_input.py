@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_driver import run_cli_cases
+from cli_driver import assert_one_error_line, run_cli_cases
 from tiny_checkpoint import save_tiny_checkpoint
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
@@ -152,12 +152,7 @@ def test_a_mistake_is_one_line_naming_the_option_value_and_range_with_exit_code_
     root, model, text, short = workspace
     expected = refusals(root, model, text, short)[name][1]
     result = results[name]
-    assert result["code"] == 2, result
-    assert "Traceback" not in result["stderr"], result["stderr"]
-    errors = [line for line in result["stderr"].splitlines() if line.startswith("Error: ")]
-    assert len(errors) == 1, result["stderr"]
-    for words in expected:
-        assert words in errors[0], errors[0]
+    assert_one_error_line(result, expected)
     assert not (root / "untouched").exists() and not (root / "results").exists()  # refused before anything was written
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_driver import run_cli_cases
+from cli_driver import assert_one_error_line, run_cli_cases
 from tiny_checkpoint import save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,12 +109,7 @@ def test_a_mistake_is_one_line_with_exit_status_2_before_anything_starts(workspa
     root, model = workspace
     expected = refusals(model)[name][1]
     result = results[name]
-    assert result["code"] == 2, result
-    assert "Traceback" not in result["stderr"], result["stderr"]
-    errors = [line for line in result["stderr"].splitlines() if line.startswith("Error: ")]
-    assert len(errors) == 1, result["stderr"]
-    for words in expected:
-        assert words in errors[0], errors[0]
+    assert_one_error_line(result, expected)
     assert result["stdout"] == ""  # no command line printed, nothing run
     assert not (root / "results").exists()  # serving-bench wrote nothing
 
