@@ -316,6 +316,10 @@ def select_pages(
     keys_t = page_views(kv_cache)[0]
     H_kv, D, bs = keys_t.shape[1], keys_t.shape[2], keys_t.shape[3]
     B, H_q = query.shape[0], query.shape[1]
+    if policy.dense:  # every page of every sequence, in order: no per-sequence work
+        n_pages = (seq_lens.long() + bs - 1) // bs
+        ar = torch.arange(int(n_pages.max()))
+        return torch.where(ar < n_pages[:, None], ar, -1).view(B, 1, 1, -1).expand(B, H_kv, 1, -1).contiguous()
     q = query.reshape(B, H_kv, H_q // H_kv, D)
     layouts = [policy.layout(length, bs) for length in seq_lens.tolist()]
     lists = _choose_pages(policy, params, generator, keys_t, block_table, layouts, q, scale, summaries)
