@@ -50,11 +50,22 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, answer_prefix: str = "") -
     return tokenizer(text + answer_prefix, return_tensors="pt", add_special_tokens=False, verbose=False)["input_ids"]
 
 
+def check_window(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt whose answer would run past the model's positions (ValueError)."""
+    window = getattr(model.config, "max_position_embeddings", None)
+    if window is not None and prompt_tokens + max_new_tokens > window:
+        raise ValueError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model's {window} positions")
+
+
+def sample_ids(tokenizer, sample: NeedleSample, chat: bool) -> torch.Tensor:
+    """A retrieval sample's prompt ids; with ``chat`` the answer prefix goes after the chat template."""
+    prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
+    return encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
+
+
 def greedy(model, tokenizer, sparse, ids: torch.Tensor, max_new_tokens: int, stop_at_newline: bool = False) -> Generation:
     """Greedy decoding of ``ids: [1, n]`` with a fresh cache from ``sparse`` (an applied method)."""
-    window = getattr(model.config, "max_position_embeddings", None)
-    if window is not None and ids.shape[1] + max_new_tokens > window:
-        raise ValueError(f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's {window} positions")
+    check_window(model, int(ids.shape[1]), max_new_tokens)
     cache = sparse.new_cache()
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if stop_at_newline:
@@ -89,9 +100,7 @@ def continue_greedy(model, tokenizer, cache, logits: torch.Tensor, prompt_tokens
     method; it stops after the end-of-sequence token or at ``max_new_tokens``. ``seconds`` counts the
     decode steps only (the prefill was shared). The model must have a method applied.
     """
-    window = getattr(model.config, "max_position_embeddings", None)
-    if window is not None and prompt_tokens + max_new_tokens > window:
-        raise ValueError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model's {window} positions")
+    check_window(model, prompt_tokens, max_new_tokens)
     eos = tokenizer.eos_token_id
     token = logits.argmax(-1, keepdim=True)  # [1, 1]
     new = [int(token)]
@@ -227,8 +236,7 @@ def run_needle(
         for length, depth, s in todo:
             sample = task.sample(length, counter, seed=s, depths=_task_depths(depth),
                                  haystack_text=haystack_text, reserve_tokens=max_new_tokens)
-            prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
-            ids = encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
+            ids = sample_ids(tokenizer, sample, chat)
             gen = greedy(model, tokenizer, sparse, ids, max_new_tokens)
             prediction = clean_prediction(gen.text)
             record = {
@@ -280,8 +288,7 @@ def run_shared(
         with show_progress(f"{task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
             for (length, depth, seed), sample in todo:
                 labels = [label for label in runs if (length, depth, seed) not in done[label]]
-                prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
-                ids = encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
+                ids = sample_ids(tokenizer, sample, chat)
                 begin = time.perf_counter()
                 prefilled = prefill_shared(model, {label: runs[label][0] for label in labels}, ids, progress=progress)
                 prefill_seconds = time.perf_counter() - begin
