@@ -45,7 +45,7 @@ import torch
 
 import dataclasses
 
-from sparseattn import Dense, RadarAlg1, RadarPlus, Rerank
+from sparseattn import Dense, PooledMass, RadarAlg1, RadarPlus, RadarPlusTokens, Rerank
 from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
 from sparseattn.ops.layout import SegmentLayout
@@ -185,18 +185,25 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         synchronize(device)
         row["rebuild_ms"] = 1e3 * (time.perf_counter() - begin)
         out, info = state.attend(query)
-        row["backend"] = state._backend.name
-        ref = segment_attention_ref(
-            query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], info.layout, info.segments[:1]
-        )
+        row["backend"] = state._backend.name if state._backend is not None else "torch (gather)"
+        if info.extra is None and info.valid is None:
+            ref = segment_attention_ref(
+                query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], info.layout, info.segments[:1]
+            )
+        else:  # tokens on top of (or instead of) segments, or segments per head: the reported mask, in float64
+            mask = info.to_mask()[:1].view(1, KV_HEADS, group, -1)
+            ref = attention_ref(query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], mask)
         row["rel_error"] = relative_error(out.view(batch, KV_HEADS, group, HEAD_DIM)[:1], ref)
         row["attended"] = float(info.attended.float().mean())
         lay = info.layout
         # Each KV head reads the union of its query heads' selected segments, once.
         chosen = torch.zeros(batch, KV_HEADS, lay.n_segments, dtype=torch.bool, device=device)
         if info.segments.shape[-1] and lay.n_segments:
-            chosen.scatter_(-1, info.segments.reshape(batch, KV_HEADS, -1), True)
+            listed = True if info.valid is None else info.valid.expand(*info.segments.shape).reshape(batch, KV_HEADS, -1)
+            chosen.scatter_(-1, info.segments.reshape(batch, KV_HEADS, -1), listed)
         union_tokens = int(chosen.sum()) * lay.segment_size
+        if info.extra_valid is not None:  # refined tokens: the union over a KV group's query heads
+            union_tokens += int(info.extra_valid.any(2).sum())
         if info.segments.shape[-1] == lay.n_segments:  # full selection: one dense pass
             union_tokens = lay.n_segments * lay.segment_size
         kv_read = (union_tokens + batch * KV_HEADS * (lay.sink_end + lay.tail_size)) * HEAD_DIM * 2 * itemsize
@@ -204,6 +211,12 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         structure = state.nbytes()
         row["bytes"] = kv_read + structure.get("summaries", 0) + structure.get("projection", 0)
         summary = method.summary
+        if method.refine is not None:  # the shortlist's keys are read for the exact token logits
+            k = method.segments_for(lay)
+            shortlist = method.refine.shortlist(k, lay.n_segments)
+            lists = KV_HEADS if method.shared_kv_selection else Q_HEADS
+            row["rerank_bytes"] = batch * lists * shortlist * lay.segment_size * HEAD_DIM * itemsize
+            row["bytes"] += row["rerank_bytes"]
         if isinstance(summary, Rerank):  # each query head's shortlist: keys only, from the cache
             k = info.segments.shape[-1]
             shortlist = min(max(summary.shortlist, math.ceil(summary.factor * k)), lay.n_segments)
@@ -272,6 +285,10 @@ def main() -> None:
         del methods["dense (cpu kernel)"]
     optional = {  # with --methods only
         "radar+ (budget 4096, per head)": RadarPlus(budget=4096, per_group=False),
+        # issue 17: a 16x finer grid, then each head's best tokens among twice the budget's segments (torch path).
+        "radar+tokens (budget 4096)": RadarPlusTokens(budget=4096),
+        "radar+ (budget 4096, aspect 16)": RadarPlus(budget=4096, aspect=16.0),
+        "radar+pooled (budget 4096, aspect 16)": RadarPlus(budget=4096, aspect=16.0, allocation=PooledMass()),
         # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.
         "radar-alg1 (k=64, torch backend)": torch_backend(RadarAlg1(top_k=64)),
         "radar-alg1 (k=64, shared, torch backend)": torch_backend(RadarAlg1(top_k=64, shared_kv_selection=True)),

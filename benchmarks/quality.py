@@ -1,16 +1,20 @@
-"""Perplexity of every baseline and both Radar forms at equal budgets, on a prose and a code text at once.
+"""Perplexity of every baseline and both Radar forms at equal budgets, on prose and code texts at once.
 
-The two texts are decoded as the two rows of one batch (the decode step of a small model costs about
-the same for 1 and 2 rows), every method's steps interleaved with the others' (see
+The texts are decoded as the rows of one batch (the decode step of a small model costs about the
+same for 1 and 6 rows), every method's steps interleaved with the others' (see
 ``run_ppl_together``), and each row's perplexity is read off the per-row NLLs the records keep. The
 gap ratio is ``(ppl - dense) / (ppl(StreamingLLM) - dense)`` at the same budget: the share of
 StreamingLLM's loss a method keeps (0: as good as dense, 1: no better than a sliding window).
+``streamingllm`` always runs (it is the ratio's reference); the summary gives each method's mean and
+worst gap ratio over the prose and over the code texts.
 
     python benchmarks/quality.py                                  # areopagitica + argparse, 4096 + 1024
     python benchmarks/quality.py --prose hamlet --code inspect --steps 256
+    python benchmarks/quality.py --prose kjv-bible --prose hamlet --code typing --code tarfile \
+        --methods oracle-tokens oracle-tokens-pooled radar+ --budgets 512
 
 Resumable: each method's run directory lives under ``--runs``; a rerun skips finished methods and
-replays unfinished ones. Writes ``benchmarks/results/quality-<prose>-<code>-p<prefill>-s<steps>.json``.
+replays unfinished ones. Writes ``benchmarks/results/quality-<texts>-p<prefill>-s<steps>.json``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 import torch
 
 from sparseattn import Dense, registry
-from sparseattn.data.sources import load_text
+from sparseattn.cli.evaluate import parse_method
+from sparseattn.data.sources import get_text, load_text
 from sparseattn.evaluation.ppl import run_ppl_together, tokenize
 from sparseattn.evaluation.runs import RunDir, environment
 from sparseattn.hf import load_model
@@ -41,31 +46,50 @@ def row_ppls(run: RunDir, rows: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prose", default="areopagitica")
-    parser.add_argument("--code", default="argparse")
+    parser.add_argument("--prose", action="append", help="a prose text (repeatable; default: areopagitica)")
+    parser.add_argument("--code", action="append", help="a code text (repeatable; default: argparse)")
+    parser.add_argument("--methods", nargs="+", default=SPARSE, help="methods run at each budget: NAME[:key=value,...]")
     parser.add_argument("--prefill", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=1024)
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--runs", type=Path, default=Path(__file__).parent / "results" / "quality-runs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    args.prose, args.code = args.prose or ["areopagitica"], args.code or ["argparse"]
+    for kind in ("prose", "code"):
+        for name in getattr(args, kind):
+            try:
+                found = get_text(name).kind
+            except KeyError as error:
+                raise SystemExit(f"--{kind} {name!r}: {error.args[0]}") from None
+            if found != kind:
+                raise SystemExit(f"--{kind} {name!r} is a {found} text; pass it as --{found}")
+    methods_run = list(dict.fromkeys(["streamingllm", *args.methods]))
+    for spec in methods_run:
+        name = spec.partition(":")[0]
+        if name not in registry.names() or "budget" not in registry.get(name).option_names:
+            raise SystemExit(f"--methods {spec!r}: not a registered method that takes a budget; see `sparseattn methods`")
     for name, value in (("--prefill", args.prefill), ("--steps", args.steps), *(("--budgets", b) for b in args.budgets)):
         if value < 1:
             raise SystemExit(f"{name} must be >= 1, got {value}")
+    methods = {"dense": Dense()}
+    for budget in args.budgets:
+        for spec in methods_run:
+            try:
+                methods[f"{spec}@{budget}"] = parse_method(spec, budget)[1]
+            except Exception as error:  # the CLI's message: the option, the value, what is allowed
+                raise SystemExit(f"--methods {spec!r}: {getattr(error, 'message', error)}") from None
     model, tokenizer = load_model("default")
     n = args.prefill + args.steps + 1
     if n > model.config.max_position_embeddings:
         raise SystemExit(f"--prefill + --steps + 1 = {n} exceeds the model's {model.config.max_position_embeddings} positions")
-    texts = [args.prose, args.code]
-    ids = torch.stack([tokenize(tokenizer, load_text(t), n, name=t) for t in texts])  # [2, n]
-    methods = {"dense": Dense()}
-    for budget in args.budgets:
-        methods.update({f"{name}@{budget}": registry.build(name, budget=budget) for name in SPARSE})
-    where = args.runs / f"{args.prose}+{args.code}-p{args.prefill}-s{args.steps}"
+    texts = [*args.prose, *args.code]
+    ids = torch.stack([tokenize(tokenizer, load_text(t), n, name=t) for t in texts])  # [texts, n]
+    where = args.runs / f"{'+'.join(texts)}-p{args.prefill}-s{args.steps}"
     runs = {}
     for label, method in methods.items():
         config = {"command": "quality", "texts": texts, "prefill": args.prefill, "steps": args.steps, "method": label,
-                  "params": repr(method), "interleaved": sorted(methods)}  # fmt: skip
+                  "params": repr(method)}  # fmt: skip
         runs[label] = (method, RunDir(where / label.replace("@", "-b"), config))
     summaries = run_ppl_together(model, runs, ids, args.prefill, args.steps)
     rows = []
@@ -90,10 +114,21 @@ def main() -> None:
             r["gap_ratio"][t] = gap
             cells += f"{r['ppl'][t]:>20.3f}{'-' if gap is None else f'{gap:.2f}':>11}"
         print(f"{r['method']:<22}{r['attended']:>9.0f}{cells}")
-    out = args.out or Path(__file__).parent / "results" / f"quality-{args.prose}-{args.code}-p{args.prefill}-s{args.steps}.json"
+    print()
+    print("gap ratio over the texts of each kind: mean (worst)")
+    for r in rows[1:]:
+        r["summary"] = {}
+        cells = ""
+        for kind in ("prose", "code"):
+            gaps = [r["gap_ratio"][t] for t in getattr(args, kind) if r["gap_ratio"][t] is not None]
+            if gaps:
+                r["summary"][kind] = {"mean": sum(gaps) / len(gaps), "worst": max(gaps), "texts": len(gaps)}
+                cells += f"   {kind} {sum(gaps) / len(gaps):.3f} ({max(gaps):.3f})"
+        print(f"{r['method']:<22}{cells}")
+    out = args.out or Path(__file__).parent / "results" / f"quality-{'-'.join(texts)}-p{args.prefill}-s{args.steps}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"environment": environment(), "texts": texts, "prefill": args.prefill,
-                               "steps": args.steps, "rows": rows}, indent=2) + "\n")  # fmt: skip
+    out.write_text(json.dumps({"environment": environment(), "texts": texts, "prose": args.prose, "code": args.code,
+                               "prefill": args.prefill, "steps": args.steps, "rows": rows}, indent=2) + "\n")  # fmt: skip
     print(f"wrote {out}")
 
 

@@ -11,6 +11,8 @@ Radar (Hao et al., ICLR 2025) and its relatives are assembled from parts:
 ((1, 4, 16), True)
 """
 
+from sparseattn.allocations import Allocation, PooledMass, Uniform
+from sparseattn.refine import TopTokens
 from sparseattn.methods import (
     AlwaysKept,
     AnyOf,
@@ -39,7 +41,10 @@ from sparseattn.methods import (
     RadarLowest,
     RadarAlg1,
     RadarH2O,
+    OracleSegments,
+    OracleTokens,
     RadarPlus,
+    RadarPlusTokens,
     RadarRandom,
     RadarRecent,
     RadarRerank,
@@ -61,6 +66,11 @@ from sparseattn.summaries import CenteredFeatures, Centroid, ExactScore, MinMaxB
 __version__ = "0.1.0"
 
 __all__ = [
+    "Allocation",
+    "OracleSegments",
+    "OracleTokens",
+    "PooledMass",
+    "Uniform",
     "AlwaysKept",
     "AnyOf",
     "Candidates",
@@ -98,6 +108,8 @@ __all__ = [
     "RadarAlg1",
     "RadarH2O",
     "RadarPlus",
+    "RadarPlusTokens",
+    "TopTokens",
     "RadarRandom",
     "RadarRecent",
     "RadarRerank",

@@ -250,6 +250,40 @@ def test_cpu_kernel_any_thread_count_gives_the_reference(case, threads):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES + SPLIT_CASES if c.k != "0"], ids=lambda c: c.id)
+def test_cpu_kernel_with_counts_attends_each_selections_first_segments(case, dtype, seed):
+    """A budget allocation's split: selection (b, h, s) attends its first counts[b, h, s] listed segments
+    (the others are NaN in the cache: reading one fails the test), as attention_ref under that mask."""
+    from sparseattn.ops.attention import attention_ref
+
+    q, _, _, segments, clean_k, clean_v = make_inputs(case, dtype, seed=seed, poison=False)
+    gen = torch.Generator().manual_seed(100 + seed)
+    counts = torch.randint(0, segments.shape[-1] + 1, segments.shape[:3], generator=gen)
+    valid = torch.arange(segments.shape[-1]) < counts.unsqueeze(-1)
+    mask = segment_mask(case.layout, segments, case.G, valid)
+    read = mask.any(2).unsqueeze(-1)  # [B, H, t, 1]: what some head of the group attends
+    keys = torch.where(read, clean_k, torch.full_like(clean_k, float("nan")))
+    values = torch.where(read, clean_v, torch.full_like(clean_v, float("nan")))
+    if not bool(mask.any(-1).all()):  # a head with no token (count 0, no sinks, no tail): refused, not NaN
+        with pytest.raises(ValueError, match="attends no token"):
+            CpuBackend().segment_attention_counted(q, keys, values, case.layout, segments, counts)
+        return
+    out = CpuBackend().segment_attention_counted(q, keys, values, case.layout, segments, counts)
+    assert_close(out, attention_ref(q, clean_k, clean_v, mask), dtype)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_refuses_a_count_beyond_the_listed_segments():
+    call = small_call()
+    values = torch.randn_like(call["keys"])
+    segments = torch.tensor([0, 1]).view(1, 1, 1, 2).expand(1, 2, 1, 2)
+    with pytest.raises(ValueError, match="cpu segment attention failed"):
+        CpuBackend().segment_attention_counted(call["q"], call["keys"], values, SMALL_LAYOUT, segments, torch.full((1, 2, 1), 3))
+
+
+@needs_cpu_kernel
 def test_cpu_kernel_large_logits_do_not_overflow():
     # Logits near 1e4: exp is taken after the running maximum is subtracted, so nothing overflows.
     case = SPLIT_CASES[1]

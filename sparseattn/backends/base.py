@@ -132,6 +132,30 @@ class AttentionBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class CountedSegmentAttention(Protocol):
+    """Optional capability: ``segment_attention`` where each selection attends only its first listed segments.
+
+    ``counts: [B, H_kv, G']`` long, each in ``[0, k]``: selection ``(b, h, s)`` attends sinks, tail and
+    its first ``counts[b, h, s]`` segments of ``segments[b, h, s]`` (a budget allocation gives heads
+    different numbers). A decode state asks with ``isinstance``; without it, it gathers the tokens
+    (torch). The float64 reference: :func:`~sparseattn.ops.attention.attention_ref` under
+    :func:`~sparseattn.ops.attention.segment_mask` with ``valid = arange(k) < counts``.
+    """
+
+    def segment_attention_counted(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        counts: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor: ...
+
+
 def describe(x: torch.Tensor) -> str:
     """``[2, 2, 3, 64] torch.float16 on cpu``: how an error message shows a tensor."""
     return f"{list(x.shape)} {x.dtype} on {x.device.type}"

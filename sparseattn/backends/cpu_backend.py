@@ -84,6 +84,22 @@ class CpuBackend(BackendBase):
             check_values(values)
         return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap)
 
+    def segment_attention_counted(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        counts: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """:class:`~sparseattn.backends.base.CountedSegmentAttention`: the kernel builds each row's spans from
+        the first ``counts`` segments of every selection. Unchecked: the decode state had
+        ``segment_attention`` accept these inputs, and a count outside ``[0, k]`` is refused by the kernel."""
+        return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, counts)
+
     def dense(
         self,
         q: torch.Tensor,

@@ -142,16 +142,20 @@ SA_DEFINE_ATTEND_BLOCK(attend_block_any, 0)
 typedef void (*sa_block_fn)(const float *, int, uint64_t, const float *, int64_t, const float *, int64_t, int, float,
                             float *, float *, float *, float *);
 
-/* The attended spans of one row (sorted, disjoint, maximal). Returns the count, or -1 for a bad index. */
-static int64_t row_spans(const int64_t *sel, int64_t sets, int64_t k, int64_t G, int64_t sink_end, int64_t seg_size,
-                         int64_t n_segments, int64_t tail_start, int64_t length, uint64_t *mask, sa_span *out) {
+/* The attended spans of one row (sorted, disjoint, maximal). Returns the count, or -1 for a bad index or
+ * count. cnt (NULL: k each) holds how many of each set's k listed segments are attended: the first cnt[set]. */
+static int64_t row_spans(const int64_t *sel, const int64_t *cnt, int64_t sets, int64_t k, int64_t G, int64_t sink_end,
+                         int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length, uint64_t *mask,
+                         sa_span *out) {
     const uint64_t all = G == 64 ? ~(uint64_t)0 : (((uint64_t)1 << G) - 1);
     int64_t n = 0;
     if (sink_end > 0) out[n++] = (sa_span){0, sink_end, all};
     memset(mask, 0, (size_t)n_segments * sizeof(uint64_t));
     for (int64_t set = 0; set < sets; ++set) {
         uint64_t bits = sets == 1 ? all : (uint64_t)1 << set;
-        for (int64_t i = 0; i < k; ++i) {
+        const int64_t listed = cnt ? cnt[set] : k;
+        if (listed < 0 || listed > k) return -1;
+        for (int64_t i = 0; i < listed; ++i) {
             int64_t seg = sel[set * k + i];
             if (seg < 0 || seg >= n_segments) return -1;
             mask[seg] |= bits;
@@ -182,15 +186,17 @@ static int64_t row_spans(const int64_t *sel, int64_t sets, int64_t k, int64_t G,
  * q:        [B, H, G, D] float32, contiguous.
  * keys:     element (b, h, j, d) at keys[b * ksb + h * ksh + j * kst + d] (d contiguous); values alike.
  * segments: [B, H, sets, k] int64, contiguous; sets = 1 (shared by the group) or G (one per query head).
+ * counts:   NULL, or [B, H, sets] int64, contiguous: each set attends only its first counts[...] segments
+ *           (a budget allocation gives heads different numbers of segments).
  * layout:   sinks [0, sink_end), segment i = [sink_end + i * seg_size, + seg_size) clipped at tail_start,
  *           tail [tail_start, length).
  * softcap:  <= 0 for none. out: [B, H, G, D] float32, contiguous.
  */
 int sa_segment_attention(const float *q, const void *keys, const void *values, int dtype, int64_t ksb, int64_t ksh,
                          int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, int64_t B, int64_t H, int64_t G,
-                         int64_t D, const int64_t *segments, int64_t sets, int64_t k, int64_t sink_end,
-                         int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length, float scale,
-                         float softcap, float *out, int threads) {
+                         int64_t D, const int64_t *segments, const int64_t *counts, int64_t sets, int64_t k,
+                         int64_t sink_end, int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length,
+                         float scale, float softcap, float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && !(dtype == SA_F16 && sa_float16_supported())) return SA_BAD_DTYPE;
     if (G > SA_MAX_ROWS) return SA_TOO_MANY_ROWS;
     const int64_t rows = B * H, max_spans = n_segments + 2;
@@ -205,8 +211,8 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
     /* 1. spans and token counts per row */
     for (int64_t r = 0; r < rows && status == SA_OK; ++r) {
         sa_span *sp = spans + r * max_spans;
-        int64_t n = row_spans(segments + r * sets * k, sets, k, G, sink_end, seg_size, n_segments, tail_start, length,
-                              mask, sp);
+        int64_t n = row_spans(segments + r * sets * k, counts ? counts + r * sets : NULL, sets, k, G, sink_end,
+                              seg_size, n_segments, tail_start, length, mask, sp);
         if (n < 0) {
             status = SA_BAD_SEGMENT;
             break;

@@ -231,7 +231,7 @@ def load_library() -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.sa_segment_attention.restype = ctypes.c_int
     lib.sa_segment_attention.argtypes = [
-        ptr, ptr, ptr, ctypes.c_int, *[i64] * 6, *[i64] * 4, ptr, i64, i64, *[i64] * 5,
+        ptr, ptr, ptr, ctypes.c_int, *[i64] * 6, *[i64] * 4, ptr, ptr, i64, i64, *[i64] * 5,
         ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int,
     ]  # fmt: skip
     lib.sa_segment_log_mass.restype = ctypes.c_int
@@ -268,6 +268,7 @@ def segment_attention_cpu(
     segments: torch.Tensor,
     scale: float | None = None,
     softcap: float | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~sparseattn.ops.attention.segment_attention` by the C kernel, reading the cache in place.
 
@@ -275,19 +276,21 @@ def segment_attention_cpu(
     [B, H_kv, t_cap, D]`` float32/bfloat16/float16 CPU tensors whose last dimension is contiguous
     (views of a capacity buffer are fine), ``segments: [B, H_kv, G', k]`` integer indices with
     ``G'`` in ``{1, G}``. The caller checks shapes (the backend does, or the decode state guarantees
-    them). Returns ``[B, H_kv, G, D]`` float32.
+    them). ``counts: [B, H_kv, G']`` (optional): each selection attends only its first ``counts`` listed
+    segments (a budget allocation's split). Returns ``[B, H_kv, G, D]`` float32.
     """
     lib = load_library()
     B, H, G, D = q.shape
     scale = D**-0.5 if scale is None else scale
     qf = q.to(torch.float32).contiguous()
     seg = segments.to(torch.int64).contiguous()
+    cnt = None if counts is None else counts.to(torch.int64).contiguous()
     out = torch.empty(B, H, G, D, dtype=torch.float32)
     ks, vs = keys.stride(), values.stride()
     status = lib.sa_segment_attention(
         qf.data_ptr(), keys.data_ptr(), values.data_ptr(), DTYPE_CODES[keys.dtype],
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], B, H, G, D,
-        seg.data_ptr(), seg.shape[2], seg.shape[3],
+        seg.data_ptr(), None if cnt is None else cnt.data_ptr(), seg.shape[2], seg.shape[3],
         layout.sink_end, layout.segment_size, layout.n_segments, layout.tail_start, layout.length,
         float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

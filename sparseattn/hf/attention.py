@@ -216,9 +216,10 @@ def _create_state(layer: SparseLayer, module, attention_mask, scale: float, soft
     B, H, L, D = keys.shape
     pads = left_padding(attention_mask, B, L, model)
     offset, total = kv_head_shard(module, H, model)
+    n_layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
 
     def new_state(batch: int):
-        spec = LayerSpec(batch, H, D, layer.layer_idx or 0, keys.device, keys.dtype, scale, softcap, offset, total)
+        spec = LayerSpec(batch, H, D, layer.layer_idx or 0, keys.device, keys.dtype, scale, softcap, offset, total, n_layers)
         return layer.method.new_state(spec)
 
     layer.state = new_state(B) if pads is None else RowwiseState([new_state(1) for _ in range(B)], pads)

@@ -16,6 +16,8 @@ from sparseattn.methods.eviction import Candidates, Evicting, EvictingState, Evi
 from sparseattn.ops.slots import slot_attention, slot_attention_ref
 from sparseattn.methods.h2o import H2O
 from sparseattn.methods.presets import (
+    OracleSegments,
+    OracleTokens,
     Quest,
     RadarCentered,
     RadarExact,
@@ -23,6 +25,7 @@ from sparseattn.methods.presets import (
     RadarAlg1,
     RadarH2O,
     RadarPlus,
+    RadarPlusTokens,
     RadarRandom,
     RadarRecent,
     RadarRerank,
@@ -62,7 +65,10 @@ __all__ = [
     "RadarLowest",
     "RadarAlg1",
     "RadarH2O",
+    "OracleSegments",
+    "OracleTokens",
     "RadarPlus",
+    "RadarPlusTokens",
     "RadarRandom",
     "RadarRecent",
     "RadarRerank",

@@ -35,8 +35,9 @@ class LayerSpec:
 
     The cache of the layer is ``[batch, kv_heads, t, head_dim]`` keys and values of ``dtype`` on
     ``device``; ``scale`` is the logit scale (None: ``head_dim ** -0.5``), ``softcap`` Gemma-2's
-    logit soft-capping (None: off), ``layer_idx`` seeds per-layer randomness. Validated on
-    construction, so a state never sees a bad shape.
+    logit soft-capping (None: off), ``layer_idx`` seeds per-layer randomness and ``n_layers`` (None:
+    unknown) is how many attention layers the model has, for methods that split a budget between
+    layers. Validated on construction, so a state never sees a bad shape.
 
     Under tensor parallelism a process holds only some of the model's KV heads: the ``kv_heads``
     heads ``kv_head_offset, ..., kv_head_offset + kv_heads - 1`` of ``total_kv_heads`` (None: all of
@@ -60,11 +61,14 @@ class LayerSpec:
     softcap: float | None = None
     kv_head_offset: int = 0
     total_kv_heads: int | None = None
+    n_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "kv_heads", "head_dim"):
             check_int("", name, getattr(self, name), 1)
         check_int("", "layer_idx", self.layer_idx, 0)
+        if self.n_layers is not None:
+            check_int("", "n_layers", self.n_layers, self.layer_idx + 1, f"or None; layer_idx is {self.layer_idx}")
         check_int("", "kv_head_offset", self.kv_head_offset, 0)
         total = self.kv_heads if self.total_kv_heads is None else self.total_kv_heads
         check_int("", "total_kv_heads", total, 1, "or None")

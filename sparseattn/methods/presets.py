@@ -18,12 +18,18 @@ Each is a :class:`~sparseattn.methods.segment_search.SegmentSearch` with one par
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
+from sparseattn.allocations.base import Allocation
+from sparseattn.allocations.pooled import PooledMass
+from sparseattn.allocations.uniform import Uniform
 from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
+from sparseattn.methods.layers import FirstLayers, first_layers_options
 from sparseattn.methods.segment_search import Radar, SegmentSearch, feature_options, segment_options
 from sparseattn.methods.snapkv import SnapKV
-from sparseattn.registry import MethodEntry, Option, register
+from sparseattn.refine.tokens import TopTokens
+from sparseattn.registry import MethodEntry, Option, Range, register
 from sparseattn.schedules.fixed import FixedSchedule
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector
@@ -41,6 +47,8 @@ from sparseattn.summaries.rerank import Rerank
 
 
 __all__ = [
+    "OracleSegments",
+    "OracleTokens",
     "Quest",
     "Radar",
     "RadarAlg1",
@@ -48,6 +56,7 @@ __all__ = [
     "RadarExact",
     "RadarLowest",
     "RadarPlus",
+    "RadarPlusTokens",
     "RadarRandom",
     "RadarRecent",
     "RadarRerank",
@@ -194,6 +203,7 @@ def RadarPlus(
     factor: float = 2.0,
     per_group: bool = True,
     budget: int | None = None,
+    allocation: Allocation | None = None,
 ) -> SegmentSearch:
     """Radar's segment search with a better ranking (issue 7): centroid shortlist, exact rerank.
 
@@ -214,7 +224,55 @@ def RadarPlus(
     """
     if top_k is None:
         top_k = round(64 * aspect)
-    return _radar_with(Rerank(Centroid(), shortlist, factor, per_group), TopK(), top_k, sinks, window, aspect, budget)
+    method = _radar_with(Rerank(Centroid(), shortlist, factor, per_group), TopK(), top_k, sinks, window, aspect, budget)
+    return method if allocation is None else dataclasses.replace(method, allocation=allocation)
+
+
+
+
+def OracleTokens(
+    top_k: int = 1024,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    shared_kv_selection: bool = False,
+    budget: int | None = None,
+    allocation: Allocation | None = None,
+) -> SegmentSearch:
+    """The exact top-``budget`` tokens of each query head: the ceiling of any selector at this budget.
+
+    ``SegmentSearch(ExactScore(), TopK(), FixedSchedule(1))``: every past token is a segment of one,
+    scored by its exact logit, so a step attends the ``budget`` tokens with the most attention (the
+    current token always among them). No summary can rank better at token granularity; what it
+    loses against dense attention is the mass outside each head's top ``budget`` tokens, which only
+    a different split of the budget (``allocation``, e.g. :class:`~sparseattn.allocations.PooledMass`)
+    can recover. O(t) per step: a measuring stick, not a fast method.
+    """
+    return SegmentSearch(
+        summary=ExactScore(), selector=TopK(), schedule=FixedSchedule(1), top_k=top_k, sinks=sinks, window=window,
+        shared_kv_selection=shared_kv_selection, budget=budget, allocation=allocation or Uniform(),
+    )  # fmt: skip
+
+
+def OracleSegments(
+    top_k: int = 64,
+    segment_size: int = 16,
+    *,
+    sinks: int = 0,
+    window: int = 0,
+    budget: int | None = None,
+    allocation: Allocation | None = None,
+) -> SegmentSearch:
+    """The exact top segments of ``segment_size`` tokens (fixed grid): the ceiling of any summary on that grid.
+
+    ``SegmentSearch(ExactScore(), TopK(), FixedSchedule(segment_size))``; compare with
+    :func:`OracleTokens` at the same budget to see what segment granularity costs, and with a
+    method on the same grid to see what its ranking costs. O(t) per step.
+    """
+    return SegmentSearch(
+        summary=ExactScore(), selector=TopK(), schedule=FixedSchedule(segment_size), top_k=top_k, sinks=sinks,
+        window=window, budget=budget, allocation=allocation or Uniform(),
+    )  # fmt: skip
 
 
 def RadarCentered(
@@ -296,6 +354,84 @@ def RadarH2O(
     return dataclasses.replace(radar, always=HeavyHitters(heavy))
 
 
+def RadarPlusTokens(
+    top_k: int | None = None,
+    *,
+    sinks: int = 4,
+    window: int = 0,
+    aspect: float = 16.0,
+    factor: float = 2.0,
+    budget: int | None = None,
+    allocation: Allocation | None = None,
+) -> SegmentSearch:
+    """radar+'s shortlist, then tokens instead of segments (issue 17): coarse to fine.
+
+    ``SegmentSearch(Centroid(), TopK(), SqrtSchedule(aspect=16), sinks=4, shared_kv_selection=True,
+    refine=TopTokens(factor=2))``: each KV group shortlists the ``2k`` segments with the highest
+    group mass by their mean keys (radar+'s shortlist), the exact logit of every token in them is
+    computed (the keys radar+'s rerank reads), and each query head attends its ``budget - 4 - tail``
+    best tokens plus the 4 sinks and the tail, instead of its best whole segments: a segment's
+    neighbours of the tokens that matter no longer take the budget.
+    """
+    if top_k is None:
+        top_k = round(64 * aspect)
+    return SegmentSearch(
+        summary=Centroid(), selector=TopK(), schedule=SqrtSchedule(aspect=aspect), top_k=top_k, sinks=sinks,
+        window=window, shared_kv_selection=True, budget=budget, allocation=allocation or Uniform(),
+        refine=TopTokens(factor=factor),
+    )  # fmt: skip
+
+
+def _signed(wrapper, build, drop: tuple[str, ...], extra: dict[str, object]):
+    """Give ``wrapper`` the signature of ``build`` without ``drop``, plus the keyword-only ``extra`` (the registry
+    reads a builder's keywords and defaults from its signature)."""
+    sig = inspect.signature(build)
+    params = [p for p in sig.parameters.values() if p.name not in drop]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value) for name, value in extra.items()]
+    wrapper.__signature__ = sig.replace(parameters=params)
+    return wrapper
+
+
+def _pooled(build):
+    """``build`` with its budget split by :class:`~sparseattn.allocations.PooledMass` (``cap``, ``floor``)."""
+
+    def pooled(*args, cap: float = 4.0, floor: float = 0.25, **options) -> SegmentSearch:
+        return build(*args, allocation=PooledMass(cap=cap, floor=floor), **options)
+
+    pooled.__name__ = pooled.__qualname__ = f"{build.__name__}Pooled"
+    pooled.__doc__ = f"{build.__name__} with the layer's segments split by pooled attention mass (:class:`PooledMass`)."
+    return _signed(pooled, build, ("allocation",), {"cap": 4.0, "floor": 0.25})
+
+
+OracleTokensPooled = _pooled(OracleTokens)
+RadarPlusPooled = _pooled(RadarPlus)
+
+
+def _first_layers(build):
+    """``build`` wrapped in :class:`~sparseattn.methods.layers.FirstLayers` (``first_layers``, ``layer_factor``)."""
+
+    def layered(*args, first_layers: int = 1, layer_factor: float = 4.0, **options) -> FirstLayers:
+        return FirstLayers(build(*args, **options), layers=first_layers, factor=layer_factor)
+
+    layered.__name__ = layered.__qualname__ = f"{build.__name__}FirstLayers"
+    layered.__doc__ = f"{build.__name__} with more of the budget in the first layers (:class:`FirstLayers`)."
+    return _signed(layered, build, (), {"first_layers": 1, "layer_factor": 4.0})
+
+
+OracleTokensPooledFirstLayers = _first_layers(OracleTokensPooled)
+
+
+def _aspect_option(default: float) -> Option:
+    return Option("aspect", float, default, "segments of sqrt(t) / aspect tokens", allowed=Range(0.0, 1024.0, integer=False))
+
+
+def _pool_options() -> tuple[Option, ...]:
+    return (
+        Option("cap", float, 4.0, "most segments one head may get, as a multiple of the uniform share", allowed=Range(1.0, 1024.0, integer=False)),
+        Option("floor", float, 0.25, "fewest segments a head keeps, as a fraction of the uniform share"),
+    )  # fmt: skip
+
+
 for _entry in (
     MethodEntry(
         "radar-alg1",
@@ -339,7 +475,7 @@ for _entry in (
         "Radar with a sharper ranking: segments of sqrt(t)/8 tokens scored by their mean key, the best rescored "
         "exactly from their keys, plus 4 attention sinks",
         RadarPlus,
-        segment_options(top_k=None, sinks=4),
+        (*segment_options(top_k=None, sinks=4), _aspect_option(8.0)),
     ),
     MethodEntry(
         "radar-centered",
@@ -374,6 +510,45 @@ for _entry in (
             Option("heavy", int, None, "heavy-hitter tokens attended per step; None: budget // 8, 128 without a budget"),
             *feature_options(4096),
         ),
+    ),
+    MethodEntry(
+        "oracle-tokens",
+        "Ceiling: the exact top-budget tokens of each query head (exact logits, O(t) per step)",
+        OracleTokens,
+        segment_options(top_k=1024),
+    ),
+    MethodEntry(
+        "oracle-tokens-pooled",
+        "Ceiling with a non-uniform split: the layer's tokens go to the heads' largest exact attention shares "
+        "(PooledMass), the total per layer fixed",
+        OracleTokensPooled,
+        (*segment_options(top_k=1024), *_pool_options()),
+    ),
+    MethodEntry(
+        "oracle-segments",
+        "Ceiling on a fixed grid: the exact top segments of --segment-size tokens (O(t) per step)",
+        OracleSegments,
+        (*segment_options(), Option("segment_size", int, 16, "tokens per segment")),
+    ),
+    MethodEntry(
+        "radar+pooled",
+        "radar+ with the layer's segments split by the heads' estimated attention shares (PooledMass): "
+        "diffuse heads get more, peaked heads fewer, the total per layer fixed",
+        RadarPlusPooled,
+        (*segment_options(top_k=None, sinks=4), _aspect_option(8.0), *_pool_options()),
+    ),
+    MethodEntry(
+        "oracle-tokens-pooled-layers",
+        "Ceiling with both splits: per-layer budgets (FirstLayers) and pooled head budgets (PooledMass)",
+        OracleTokensPooledFirstLayers,
+        (*segment_options(top_k=1024), *_pool_options(), *first_layers_options()),
+    ),
+    MethodEntry(
+        "radar+tokens",
+        "radar+'s shortlist of segments (mean keys, per KV group), then each head's best tokens in them by exact "
+        "logits instead of whole segments, plus 4 sinks",
+        RadarPlusTokens,
+        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), Option("factor", float, 2.0, "segments shortlisted, x what the budget buys", allowed=Range(1.0, 1024.0, integer=False))),
     ),
 ):
     register(_entry)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparseattn.allocations.base import Allocation
+from sparseattn.allocations.uniform import Uniform
+from sparseattn.backends.base import CountedSegmentAttention
 from sparseattn.backends.registry import check_backend_name, select_backend
 from sparseattn.methods.always import AlwaysKept
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
@@ -15,7 +18,9 @@ from sparseattn.methods.eviction import Candidates, finite_evidence, observe_pro
 from sparseattn.ops.attention import segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.attention import gather_tokens
 from sparseattn.ops.tokens import segment_index, token_attention
+from sparseattn.refine.tokens import TopTokens
 from sparseattn.registry import MethodEntry, Option, Range, register
 from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.schedules.base import Schedule, SegmentGrid
@@ -82,6 +87,15 @@ class SegmentSearch(StatefulMethod):
             O(t) pass over positions and, for heavy hitters, a 4-byte-per-token attention record,
             not over the keys), and the step runs the torch gather path (the fused kernels take
             contiguous ranges only).
+        allocation: how the layer's segments are split between its heads (:mod:`sparseattn.allocations`):
+            :class:`~sparseattn.allocations.Uniform` (default) gives every selection ``k``;
+            :class:`~sparseattn.allocations.PooledMass` gives more to heads whose attention is diffuse
+            and fewer to peaked ones, ``k`` per selection on average, so a step's tokens over the
+            layer's heads still honour ``budget`` (one head may attend more than ``budget``). A
+            non-uniform split runs the torch gather path.
+        refine: None, or :class:`~sparseattn.refine.TopTokens`: shortlist more segments than the
+            budget buys and attend the best tokens inside them (exact logits) instead of whole
+            segments; the allocation then splits tokens between heads. Runs the torch gather path.
     """
 
     summary: Summary = field(default_factory=PerformerFeatures)
@@ -94,13 +108,15 @@ class SegmentSearch(StatefulMethod):
     budget: int | None = None
     backend: str = "auto"
     always: AlwaysKept | None = None
+    allocation: Allocation = field(default_factory=Uniform)
+    refine: TopTokens | None = None
 
     def __post_init__(self) -> None:
         if self.always is not None and (isinstance(self.always, type) or not isinstance(self.always, AlwaysKept)):
             raise ValueError(
                 f"SegmentSearch.always must be None or an always-kept part instance (HeavyHitters(n), Sinks(n), a | b), got {self.always!r}"
             )
-        for name, proto in (("summary", Summary), ("selector", Selector), ("schedule", Schedule)):
+        for name, proto in (("summary", Summary), ("selector", Selector), ("schedule", Schedule), ("allocation", Allocation)):
             part = getattr(self, name)
             if isinstance(part, type):
                 raise ValueError(f"SegmentSearch.{name} must be an instance of a {proto.__name__} part, got the class {part.__name__}; use {part.__name__}()")
@@ -112,6 +128,8 @@ class SegmentSearch(StatefulMethod):
             check_int("SegmentSearch", name, getattr(self, name), 0)
         if self.budget is not None:
             check_int("SegmentSearch", "budget", self.budget, 1, "or None: top_k segments")
+        if self.refine is not None and (isinstance(self.refine, type) or not isinstance(self.refine, TopTokens)):
+            raise ValueError(f"SegmentSearch.refine must be None or a TopTokens instance, got {self.refine!r}")
         check_backend_name("SegmentSearch.backend", self.backend, "segment_attention", "auto", auto=True)
 
     def segments_for(self, layout: SegmentLayout) -> int:
@@ -122,6 +140,13 @@ class SegmentSearch(StatefulMethod):
             return layout.n_segments
         room = self.budget - layout.sink_end - layout.tail_size - self.extra_tokens
         return min(layout.n_segments, max(1, room // layout.segment_size))
+
+    def tokens_for(self, layout: SegmentLayout, k: int) -> int:
+        """Tokens a refined step (``refine``) picks per head outside the sinks and tail: what the ``budget``
+        leaves (at least 1), or the tokens of ``k`` segments without a budget."""
+        if self.budget is None:
+            return k * layout.segment_size
+        return max(1, self.budget - layout.sink_end - layout.tail_size - self.extra_tokens)
 
     @property
     def extra_tokens(self) -> int:
@@ -235,6 +260,7 @@ class SegmentSelection:
     sealed: int  #: segments the latest append sealed onto the grid
     extra: torch.Tensor | None = None  #: ``[B, H_kv, n]`` positions the ``always`` part added
     extra_valid: torch.Tensor | None = None  #: ``[B, H_kv, G', n]``: which of them each selection attends
+    valid: torch.Tensor | None = None  #: ``[B, H_kv, G', k]``: which listed segments are attended (None: all)
 
     @property
     def per_query_head(self) -> torch.Tensor:
@@ -247,7 +273,11 @@ class SegmentSelection:
         """Tokens attended per query head, ``[B, H_q]``."""
         lay = self.layout
         starts = lay.sink_end + self.per_query_head * lay.segment_size
-        in_segments = (lay.tail_start - starts).clamp(0, lay.segment_size).sum(-1)
+        in_segments = (lay.tail_start - starts).clamp(0, lay.segment_size)
+        if self.valid is not None:
+            B, H, _, k = self.segments.shape
+            in_segments = in_segments * self.valid.expand(B, H, self.group, k).reshape(B, H * self.group, k)
+        in_segments = in_segments.sum(-1)
         attended = in_segments + lay.sink_end + lay.tail_size
         if self.extra_valid is not None:
             B, H, sets, n = self.extra_valid.shape
@@ -256,7 +286,7 @@ class SegmentSelection:
 
     def to_mask(self) -> torch.Tensor:
         """The attended set as a boolean mask ``[B, H_q, t]``."""
-        mask = segment_mask(self.layout, self.segments, self.group)
+        mask = segment_mask(self.layout, self.segments, self.group, self.valid)
         B, H, G, t = mask.shape
         if self.extra_valid is not None:
             sets, n = self.extra_valid.shape[2:]
@@ -472,8 +502,13 @@ class SegmentSearchState(KVState):
         shared = 1 if self.method.shared_kv_selection else group
         k = self.method.segments_for(lay)
         self.method._warn_over_budget(lay, k)
+        valid = None
+        if self.method.refine is not None and k < lay.n_segments:
+            return self._attend_refined(query, grouped, lay, k, shared, group)
         if k == lay.n_segments:
             segments = torch.arange(k, device=query.device).expand(B, self.kv_heads, shared, k)
+        elif not self.method.allocation.uniform:
+            segments, valid = self._allocate(grouped, lay, k, shared)
         else:
             selector = self.method.selector
             if selector.uses_scores:
@@ -483,22 +518,112 @@ class SegmentSearchState(KVState):
             segments = selector.select(scores, k, self._generator)
             _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
         if self.method.always is not None:
-            return self._attend_with_always(query, grouped, lay, segments, group)
+            return self._attend_tokens(query, grouped, lay, segments, group, valid)
         if self._backend is None:
             self._backend = select_backend(
                 self.method.backend, "segment_attention", q=grouped, keys=self.keys, softcap=self.softcap
             )
-        # Unchecked: the backend accepted this state's inputs once, and the state guarantees the shapes it checks.
-        out = self._backend.segment_attention(
-            grouped, self.keys, self.values, lay, segments, self.scale, self.softcap, workspace=self._workspace, checked=False
-        )
+        if valid is not None:  # an allocation's split: heads attend different numbers of the listed segments
+            if not isinstance(self._backend, CountedSegmentAttention):
+                return self._attend_tokens(query, grouped, lay, segments, group, valid)
+            out = self._backend.segment_attention_counted(
+                grouped, self.keys, self.values, lay, segments, valid.sum(-1), self.scale, self.softcap
+            )
+        else:
+            # Unchecked: the backend accepted this state's inputs once, and the state guarantees the shapes it checks.
+            out = self._backend.segment_attention(
+                grouped, self.keys, self.values, lay, segments, self.scale, self.softcap, workspace=self._workspace, checked=False
+            )
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
         info = SegmentSelection(
-            layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend, sealed=self._sealed_since_attend
+            layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
+            sealed=self._sealed_since_attend, valid=valid,
         )
         return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info
 
-    def _always_tokens(self, lay: SegmentLayout, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _allocate(self, grouped: torch.Tensor, lay: SegmentLayout, k: int, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The allocation's split: ``segments [B, H_kv, G', w]`` (each selection's best first) and which are attended.
+
+        The selector picks the ``w`` (the allocation's width) segments a selection could get; each
+        selection attends the first ``counts`` of them in score order, so with :class:`TopK` a head
+        given ``n`` segments attends its top ``n``.
+        """
+        B, H, S = self.batch, self.kv_heads, lay.n_segments
+        allocation, selector = self.method.allocation, self.method.selector
+        w = allocation.width(k, S)
+        scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
+        counts = allocation.plan(scores, self._always_log_mass(grouped, lay, shared), k)
+        if tuple(counts.shape) != (B, H, shared) or counts.dtype != torch.long:
+            raise ValueError(f"{allocation!r}.plan returned {counts.dtype} counts of shape {tuple(counts.shape)}, expected long {(B, H, shared)}")
+        if bool(((counts < 0) | (counts > w)).any()) or bool((counts.sum((1, 2)) > H * shared * k).any()):
+            raise ValueError(
+                f"{allocation!r}.plan returned counts outside [0, {w}] or above the layer's {H * shared * k} segments: {counts.tolist()}"
+            )
+        picks = selector.select(scores, w, self._generator)
+        _check_selection(selector, picks, (B, H, shared, w), S)
+        order = scores.gather(-1, picks).argsort(dim=-1, descending=True, stable=True)
+        segments = picks.gather(-1, order)
+        valid = torch.arange(w, device=self.device) < counts.unsqueeze(-1)
+        return segments, valid
+
+    def _attend_refined(self, query, grouped, lay, k, shared, group) -> tuple[torch.Tensor, SegmentSelection]:
+        """``refine``: shortlist segments, score their tokens exactly, attend each head's best tokens (see :class:`TopTokens`)."""
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        m = self.method
+        w = m.refine.shortlist(k, lay.n_segments)
+        selector = m.selector
+        if selector.uses_scores:
+            scores = self.group_scores(grouped, w) if shared == 1 else self.scores(grouped, w)
+        else:
+            scores = torch.zeros(B, H, shared, lay.n_segments, device=self.device)
+        segments = selector.select(scores, w, self._generator)
+        _check_selection(selector, segments, (B, H, shared, w), lay.n_segments)
+        index, mask = segment_index(lay, segments)  # sinks, the shortlisted segments' tokens, tail
+        keys = gather_tokens(self.keys, index, self._workspace, "refine_keys")
+        logits = torch.einsum("bhgd,bhld->bhgl", self._scaled(grouped), self._scaled(keys))  # exact, [B, H, G, L]
+        fixed = ((index < lay.sink_end) | (index >= lay.tail_start)).unsqueeze(2)  # sinks and tail: always attended
+        candidate = ~fixed if mask is None else ~fixed & mask
+        ranked = logits.masked_fill(~candidate, float("-inf"))
+        n = m.tokens_for(lay, k)
+        allocation = m.allocation
+        width = allocation.width(n, index.shape[-1])
+        if allocation.uniform:
+            counts = torch.full((B, H, group), width, dtype=torch.long, device=self.device)
+        else:
+            always = torch.logsumexp(logits.masked_fill(~fixed, float("-inf")), dim=-1)
+            counts = allocation.plan(ranked, always, n)
+        top = ranked.topk(width, dim=-1)
+        keep = (torch.arange(width, device=self.device) < counts.unsqueeze(-1)) & torch.isfinite(top.values)
+        chosen = torch.zeros_like(candidate.expand(B, H, group, -1)).scatter(-1, top.indices, keep)
+        extra, extra_valid = index, chosen  # the refined tokens, reported as tokens on top of sinks and tail
+        listed, attended = index, chosen | fixed
+        if m.always is not None:
+            more, more_valid = self._always_tokens(lay, segments[..., :0])
+            dense = torch.zeros(B, H, group, lay.length, dtype=torch.bool, device=self.device).scatter(-1, index.unsqueeze(2).expand(B, H, group, -1), chosen)
+            more_valid = more_valid & ~dense.gather(-1, more.unsqueeze(2).expand(B, H, group, -1))  # each token once
+            extra, extra_valid = torch.cat([index, more], dim=-1), torch.cat([chosen, more_valid], dim=-1)
+            listed, attended = extra, torch.cat([attended, more_valid], dim=-1)
+        out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
+        if self._observation is not None and self._observation.decode:
+            self._record.view().scatter_add_(-1, listed, finite_evidence(probs).sum(dim=2))
+        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
+        info = SegmentSelection(
+            layout=lay, segments=segments[..., :0], group=group, rebuilt=self._rebuilt_since_attend,
+            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid,
+        )
+        return out.reshape(B, H * group, D).to(query.dtype), info
+
+    def _always_log_mass(self, grouped: torch.Tensor, lay: SegmentLayout, shared: int) -> torch.Tensor:
+        """Log attention mass ``[B, H_kv, G']`` of the sinks and the tail (attended by every head), on the
+        scale of the segment scores (no soft-capping, as the summaries score)."""
+        keys = torch.cat([self.keys[:, :, : lay.sink_end], self.keys[:, :, lay.tail_start : lay.length]], dim=2)
+        logits = torch.einsum("bhgd,bhtd->bhgt", self._scaled(grouped), self._scaled(keys))
+        mass = torch.logsumexp(logits, dim=-1)
+        return torch.logsumexp(mass, dim=2, keepdim=True) if shared == 1 else mass
+
+    def _always_tokens(
+        self, lay: SegmentLayout, segments: torch.Tensor, listed_valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What the ``always`` part adds: positions ``[B, H_kv, n]`` and ``[B, H_kv, G', n]`` flags of those
         the selection does not attend already (sinks, tail and selected segments count once)."""
         B, H, t = self.batch, self.kv_heads, lay.length
@@ -516,30 +641,34 @@ class SegmentSearchState(KVState):
         sets, k = segments.shape[2], segments.shape[3]
         if lay.n_segments and k:
             chosen = torch.zeros(B, H, sets, lay.n_segments, dtype=torch.bool, device=self.device)
-            chosen.scatter_(-1, segments, True)
+            chosen.scatter_(-1, segments, True if listed_valid is None else listed_valid)
             segment_of = ((extra - lay.sink_end) // lay.segment_size).clamp(0, lay.n_segments - 1)
             selected = chosen.gather(-1, segment_of.unsqueeze(2).expand(B, H, sets, n))  # outside => in a segment
             valid = valid & ~selected
         return extra, valid
 
-    def _attend_with_always(self, query, grouped, lay, segments, group) -> tuple[torch.Tensor, SegmentSelection]:
-        """The selection plus the ``always`` part's tokens, in one softmax over the gathered tokens (torch)."""
+    def _attend_tokens(self, query, grouped, lay, segments, group, valid=None) -> tuple[torch.Tensor, SegmentSelection]:
+        """The selection (only its ``valid`` segments) plus the ``always`` part's tokens, if any, in one
+        softmax over the gathered tokens (torch)."""
         B, H, D = self.batch, self.kv_heads, self.head_dim
-        extra, extra_valid = self._always_tokens(lay, segments)
-        index, mask = segment_index(lay, segments)
-        sets = max(extra_valid.shape[2], 1 if mask is None else mask.shape[2])
-        main = torch.ones(B, H, sets, index.shape[-1], dtype=torch.bool, device=self.device) if mask is None else mask.expand(B, H, sets, -1)
-        valid = torch.cat([main, extra_valid.expand(B, H, sets, -1)], dim=-1)
-        out, probs = token_attention(
-            grouped, self.keys, self.values, torch.cat([index, extra], dim=-1), valid, self.scale, self.softcap, self._workspace
-        )
+        index, mask = segment_index(lay, segments, valid)
+        extra = extra_valid = None
+        if self.method.always is not None:
+            extra, extra_valid = self._always_tokens(lay, segments, valid)
+        sets = max(1 if extra_valid is None else extra_valid.shape[2], 1 if mask is None else mask.shape[2])
+        listed = index if extra is None else torch.cat([index, extra], dim=-1)
+        attended = None
+        if mask is not None or extra_valid is not None:
+            main = torch.ones(B, H, sets, index.shape[-1], dtype=torch.bool, device=self.device) if mask is None else mask.expand(B, H, sets, -1)
+            attended = main if extra_valid is None else torch.cat([main, extra_valid.expand(B, H, sets, -1)], dim=-1)
+        out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
         if self._observation is not None and self._observation.decode:
             # Invalid entries (padding, or a token listed twice) have weight 0: adding them changes nothing.
-            self._record.view().scatter_add_(-1, torch.cat([index, extra], dim=-1), finite_evidence(probs).sum(dim=2))
+            self._record.view().scatter_add_(-1, listed, finite_evidence(probs).sum(dim=2))
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
-            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid,
+            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid, valid=valid,
         )
         return out.reshape(B, H * group, D).to(query.dtype), info
 

@@ -25,13 +25,19 @@ def segment_positions(layout: SegmentLayout, segments: torch.Tensor) -> torch.Te
     return layout.sink_end + segments.unsqueeze(-1) * layout.segment_size + offsets
 
 
-def segment_mask(layout: SegmentLayout, segments: torch.Tensor, group: int) -> torch.Tensor:
-    """The attended set as a dense boolean mask ``[B, H_kv, G, t]`` (for tests and pictures)."""
+def segment_mask(layout: SegmentLayout, segments: torch.Tensor, group: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The attended set as a dense boolean mask ``[B, H_kv, G, t]`` (for tests and pictures).
+
+    ``valid: [B, H_kv, G', k]`` (optional) marks which listed segments are attended (a budget
+    allocation lists more than a head attends).
+    """
     B, H, _, _ = segments.shape
     pos = torch.arange(layout.length, device=segments.device)
     selected = torch.zeros(B, H, segments.shape[2], layout.length, dtype=torch.bool, device=segments.device)
     if segments.shape[-1] > 0:
-        selected.scatter_(-1, segment_positions(layout, segments).flatten(-2), True)
+        positions = segment_positions(layout, segments)
+        src = True if valid is None else valid.unsqueeze(-1).expand(positions.shape).flatten(-2)
+        selected.scatter_(-1, positions.flatten(-2), src)
     always = (pos < layout.sink_end) | (pos >= layout.tail_start)
     return (always | (selected & (pos < layout.tail_start))).expand(B, H, group, layout.length)
 

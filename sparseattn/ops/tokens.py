@@ -19,13 +19,17 @@ from sparseattn.ops.buffers import Workspace
 from sparseattn.ops.layout import SegmentLayout
 
 
-def segment_index(layout: SegmentLayout, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def segment_index(
+    layout: SegmentLayout, segments: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens a segment selection attends, as a token list and a per-head mask.
 
     ``segments: [B, H_kv, G', k]`` -> ``index: [B, H_kv, L]`` (sinks, ``min(S, G' k)`` segments'
     tokens holding the union over the ``G'`` selections, the tail) and ``mask: [B, H_kv, G', L]`` of the
     tokens each selection attends (None when every listed token is attended by every head). A
     segment reaching into the tail attends only its tokens before ``tail_start`` (the tail has them).
+    ``valid: [B, H_kv, G', k]`` (optional) marks the listed segments that are attended; the others
+    are listed but masked out (a budget allocation gives heads different numbers of segments).
 
     Example:
         >>> lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3, window=2)
@@ -39,7 +43,7 @@ def segment_index(layout: SegmentLayout, segments: torch.Tensor) -> tuple[torch.
     mask = None
     if k > 0 and layout.n_segments > 0:
         chosen = torch.zeros(B, H, sets, layout.n_segments, dtype=torch.bool, device=device)
-        chosen.scatter_(-1, segments, True)
+        chosen.scatter_(-1, segments, True if valid is None else valid)
         union = chosen.any(2)  # [B, H, S]
         # A width fixed by the shapes (not the largest union), so what one row selects never changes the
         # arithmetic of another (and no device sync). Selected segments first (True sorts above False);
@@ -49,7 +53,7 @@ def segment_index(layout: SegmentLayout, segments: torch.Tensor) -> tuple[torch.
         positions = (layout.sink_end + picked.unsqueeze(-1) * c + torch.arange(c, device=device)).reshape(B, H, width * c)
         parts.append(positions)
         head = None
-        if sets > 1 or width > k:
+        if sets > 1 or width > k or valid is not None:
             head = chosen.gather(-1, picked.unsqueeze(2).expand(-1, -1, sets, -1)).repeat_interleave(c, dim=-1)
         if layout.segment_end > layout.tail_start:  # the window reaches back into the last segments
             in_front = (positions < layout.tail_start).unsqueeze(2)

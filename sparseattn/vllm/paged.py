@@ -99,6 +99,11 @@ class PagedPolicy:
             )
         if m.always is not None:
             raise ValueError(f"sparseattn method {label!r}: an always-kept part ({m.always!r}) is not supported in vLLM yet")
+        if not m.allocation.uniform:
+            raise ValueError(
+                f"sparseattn method {label!r}: a non-uniform budget allocation ({m.allocation!r}) is not supported in "
+                "vLLM yet (the page lists of one step are one length per head); it runs in the transformers engine"
+            )
 
     @property
     def dense(self) -> bool:

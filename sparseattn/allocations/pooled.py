@@ -1,0 +1,63 @@
+"""Per-head budgets from the pooled attention mass (the idea of adaptive head budgets, e.g. Ada-KV)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sparseattn.validation import check_real
+
+
+@dataclass(frozen=True)
+class PooledMass:
+    """Give the layer's segments to the heads where they hold the largest share of attention mass.
+
+    Each head's segment scores become shares of its own estimated mass, ``score - log Z_head`` with
+    ``Z_head`` summing every segment's estimate and the always-attended tokens' exact mass. All heads'
+    shares are pooled per batch row and the best ``H x k`` taken: a head whose attention is peaked on
+    a few segments (or on the sinks and the window) needs few, a diffuse head gets more. Taking the
+    largest shares maximises the summed fraction of each head's mass that is attended, under the
+    layer's total, which is what a uniform split cannot do when heads differ.
+
+    Guards: every head keeps at least ``floor x k`` of its best segments (estimates can be wrong),
+    and none gets more than ``cap x k``.
+
+    With a summary whose scores are not comparable log masses across heads the split follows them
+    anyway: :class:`~sparseattn.summaries.Rerank` pushes its unshortlisted segments below the
+    shortlist, so their estimates (and ``Z_head``) are lower bounds.
+
+    Args:
+        cap: the most segments one head may get, as a multiple of the uniform ``k`` (>= 1).
+        floor: the fewest, as a fraction of ``k`` (0 to 1).
+    """
+
+    cap: float = 4.0
+    floor: float = 0.25
+
+    uniform = False
+
+    def __post_init__(self) -> None:
+        check_real("PooledMass", "cap", self.cap, at_least=1)
+        check_real("PooledMass", "floor", self.floor, at_least=0)
+        if self.floor > 1:
+            raise ValueError(f"PooledMass.floor must be in [0, 1] (a fraction of the uniform k), got {self.floor!r}")
+
+    def width(self, k: int, n_segments: int) -> int:
+        return min(n_segments, max(k, math.ceil(self.cap * k)))
+
+    def floor_count(self, k: int) -> int:
+        return min(k, math.ceil(self.floor * k))
+
+    def plan(self, scores: torch.Tensor, always_mass: torch.Tensor, k: int) -> torch.Tensor:
+        B, H, G, S = scores.shape
+        w = self.width(k, S)
+        s = scores.float()
+        log_z = torch.logaddexp(torch.logsumexp(s, dim=-1), always_mass.float())
+        best = s.topk(w, dim=-1, sorted=True).values - log_z[..., None]  # [B, H, G, w], each head's best first
+        best[..., : self.floor_count(k)] = float("inf")  # the floor is taken first
+        total = min(H * G * k, H * G * w)
+        taken = torch.zeros(B, H * G * w, dtype=torch.bool, device=scores.device)
+        taken.scatter_(1, best.reshape(B, -1).topk(total, dim=-1, sorted=False).indices, True)
+        return taken.view(B, H, G, w).sum(-1)

@@ -1,0 +1,334 @@
+"""Budget allocation parts: the layer's segments split between heads, the total honoured.
+
+Statements checked:
+
+* ``PooledMass.plan`` is the greedy pooled split of its float64 reference (each head's floor first,
+  then the largest shares of each head's mass, up to ``H G k`` segments, none beyond the width);
+* a segment search with an allocation attends, per head, its top ``count`` segments in score order,
+  and its output is softmax attention over exactly what it reports;
+* the token-level oracle with the pooled split is the brute-force pooled top of the heads' exact
+  attention shares (float64, from dense attention), and attends ``budget`` tokens per head on average;
+* a head whose attention is peaked gets fewer tokens than a diffuse one;
+* every summary x selector runs with an allocation; at full budget it is dense attention;
+* token refinement (``TopTokens``) attends each head's best tokens inside the shortlisted segments
+  (with every segment shortlisted: the token-level oracle over the segmented tokens), composes
+  with every summary, selector and allocation, and with heavy hitters counts each token once;
+* per-layer budgets (``FirstLayers``) give the first layers more and the others the rest, the
+  model's total unchanged, and transformers tells every layer how many layers there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hf_models
+from hf_models import prompts, tiny_model
+from parts import SELECTORS, SUMMARIES, part_id
+from sparseattn import (
+    Centroid,
+    HeavyHitters,
+    LayerSpec,
+    OracleTokens,
+    PooledMass,
+    RadarPlus,
+    RadarPlusTokens,
+    SegmentSearch,
+    SqrtSchedule,
+    TopK,
+    TopTokens,
+    Uniform,
+    attention_ref,
+)
+from sparseattn.allocations import pooled_counts_ref
+from sparseattn.hf import apply
+from sparseattn.methods.layers import FirstLayers, layer_budgets
+from sparseattn.testing import assert_close
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cap, floor", [(4.0, 0.25), (2.0, 0.0), (1.0, 1.0), (8.0, 0.5)])
+def test_pooled_plan_is_the_greedy_pooled_split(seed, cap, floor):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, S = 2, 3, 1 + seed % 3, 10 + seed
+    k = 1 + seed % 4
+    scores = torch.randn(B, H, G, S, generator=gen) * 3
+    always = torch.randn(B, H, G, generator=gen) * 3
+    allocation = PooledMass(cap=cap, floor=floor)
+    counts = allocation.plan(scores, always, k)
+    ref = pooled_counts_ref(scores, always, k, allocation.width(k, S), allocation.floor_count(k))
+    assert torch.equal(counts, ref)
+    assert torch.equal(counts.sum((1, 2)), torch.full((B,), H * G * k))
+    assert int(counts.min()) >= allocation.floor_count(k) and int(counts.max()) <= allocation.width(k, S)
+
+
+def test_uniform_gives_every_head_k():
+    counts = Uniform().plan(torch.randn(2, 3, 4, 9), torch.zeros(2, 3, 4), 5)
+    assert torch.equal(counts, torch.full((2, 3, 4), 5))
+
+
+@pytest.mark.parametrize("bad, match", [(dict(cap=0.5), "PooledMass.cap"), (dict(floor=1.5), "PooledMass.floor"), (dict(floor=-0.1), "PooledMass.floor")])
+def test_bad_pooled_options_are_refused_with_their_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        PooledMass(**bad)
+
+
+def test_an_allocation_class_instead_of_an_instance_is_refused():
+    with pytest.raises(ValueError, match="SegmentSearch.allocation must be an instance"):
+        SegmentSearch(allocation=PooledMass)
+
+
+def pooled_token_oracle_mask(q, keys, budget, scale):
+    """Brute force in float64: per head the exact attention shares of every past token; the current
+    token always attended; the layer's ``H (budget - 1)`` other slots to the largest shares (each head
+    at least ``floor`` and at most ``cap`` times its uniform share, by the same greedy rule)."""
+    B, H, G, D = q.shape
+    t = keys.shape[2]
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale
+    k = budget - 1
+    counts = pooled_counts_ref(logits[..., :-1], logits[..., -1], k, min(t - 1, math.ceil(4 * k)), math.ceil(0.25 * k))
+    mask = torch.zeros(B, H, G, t, dtype=torch.bool)
+    mask[..., -1] = True
+    order = logits[..., :-1].argsort(dim=-1, descending=True)
+    for b in range(B):
+        for h in range(H):
+            for g in range(G):
+                mask[b, h, g, order[b, h, g, : counts[b, h, g]]] = True
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pooled_token_oracle_attends_the_pooled_top_of_the_exact_attention_shares(seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, T, budget = 2, 2, 3, 16, 120, 17
+    # Heads of different temperature: some peaked, some diffuse.
+    temperature = torch.tensor([0.3, 3.0]).view(1, H, 1, 1)
+    keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
+    state = OracleTokens(budget=budget, allocation=PooledMass()).new_state(B, H, D)
+    state.prefill(keys[:, :, :T], values[:, :, :T])
+    q = (torch.randn(B, H, G, D, generator=gen) * temperature).reshape(B, H * G, D)
+    out, info = state.step(q, keys[:, :, T], values[:, :, T])
+    mask = pooled_token_oracle_mask(q.view(B, H, G, D), keys, budget, D**-0.5)
+    assert torch.equal(info.to_mask(), mask.view(B, H * G, T + 1))
+    assert torch.equal(info.attended, mask.sum(-1).view(B, H * G))
+    assert torch.equal(info.attended.sum(-1), torch.full((B,), H * G * budget))  # the layer's total, exactly
+    ref = attention_ref(q.view(B, H, G, D), keys, values, mask)
+    assert_close(out, ref.view(B, H * G, D), torch.float32)
+
+
+def test_a_peaked_head_gets_fewer_tokens_than_a_diffuse_one():
+    gen = torch.Generator().manual_seed(0)
+    D, T, budget = 16, 400, 40
+    keys, values = torch.randn(1, 2, T, D, generator=gen), torch.randn(1, 2, T, D, generator=gen)
+    q = torch.randn(1, 2, D, generator=gen) * 0.05  # head 1: nearly uniform attention
+    q[0, 0] = keys[0, 0, 123] * 4  # head 0: all its mass on one token
+    state = OracleTokens(budget=budget, allocation=PooledMass()).new_state(1, 2, D)
+    state.prefill(keys[:, :, :-1], values[:, :, :-1])
+    _, info = state.step(q, keys[:, :, -1], values[:, :, -1])
+    peaked, diffuse = info.attended[0].tolist()
+    assert peaked < budget < diffuse and peaked + diffuse == 2 * budget
+    assert bool(info.to_mask()[0, 0, 123])
+
+
+@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_every_summary_and_selector_composes_with_an_allocation(summary, selector):
+    B, H, G, D, T = 2, 2, 2, 16, 150
+    gen = torch.Generator().manual_seed(1)
+    method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=40, allocation=PooledMass(cap=3.0))
+    state = method.new_state(B, H, D)
+    keys, values = torch.randn(B, H, T + 5, D, generator=gen), torch.randn(B, H, T + 5, D, generator=gen)
+    state.prefill(keys[:, :, :T], values[:, :, :T])
+    for t in range(T, T + 5):
+        q = torch.randn(B, H * G, D, generator=gen)
+        out, info = state.step(q, keys[:, :, t], values[:, :, t])
+        mask = info.to_mask()
+        assert torch.equal(info.attended, mask.sum(-1))
+        assert float(info.attended.double().mean(-1).max()) <= 40
+        ref = attention_ref(q.view(B, H, G, D), keys[:, :, : t + 1], values[:, :, : t + 1], mask.view(B, H, G, t + 1))
+        assert_close(out, ref.view(B, H * G, D), torch.float32)
+        # Each head attends the first `count` of its listed segments, the listing in score order.
+        valid = info.valid
+        assert valid is not None and torch.equal(valid, valid.cummin(-1).values)  # a prefix per head
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_full_budget_with_an_allocation_is_dense_attention(shared):
+    B, H, G, D, T = 1, 2, 3, 8, 60
+    state = OracleTokens(budget=10**6, shared_kv_selection=shared, allocation=PooledMass()).new_state(B, H, D)
+    keys, values = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    state.prefill(keys[:, :, :-1], values[:, :, :-1])
+    q = torch.randn(B, H * G, D)
+    out, info = state.step(q, keys[:, :, -1], values[:, :, -1])
+    assert_close(out, attention_ref(q.view(B, H, G, D), keys, values).view(B, H * G, D), torch.float32)
+    assert torch.equal(info.attended, torch.full((B, H * G), T))
+
+
+def test_shared_selection_and_always_parts_compose_with_an_allocation():
+    B, H, G, D, T = 2, 3, 3, 16, 300
+    base = OracleTokens(budget=48, allocation=PooledMass())
+    for method in (dataclasses.replace(base, shared_kv_selection=True), dataclasses.replace(base, always=HeavyHitters(8))):
+        state = method.new_state(B, H, D)
+        state.append(torch.randn(B, H, T, D), torch.randn(B, H, T, D))
+        state.attend_block(torch.randn(B, H * G, T, D))
+        out, info = state.step(torch.randn(B, H * G, D), torch.randn(B, H, D), torch.randn(B, H, D))
+        assert torch.isfinite(out).all()
+        assert torch.equal(info.attended, info.to_mask().sum(-1))
+        assert float(info.attended.double().mean(-1).max()) <= 48
+
+
+# -- per-layer budgets ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_layers, layers, factor, budget", [(30, 1, 4.0, 512), (2, 1, 1.5, 40), (12, 3, 2.0, 100), (5, 0, 3.0, 64)])
+def test_first_layers_get_factor_times_the_budget_and_the_total_is_honoured(n_layers, layers, factor, budget):
+    method = FirstLayers(RadarPlus(budget=budget), layers=layers, factor=factor)
+    budgets = layer_budgets(method, n_layers)
+    assert budgets[:layers] == [round(factor * budget)] * layers  # room enough here: the other layers keep >= half
+    assert len(set(budgets[layers:])) == 1 and budgets[-1] <= budget
+    assert sum(budgets) <= n_layers * budget < sum(budgets) + n_layers  # nothing lost beyond rounding
+    state = method.new_state(LayerSpec(1, 2, 8, layer_idx=n_layers - 1, n_layers=n_layers))
+    assert state.method.budget == budgets[-1]
+
+
+def test_first_layers_without_the_number_of_layers_is_one_layer_with_the_whole_budget():
+    assert FirstLayers(RadarPlus(budget=64)).new_state(1, 2, 8).method.budget == 64
+    assert layer_budgets(FirstLayers(RadarPlus(budget=64), layers=3), 2) == [64, 64]  # no other layer
+
+
+def test_in_a_shallow_model_the_other_layers_keep_half_the_budget():
+    assert layer_budgets(FirstLayers(RadarPlus(budget=48), factor=4.0), 2) == [72, 24]
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: FirstLayers(RadarPlus()), "FirstLayers.method must be a method instance with a budget"),
+        (lambda: FirstLayers(RadarPlus(budget=8), factor=0.5), "FirstLayers.factor"),
+        (lambda: FirstLayers(RadarPlus(budget=8), layers=-1), "FirstLayers.layers"),
+    ],
+)
+def test_bad_layer_splits_are_refused_before_any_state(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_transformers_tells_each_layer_how_many_layers_there_are():
+    model = tiny_model("llama")  # 2 layers
+    ids = prompts(1, [120])[0]
+    method = FirstLayers(OracleTokens(budget=20), layers=1, factor=1.5)
+    with apply(model, method) as sparse:
+        cache = sparse.new_cache()
+        hf_models.greedy(model, ids, torch.ones_like(ids), cache, 4)
+    assert [layer.state.method.budget for layer in cache.sparse_layers] == [30, 10]
+    assert cache.mean_attended() == pytest.approx(20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    group=st.integers(1, 3),
+    n_segments=st.integers(2, 40),
+    k=st.integers(1, 8),
+    cap=st.floats(1.0, 6.0),
+    floor=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_pooled_split_attends_at_least_the_uniform_splits_share_of_attention(heads, group, n_segments, k, cap, floor, seed):
+    """With exact scores, the summed share of each head's attention mass that its segments hold is at
+    least the uniform split's: the uniform split obeys the floor and the cap, and taking the largest
+    shares first maximises a sum of each head's best shares (each head's sorted shares are concave)."""
+    k = min(k, n_segments)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(1, heads, group, n_segments, generator=gen, dtype=torch.float64) * 4
+    always = torch.randn(1, heads, group, generator=gen, dtype=torch.float64) * 4
+    shares = (scores - torch.logaddexp(scores.logsumexp(-1), always)[..., None]).exp().sort(-1, descending=True).values
+    allocation = PooledMass(cap=cap, floor=floor)
+    counts = allocation.plan(scores, always, k)
+    taken = (shares * (torch.arange(n_segments) < counts[..., None])).sum()
+    uniform = shares[..., :k].sum()
+    assert float(taken) >= float(uniform) - 1e-5
+
+
+# -- token refinement -------------------------------------------------------------------------------
+
+
+def refined_mask_ref(q, keys, lay, n):
+    """Brute force: sinks and tail, plus each head's ``n`` segmentable tokens with the highest exact logits."""
+    B, H, G, D = q.shape
+    t = keys.shape[2]
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double())
+    pos = torch.arange(t)
+    fixed = (pos < lay.sink_end) | (pos >= lay.tail_start)
+    ranked = logits.masked_fill(fixed | (pos >= lay.segment_end), float("-inf"))
+    mask = fixed.expand(B, H, G, t).clone()
+    mask.scatter_(-1, ranked.topk(n, dim=-1).indices, True)
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shared", [True, False])
+def test_refinement_over_every_segment_attends_each_heads_top_tokens(seed, shared):
+    """With a shortlist covering every segment, a refined step is the token-level oracle over the
+    segmented tokens: each head's best ``budget - sinks - tail`` tokens, plus sinks and tail."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, T, budget = 2, 2, 3, 16, 150, 30
+    method = SegmentSearch(
+        Centroid(), TopK(), SqrtSchedule(aspect=2.0), sinks=3, budget=budget, shared_kv_selection=shared, refine=TopTokens(factor=1000.0)
+    )
+    keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
+    state = method.new_state(B, H, D)
+    state.prefill(keys[:, :, :T], values[:, :, :T])
+    q = torch.randn(B, H * G, D, generator=gen)
+    out, info = state.step(q, keys[:, :, T], values[:, :, T])
+    lay = info.layout
+    mask = refined_mask_ref(q.view(B, H, G, D), keys, lay, budget - lay.sink_end - lay.tail_size)
+    assert torch.equal(info.to_mask(), mask.view(B, H * G, T + 1))
+    assert torch.equal(info.attended, torch.full((B, H * G), budget))
+    assert_close(out, attention_ref(q.view(B, H, G, D), keys, values, mask).view(B, H * G, D), torch.float32)
+
+
+@pytest.mark.parametrize("allocation", [Uniform(), PooledMass(cap=3.0)], ids=part_id)
+@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_every_summary_selector_and_allocation_composes_with_refinement(summary, selector, allocation):
+    B, H, G, D, T, budget = 2, 2, 2, 16, 150, 40
+    gen = torch.Generator().manual_seed(2)
+    method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=budget, allocation=allocation, refine=TopTokens())
+    state = method.new_state(B, H, D)
+    keys, values = torch.randn(B, H, T + 4, D, generator=gen), torch.randn(B, H, T + 4, D, generator=gen)
+    state.prefill(keys[:, :, :T], values[:, :, :T])
+    for t in range(T, T + 4):
+        q = torch.randn(B, H * G, D, generator=gen)
+        out, info = state.step(q, keys[:, :, t], values[:, :, t])
+        mask = info.to_mask()
+        assert torch.equal(info.attended, mask.sum(-1))
+        assert float(info.attended.double().mean(-1).max()) <= budget
+        if allocation.uniform:
+            assert int(info.attended.max()) <= budget
+        ref = attention_ref(q.view(B, H, G, D), keys[:, :, : t + 1], values[:, :, : t + 1], mask.view(B, H, G, t + 1))
+        assert_close(out, ref.view(B, H * G, D), torch.float32)
+
+
+def test_refinement_with_heavy_hitters_attends_each_token_once_within_the_budget():
+    B, H, G, D, T = 1, 2, 3, 16, 300
+    method = dataclasses.replace(RadarPlusTokens(budget=64), always=HeavyHitters(8))
+    state = method.new_state(B, H, D)
+    state.append(torch.randn(B, H, T, D), torch.randn(B, H, T, D))
+    state.attend_block(torch.randn(B, H * G, T, D))
+    for _ in range(3):
+        out, info = state.step(torch.randn(B, H * G, D), torch.randn(B, H, D), torch.randn(B, H, D))
+        assert torch.isfinite(out).all() and torch.equal(info.attended, info.to_mask().sum(-1))
+        assert int(info.attended.max()) <= 64
+
+
+def test_a_refine_part_must_be_a_top_tokens_instance():
+    with pytest.raises(ValueError, match="SegmentSearch.refine must be None or a TopTokens instance"):
+        SegmentSearch(refine=TopTokens)
+    with pytest.raises(ValueError, match="TopTokens.factor"):
+        TopTokens(factor=0.5)
