@@ -208,7 +208,7 @@ def test_in_a_shallow_model_the_other_layers_keep_half_the_budget():
 @pytest.mark.parametrize(
     "build, match",
     [
-        (lambda: FirstLayers(RadarPlus()), "FirstLayers.method must be a method instance with a budget"),
+        (lambda: FirstLayers(RadarPlus), "FirstLayers.method must be a method instance with a budget field"),
         (lambda: FirstLayers(RadarPlus(budget=8), factor=0.5), "FirstLayers.factor"),
         (lambda: FirstLayers(RadarPlus(budget=8), layers=-1), "FirstLayers.layers"),
     ],

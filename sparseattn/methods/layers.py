@@ -26,7 +26,7 @@ class FirstLayers:
 
     Args:
         method: a method with a ``budget`` field (e.g. ``RadarPlus(budget=512)``); each layer's state
-            is that method with the layer's budget.
+            is that method with the layer's budget (without a budget set, every layer runs it as given).
         layers: how many first layers get more.
         factor: their budget, as a multiple of ``b`` (>= 1).
     """
@@ -36,21 +36,20 @@ class FirstLayers:
     factor: float = 4.0
 
     def __post_init__(self) -> None:
-        budget = getattr(self.method, "budget", None)
-        if isinstance(self.method, type) or not dataclasses.is_dataclass(self.method) or budget is None:
-            raise ValueError(f"FirstLayers.method must be a method instance with a budget set (e.g. RadarPlus(budget=512)), got {self.method!r}")
+        if isinstance(self.method, type) or not dataclasses.is_dataclass(self.method) or not hasattr(self.method, "budget"):
+            raise ValueError(f"FirstLayers.method must be a method instance with a budget field (e.g. RadarPlus(budget=512)), got {self.method!r}")
         check_int("FirstLayers", "layers", self.layers, 0)
         check_real("FirstLayers", "factor", self.factor, at_least=1)
 
     @property
-    def budget(self) -> int:
+    def budget(self) -> int | None:
         """The per-layer average: what ``--budget`` means for this method."""
         return self.method.budget
 
-    def budget_of(self, layer_idx: int, n_layers: int | None) -> int:
+    def budget_of(self, layer_idx: int, n_layers: int | None) -> int | None:
         """Layer ``layer_idx``'s budget in a model of ``n_layers`` layers (None: a single layer)."""
         b = self.method.budget
-        if n_layers is None or self.layers == 0 or self.layers >= n_layers:  # nothing to move
+        if b is None or n_layers is None or self.layers == 0 or self.layers >= n_layers:  # nothing to move
             return b
         others = n_layers - self.layers
         keep = math.ceil(b / 2)  # what every other layer keeps at least
