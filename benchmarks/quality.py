@@ -61,24 +61,24 @@ def main() -> None:
             try:
                 found = get_text(name).kind
             except KeyError as error:
-                raise SystemExit(f"--{kind} {name!r}: {error.args[0]}") from None
+                parser.error(f"--{kind} {name!r}: {error.args[0]}")
             if found != kind:
-                raise SystemExit(f"--{kind} {name!r} is a {found} text; pass it as --{found}")
+                parser.error(f"--{kind} {name!r} is a {found} text; pass it as --{found}")
     methods_run = list(dict.fromkeys(["streamingllm", *args.methods]))
     for spec in methods_run:
         name = spec.partition(":")[0]
         if name not in registry.names() or "budget" not in registry.get(name).option_names:
-            raise SystemExit(f"--methods {spec!r}: not a registered method that takes a budget; see `sparseattn methods`")
+            parser.error(f"--methods {spec!r}: not a registered method that takes a budget; see `sparseattn methods`")
     for name, value in (("--prefill", args.prefill), ("--steps", args.steps), *(("--budgets", b) for b in args.budgets)):
         if value < 1:
-            raise SystemExit(f"{name} must be >= 1, got {value}")
+            parser.error(f"{name} must be >= 1, got {value}")
     methods = {"dense": Dense()}
     for budget in args.budgets:
         for spec in methods_run:
             try:
                 methods[f"{spec}@{budget}"] = parse_method(spec, budget)[1]
             except Exception as error:  # the CLI's message: the option, the value, what is allowed
-                raise SystemExit(f"--methods {spec!r}: {getattr(error, 'message', error)}") from None
+                parser.error(f"--methods {spec!r}: {getattr(error, 'message', error)}")
     model, tokenizer = load_model("default")
     n = args.prefill + args.steps + 1
     if n > model.config.max_position_embeddings:

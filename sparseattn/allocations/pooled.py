@@ -24,6 +24,11 @@ class PooledMass:
     Guards: every head keeps at least ``floor x k`` of its best segments (estimates can be wrong),
     and none gets more than ``cap x k``.
 
+    The heads of a batch row share its budget, so what one head's scores say moves the others'
+    split: a non-finite key or query in one KV head (whose output is NaN, as in dense attention)
+    leaves that head its floor and changes the other heads' counts, not their finiteness. Batch rows
+    stay independent.
+
     With a summary whose scores are not comparable log masses across heads the split follows them
     anyway: :class:`~sparseattn.summaries.Rerank` pushes its unshortlisted segments below the
     shortlist, so their estimates (and ``Z_head``) are lower bounds.
@@ -56,6 +61,9 @@ class PooledMass:
         s = scores.float()
         log_z = torch.logaddexp(torch.logsumexp(s, dim=-1), always_mass.float())
         best = s.topk(w, dim=-1, sorted=True).values - log_z[..., None]  # [B, H, G, w], each head's best first
+        # A head with a NaN/inf score or always-mass (a non-finite key or query: its output is NaN anyway)
+        # ranks last: it keeps its floor and cannot take the layer's slots (topk ranks NaN first).
+        best = best.nan_to_num(nan=float("-inf"), posinf=float("-inf"))
         best[..., : self.floor_count(k)] = float("inf")  # the floor is taken first
         total = min(H * G * k, H * G * w)
         taken = torch.zeros(B, H * G * w, dtype=torch.bool, device=scores.device)

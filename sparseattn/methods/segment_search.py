@@ -92,7 +92,9 @@ class SegmentSearch(StatefulMethod):
             :class:`~sparseattn.allocations.PooledMass` gives more to heads whose attention is diffuse
             and fewer to peaked ones, ``k`` per selection on average, so a step's tokens over the
             layer's heads still honour ``budget`` (one head may attend more than ``budget``). A
-            non-uniform split runs the torch gather path.
+            non-uniform split runs a backend's counted kernel where it has one
+            (:class:`~sparseattn.backends.base.CountedSegmentAttention`: the C kernel), else the
+            torch gather path.
         refine: None, or :class:`~sparseattn.refine.TopTokens`: shortlist more segments than the
             budget buys and attend the best tokens inside them (exact logits) instead of whole
             segments; the allocation then splits tokens between heads. Runs the torch gather path.
