@@ -561,10 +561,13 @@ class SegmentSearchState(KVState):
             raise ValueError(
                 f"{allocation!r}.plan returned counts outside [0, {w}] or above the layer's {H * shared * k} segments: {counts.tolist()}"
             )
-        picks = selector.select(scores, w, self._generator)
-        _check_selection(selector, picks, (B, H, shared, w), S)
-        order = scores.gather(-1, picks).argsort(dim=-1, descending=True, stable=True)
-        segments = picks.gather(-1, order)
+        if type(selector) is TopK:  # its w picks are the w best: sorted, they are already in score order
+            segments = scores.topk(w, dim=-1, sorted=True).indices
+        else:
+            picks = selector.select(scores, w, self._generator)
+            _check_selection(selector, picks, (B, H, shared, w), S)
+            order = scores.gather(-1, picks).argsort(dim=-1, descending=True, stable=True)
+            segments = picks.gather(-1, order)
         valid = torch.arange(w, device=self.device) < counts.unsqueeze(-1)
         return segments, valid
 
