@@ -135,23 +135,31 @@ def test_a_peaked_head_gets_fewer_tokens_than_a_diffuse_one():
     assert bool(info.to_mask()[0, 0, 123])
 
 
-@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
-@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
-def test_every_summary_and_selector_composes_with_an_allocation(summary, selector):
+def steps_match_their_reported_selection(method, budget: int, steps: int, seed: int):
+    """Decode ``steps`` tokens after a 150-token prompt; every step is softmax attention over exactly what it
+    reports (float64 reference), its ``attended`` is the mask's size, and its heads average at most
+    ``budget``. Yields each step's ``info``."""
     B, H, G, D, T = 2, 2, 2, 16, 150
-    gen = torch.Generator().manual_seed(1)
-    method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=40, allocation=PooledMass(cap=3.0))
+    gen = torch.Generator().manual_seed(seed)
     state = method.new_state(B, H, D)
-    keys, values = torch.randn(B, H, T + 5, D, generator=gen), torch.randn(B, H, T + 5, D, generator=gen)
+    keys, values = torch.randn(B, H, T + steps, D, generator=gen), torch.randn(B, H, T + steps, D, generator=gen)
     state.prefill(keys[:, :, :T], values[:, :, :T])
-    for t in range(T, T + 5):
+    for t in range(T, T + steps):
         q = torch.randn(B, H * G, D, generator=gen)
         out, info = state.step(q, keys[:, :, t], values[:, :, t])
         mask = info.to_mask()
         assert torch.equal(info.attended, mask.sum(-1))
-        assert float(info.attended.double().mean(-1).max()) <= 40
+        assert float(info.attended.double().mean(-1).max()) <= budget
         ref = attention_ref(q.view(B, H, G, D), keys[:, :, : t + 1], values[:, :, : t + 1], mask.view(B, H, G, t + 1))
         assert_close(out, ref.view(B, H * G, D), torch.float32)
+        yield info
+
+
+@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_every_summary_and_selector_composes_with_an_allocation(summary, selector):
+    method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=40, allocation=PooledMass(cap=3.0))
+    for info in steps_match_their_reported_selection(method, 40, steps=5, seed=1):
         # Each head attends the first `count` of its listed segments, the listing in score order.
         valid = info.valid
         assert valid is not None and torch.equal(valid, valid.cummin(-1).values)  # a prefix per head
@@ -297,22 +305,10 @@ def test_refinement_over_every_segment_attends_each_heads_top_tokens(seed, share
 @pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
 @pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
 def test_every_summary_selector_and_allocation_composes_with_refinement(summary, selector, allocation):
-    B, H, G, D, T, budget = 2, 2, 2, 16, 150, 40
-    gen = torch.Generator().manual_seed(2)
-    method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=budget, allocation=allocation, refine=TopTokens())
-    state = method.new_state(B, H, D)
-    keys, values = torch.randn(B, H, T + 4, D, generator=gen), torch.randn(B, H, T + 4, D, generator=gen)
-    state.prefill(keys[:, :, :T], values[:, :, :T])
-    for t in range(T, T + 4):
-        q = torch.randn(B, H * G, D, generator=gen)
-        out, info = state.step(q, keys[:, :, t], values[:, :, t])
-        mask = info.to_mask()
-        assert torch.equal(info.attended, mask.sum(-1))
-        assert float(info.attended.double().mean(-1).max()) <= budget
+    method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=40, allocation=allocation, refine=TopTokens())
+    for info in steps_match_their_reported_selection(method, 40, steps=4, seed=2):
         if allocation.uniform:
-            assert int(info.attended.max()) <= budget
-        ref = attention_ref(q.view(B, H, G, D), keys[:, :, : t + 1], values[:, :, : t + 1], mask.view(B, H, G, t + 1))
-        assert_close(out, ref.view(B, H * G, D), torch.float32)
+            assert int(info.attended.max()) <= 40
 
 
 def test_refinement_with_heavy_hitters_attends_each_token_once_within_the_budget():

@@ -573,7 +573,7 @@ class SegmentSearchState(KVState):
 
     def _attend_refined(self, query, grouped, lay, k, shared, group) -> tuple[torch.Tensor, SegmentSelection]:
         """``refine``: shortlist segments, score their tokens exactly, attend each head's best tokens (see :class:`TopTokens`)."""
-        B, H, D = self.batch, self.kv_heads, self.head_dim
+        B, H = self.batch, self.kv_heads
         m = self.method
         w = m.refine.shortlist(k, lay.n_segments)
         selector = m.selector
@@ -608,15 +608,7 @@ class SegmentSearchState(KVState):
             more_valid = more_valid & ~dense.gather(-1, more.unsqueeze(2).expand(B, H, group, -1))  # each token once
             extra, extra_valid = torch.cat([index, more], dim=-1), torch.cat([chosen, more_valid], dim=-1)
             listed, attended = extra, torch.cat([attended, more_valid], dim=-1)
-        out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
-        if self._observation is not None and self._observation.decode:
-            self._record.view().scatter_add_(-1, listed, finite_evidence(probs).sum(dim=2))
-        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
-        info = SegmentSelection(
-            layout=lay, segments=segments[..., :0], group=group, rebuilt=self._rebuilt_since_attend,
-            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid,
-        )
-        return out.reshape(B, H * group, D).to(query.dtype), info
+        return self._attend_listed(query, grouped, listed, attended, lay, segments[..., :0], group, extra, extra_valid)
 
     def _always_log_mass(self, grouped: torch.Tensor, lay: SegmentLayout, shared: int) -> torch.Tensor:
         """Log attention mass ``[B, H_kv, G']`` of the sinks and the tail (attended by every head), on the
@@ -655,7 +647,7 @@ class SegmentSearchState(KVState):
     def _attend_tokens(self, query, grouped, lay, segments, group, valid=None) -> tuple[torch.Tensor, SegmentSelection]:
         """The selection (only its ``valid`` segments) plus the ``always`` part's tokens, if any, in one
         softmax over the gathered tokens (torch)."""
-        B, H, D = self.batch, self.kv_heads, self.head_dim
+        B, H = self.batch, self.kv_heads
         index, mask = segment_index(lay, segments, valid)
         extra = extra_valid = None
         if self.method.always is not None:
@@ -666,6 +658,13 @@ class SegmentSearchState(KVState):
         if mask is not None or extra_valid is not None:
             main = torch.ones(B, H, sets, index.shape[-1], dtype=torch.bool, device=self.device) if mask is None else mask.expand(B, H, sets, -1)
             attended = main if extra_valid is None else torch.cat([main, extra_valid.expand(B, H, sets, -1)], dim=-1)
+        return self._attend_listed(query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid)
+
+    def _attend_listed(
+        self, query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid=None
+    ) -> tuple[torch.Tensor, SegmentSelection]:
+        """One softmax over the ``listed`` tokens where ``attended``; the always part's record, NaN rows, the step's info."""
+        B, H, D = self.batch, self.kv_heads, self.head_dim
         out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
         if self._observation is not None and self._observation.decode:
             # Invalid entries (padding, or a token listed twice) have weight 0: adding them changes nothing.
