@@ -45,7 +45,7 @@ import torch
 
 import dataclasses
 
-from sparseattn import Dense, PooledMass, RadarAlg1, RadarPlus, RadarPlusTokens, Rerank
+from sparseattn import Dense, PooledMass, RadarAlg1, RadarPlus, RadarPlusPooled, RadarPlusTokens, Rerank
 from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
 from sparseattn.ops.layout import SegmentLayout
@@ -289,6 +289,8 @@ def main() -> None:
         "radar+tokens (budget 4096)": RadarPlusTokens(budget=4096),
         "radar+ (budget 4096, aspect 16)": RadarPlus(budget=4096, aspect=16.0),
         "radar+pooled (budget 4096, aspect 16)": RadarPlus(budget=4096, aspect=16.0, allocation=PooledMass()),
+        # the radar+pooled preset: aspect 16, PooledMass(cap=2) read off the shortlist, bf16 centroids.
+        "radar+pooled (budget 4096)": RadarPlusPooled(budget=4096),
         # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.
         "radar-alg1 (k=64, torch backend)": torch_backend(RadarAlg1(top_k=64)),
         "radar-alg1 (k=64, shared, torch backend)": torch_backend(RadarAlg1(top_k=64, shared_kv_selection=True)),

@@ -1,5 +1,7 @@
 """Every part the toolkit ships, for tests that must hold for any combination."""
 
+import torch
+
 from sparseattn import (
     CenteredFeatures,
     Centroid,
@@ -24,6 +26,7 @@ SUMMARIES = [
     MinMaxBound(),
     CenteredFeatures(PerformerFeatures(n_features=64)),
     Rerank(PerformerFeatures(n_features=64), shortlist=3),
+    Rerank(Centroid(torch.bfloat16), shortlist=3, per_group=True),  # radar+pooled's: bf16 centroids, one shortlist per group
 ]
 SELECTORS = [TopK(), Lowest(), Random(seed=3), Recent()]
 SCHEDULES = [SqrtSchedule(), SqrtSchedule(aspect=2.0), FixedSchedule(7), DoublingSchedule()]

@@ -38,6 +38,7 @@ from sparseattn import (
     PooledMass,
     RadarPlus,
     RadarPlusTokens,
+    Rerank,
     SegmentSearch,
     SqrtSchedule,
     TopK,
@@ -45,7 +46,7 @@ from sparseattn import (
     Uniform,
     attention_ref,
 )
-from sparseattn.allocations import pooled_counts_ref
+from sparseattn.allocations import listed_estimates, pooled_counts_ref
 from sparseattn.hf import apply
 from sparseattn.methods.layers import FirstLayers, layer_budgets
 from sparseattn.testing import assert_close
@@ -60,16 +61,23 @@ def test_pooled_plan_is_the_greedy_pooled_split(seed, cap, floor):
     scores = torch.randn(B, H, G, S, generator=gen) * 3
     always = torch.randn(B, H, G, generator=gen) * 3
     allocation = PooledMass(cap=cap, floor=floor)
-    counts = allocation.plan(scores, always, k)
+    estimates, log_total, _ = listed_estimates(scores, always, allocation.width(k, S))
+    valid = allocation.plan(estimates, log_total, k)
     ref = pooled_counts_ref(scores, always, k, allocation.width(k, S), allocation.floor_count(k))
-    assert torch.equal(counts, ref)
-    assert torch.equal(counts.sum((1, 2)), torch.full((B,), H * G * k))
-    assert int(counts.min()) >= allocation.floor_count(k) and int(counts.max()) <= allocation.width(k, S)
+    assert torch.equal(valid.sum(-1), ref)
+    # each head attends its best listed segments: every flagged estimate >= every unflagged one
+    lowest_taken = estimates.masked_fill(~valid, float("inf")).amin(-1)
+    highest_left = estimates.masked_fill(valid, float("-inf")).amax(-1)
+    assert bool((lowest_taken >= highest_left).all())
+    assert torch.equal(valid.sum((1, 2, 3)), torch.full((B,), H * G * k))
 
 
-def test_uniform_gives_every_head_k():
-    counts = Uniform().plan(torch.randn(2, 3, 4, 9), torch.zeros(2, 3, 4), 5)
-    assert torch.equal(counts, torch.full((2, 3, 4), 5))
+def test_uniform_gives_every_head_its_best_k():
+    estimates = torch.randn(2, 3, 4, 9)
+    valid = Uniform().plan(estimates, torch.zeros(2, 3, 4), 5)
+    assert torch.equal(valid.sum(-1), torch.full((2, 3, 4), 5))
+    assert torch.equal(valid, estimates >= estimates.topk(5, dim=-1).values[..., -1:])
+    assert bool(Uniform().plan(estimates[..., :5], torch.zeros(2, 3, 4), 5).all())
 
 
 @pytest.mark.parametrize("bad, match", [(dict(cap=0.5), "PooledMass.cap"), (dict(floor=1.5), "PooledMass.floor"), (dict(floor=-0.1), "PooledMass.floor")])
@@ -160,9 +168,9 @@ def steps_match_their_reported_selection(method, budget: int, steps: int, seed: 
 def test_every_summary_and_selector_composes_with_an_allocation(summary, selector):
     method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=40, allocation=PooledMass(cap=3.0))
     for info in steps_match_their_reported_selection(method, 40, steps=5, seed=1):
-        # Each head attends the first `count` of its listed segments, the listing in score order.
+        # Each head attends some of its listed segments: at least its floor (ceil(0.25 k) >= 1).
         valid = info.valid
-        assert valid is not None and torch.equal(valid, valid.cummin(-1).values)  # a prefix per head
+        assert valid is not None and valid.shape == info.segments.shape and bool(valid.any(-1).all())
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -257,7 +265,7 @@ def test_the_pooled_split_attends_at_least_the_uniform_splits_share_of_attention
     always = torch.randn(1, heads, group, generator=gen, dtype=torch.float64) * 4
     shares = (scores - torch.logaddexp(scores.logsumexp(-1), always)[..., None]).exp().sort(-1, descending=True).values
     allocation = PooledMass(cap=cap, floor=floor)
-    counts = allocation.plan(scores, always, k)
+    counts = allocation.plan(*listed_estimates(scores, always, allocation.width(k, n_segments))[:2], k).sum(-1)
     taken = (shares * (torch.arange(n_segments) < counts[..., None])).sum()
     uniform = shares[..., :k].sum()
     assert float(taken) >= float(uniform) - 1e-5
@@ -328,3 +336,33 @@ def test_a_refine_part_must_be_a_top_tokens_instance():
         SegmentSearch(refine=TopTokens)
     with pytest.raises(ValueError, match="TopTokens.factor"):
         TopTokens(factor=0.5)
+
+
+# -- reading the best segments off a shortlist -----------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("per_group", [True, False])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("n", [1, 5, 12, 30])
+def test_the_best_segments_read_off_a_shortlist_are_the_best_of_all_scores(seed, per_group, shared, n):
+    """A rerank ranks its shortlist above every other segment, so its top n (n <= shortlist) are the
+    top n of all S scores; past the shortlist the state falls back to a top-n over all of them."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, T = 2, 2, 3, 16, 700
+    method = SegmentSearch(
+        Rerank(Centroid(), shortlist=4, factor=2.0, per_group=per_group), TopK(), SqrtSchedule(aspect=4.0),
+        top_k=6, shared_kv_selection=shared,
+    )  # shortlist max(4, 2 x 6) = 12 segments
+    state = method.new_state(B, H, D)
+    state.append(torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen))
+    q = torch.randn(B, H, G, D, generator=gen)
+    S = state.layout.n_segments
+    assert S > 30
+    scores, values, segments = state.best_segments(q, 6, n, sorted=True)
+    full = state.group_scores(q, 6) if shared else state.scores(q, 6)
+    torch.testing.assert_close(scores, full)
+    expected = full.topk(n, dim=-1, sorted=True)
+    torch.testing.assert_close(values, expected.values)
+    assert torch.equal(segments.sort(-1).values, expected.indices.sort(-1).values)
+    assert torch.equal(full.gather(-1, segments), values)  # the listed values are those segments' scores

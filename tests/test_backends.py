@@ -253,34 +253,37 @@ def test_cpu_kernel_any_thread_count_gives_the_reference(case, threads):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", [c for c in CASES + SPLIT_CASES if c.k != "0"], ids=lambda c: c.id)
-def test_cpu_kernel_with_counts_attends_each_selections_first_segments(case, dtype, seed):
-    """A budget allocation's split: selection (b, h, s) attends its first counts[b, h, s] listed segments
+def test_cpu_kernel_with_a_mask_attends_each_selections_flagged_segments(case, dtype, seed):
+    """A budget allocation's split: selection (b, h, s) attends the listed segments flagged in valid[b, h, s]
     (the others are NaN in the cache: reading one fails the test), as attention_ref under that mask."""
     from sparseattn.ops.attention import attention_ref
 
     q, _, _, segments, clean_k, clean_v = make_inputs(case, dtype, seed=seed, poison=False)
     gen = torch.Generator().manual_seed(100 + seed)
-    counts = torch.randint(0, segments.shape[-1] + 1, segments.shape[:3], generator=gen)
-    valid = torch.arange(segments.shape[-1]) < counts.unsqueeze(-1)
+    valid = torch.rand(segments.shape, generator=gen) < 0.5
     mask = segment_mask(case.layout, segments, case.G, valid)
     read = mask.any(2).unsqueeze(-1)  # [B, H, t, 1]: what some head of the group attends
     keys = torch.where(read, clean_k, torch.full_like(clean_k, float("nan")))
     values = torch.where(read, clean_v, torch.full_like(clean_v, float("nan")))
-    if not bool(mask.any(-1).all()):  # a head with no token (count 0, no sinks, no tail): refused, not NaN
+    if not bool(mask.any(-1).all()):  # a head with no token (nothing flagged, no sinks, no tail): refused, not NaN
         with pytest.raises(ValueError, match="attends no token"):
-            CpuBackend().segment_attention_counted(q, keys, values, case.layout, segments, counts)
+            CpuBackend().segment_attention_masked(q, keys, values, case.layout, segments, valid)
         return
-    out = CpuBackend().segment_attention_counted(q, keys, values, case.layout, segments, counts)
+    out = CpuBackend().segment_attention_masked(q, keys, values, case.layout, segments, valid)
     assert_close(out, attention_ref(q, clean_k, clean_v, mask), dtype)
 
 
 @needs_cpu_kernel
-def test_cpu_kernel_refuses_a_count_beyond_the_listed_segments():
+def test_cpu_kernel_skips_unflagged_indices_and_refuses_a_flagged_bad_one():
     call = small_call()
     values = torch.randn_like(call["keys"])
-    segments = torch.tensor([0, 1]).view(1, 1, 1, 2).expand(1, 2, 1, 2)
+    segments = torch.tensor([0, 10**6]).view(1, 1, 1, 2).expand(1, 2, 1, 2)  # the second is out of range
+    skip = torch.tensor([True, False]).expand(1, 2, 1, 2)
+    out = CpuBackend().segment_attention_masked(call["q"], call["keys"], values, SMALL_LAYOUT, segments, skip)
+    first = CpuBackend().segment_attention(call["q"], call["keys"], values, SMALL_LAYOUT, segments[..., :1])
+    torch.testing.assert_close(out, first)
     with pytest.raises(ValueError, match="cpu segment attention failed"):
-        CpuBackend().segment_attention_counted(call["q"], call["keys"], values, SMALL_LAYOUT, segments, torch.full((1, 2, 1), 3))
+        CpuBackend().segment_attention_masked(call["q"], call["keys"], values, SMALL_LAYOUT, segments, torch.ones(1, 2, 1, 2, dtype=torch.bool))
 
 
 @needs_cpu_kernel

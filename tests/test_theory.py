@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -651,3 +652,23 @@ def test_convergence_check_rejects_a_biased_estimator():
     keys, q = _random_vectors(gen, (2, 4), 4, 0.5), _random_vectors(gen, (), 4, 0.5)
     assert _convergence_check(PerformerFeatures, keys, q, 37)
     assert not _convergence_check(_NoHalfNorm, keys, q, 37)  # its error tends to a constant, not to 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_centroids_score_within_their_rounding_of_the_float64_scores(seed, dtype):
+    """Stored and multiplied in bf16/fp16, a centroid score differs from the float64 one by at most the
+    inputs' rounding (relative ``eps`` on each of q and the mean key) plus the product's own rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = 2.0 * torch.randn(2, 3, 40, 6, 32, generator=gen)
+    queries = 2.0 * torch.randn(2, 3, 4, 32, generator=gen)
+    low, ref = Centroid(dtype), Centroid()
+    score = low.score(None, low.summarize(None, keys), queries, None, 6)
+    exact = ref.score(None, ref.summarize(None, keys.double()), queries.double(), None, 6)
+    assert score.dtype == torch.float32 and low.summarize(None, keys)[0].dtype == dtype
+    eps = torch.finfo(dtype).eps
+    magnitude = torch.einsum("bhgd,bhsd->bhgs", queries.double().abs(), keys.double().mean(-2).abs())
+    slack = 3 * eps * magnitude + eps * (exact - math.log(6)).abs() + 1e-5
+    assert bool(((score.double() - exact).abs() <= slack).all())
+    # and the rounding is there: not the float32 scores
+    assert not torch.equal(score, ref.score(None, ref.summarize(None, keys), queries, None, 6))

@@ -6,8 +6,8 @@ segments to the heads where they hold the most mass, so diffuse heads get more a
 fewer, the total unchanged. Any allocation composes with any summary, selector and schedule.
 """
 
-from sparseattn.allocations.base import Allocation, pooled_counts_ref
+from sparseattn.allocations.base import Allocation, log_total_mass, pooled_counts_ref, listed_estimates
 from sparseattn.allocations.pooled import PooledMass
 from sparseattn.allocations.uniform import Uniform
 
-__all__ = ["Allocation", "PooledMass", "Uniform", "pooled_counts_ref"]
+__all__ = ["Allocation", "PooledMass", "Uniform", "log_total_mass", "pooled_counts_ref", "listed_estimates"]

@@ -18,17 +18,41 @@ class Allocation(Protocol):
     * ``uniform``: True when every head gets exactly ``k`` (the decode state then skips the plan and
       keeps its fused attention path);
     * ``width(k, n_segments)``: the most segments one head may get (``>= k``, ``<= n_segments``);
-    * ``plan(scores, always_mass, k)``: ``scores: [B, H_kv, G', S]`` the step's segment log-mass
-      estimates, ``always_mass: [B, H_kv, G']`` the log attention mass of the tokens every head
-      attends anyway (sinks and tail); returns ``[B, H_kv, G']`` long counts in ``[0, width]``
-      whose sum over a row's heads is ``H_kv G' k`` (a row's budget is never exceeded).
+    * ``plan(estimates, log_total, k)``: ``estimates: [B, H_kv, G', w]`` the estimated log masses of
+      the ``w = width(k, S)`` segments listed for each selection (its best ``w``, in any order);
+      ``log_total: [B, H_kv, G']`` the log of each selection's whole estimated mass (every segment
+      and the tokens every head attends anyway: sinks and tail). Returns a ``[B, H_kv, G', w]`` bool
+      mask of the listed segments each selection attends, at most ``H_kv G' k`` per row (a row's
+      budget is never exceeded). :func:`listed_estimates` builds the inputs from a step's scores.
+
+    The plan sees only each selection's listed segments and one total, unordered: what a pooled
+    split needs, and what a decode state produces without sorting (a shortlisting summary lists its
+    shortlist, ranked against nothing else).
     """
 
     uniform: bool
 
     def width(self, k: int, n_segments: int) -> int: ...
 
-    def plan(self, scores: torch.Tensor, always_mass: torch.Tensor, k: int) -> torch.Tensor: ...
+    def plan(self, estimates: torch.Tensor, log_total: torch.Tensor, k: int) -> torch.Tensor: ...
+
+
+def log_total_mass(scores: torch.Tensor, always_mass: torch.Tensor) -> torch.Tensor:
+    """``log(sum_s exp(scores[..., s]) + exp(always_mass))``, ``[B, H, G']``, in float32 or wider:
+    a selection's whole estimated mass, an allocation's ``log_total``."""
+    s = scores if scores.dtype == torch.float64 else scores.float()
+    return torch.logaddexp(torch.logsumexp(s, dim=-1), always_mass.to(s.dtype))
+
+
+def listed_estimates(scores: torch.Tensor, always_mass: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An allocation's inputs from a step's scores: ``(estimates, log_total, segments)``.
+
+    ``scores: [B, H, G', S]`` segment log-mass estimates; ``always_mass: [B, H, G']`` the log mass of
+    the always-attended tokens. ``segments`` are each selection's best ``width`` segments (in no
+    particular order), ``estimates`` their scores, ``log_total`` as :func:`log_total_mass`.
+    """
+    top = scores.topk(width, dim=-1, sorted=False)
+    return top.values, log_total_mass(scores, always_mass), top.indices
 
 
 def pooled_counts_ref(scores: torch.Tensor, always_mass: torch.Tensor, k: int, width: int, floor: int) -> torch.Tensor:

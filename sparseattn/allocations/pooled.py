@@ -55,17 +55,18 @@ class PooledMass:
     def floor_count(self, k: int) -> int:
         return min(k, math.ceil(self.floor * k))
 
-    def plan(self, scores: torch.Tensor, always_mass: torch.Tensor, k: int) -> torch.Tensor:
-        B, H, G, S = scores.shape
-        w = self.width(k, S)
-        s = scores.float()
-        log_z = torch.logaddexp(torch.logsumexp(s, dim=-1), always_mass.float())
-        best = s.topk(w, dim=-1, sorted=True).values - log_z[..., None]  # [B, H, G, w], each head's best first
+    def plan(self, estimates: torch.Tensor, log_total: torch.Tensor, k: int) -> torch.Tensor:
+        B, H, G, w = estimates.shape
+        share = estimates.float() - log_total.float()[..., None]  # [B, H, G, w]: each listed segment's share
         # A head with a NaN/inf score or always-mass (a non-finite key or query: its output is NaN anyway)
         # ranks last: it keeps its floor and cannot take the layer's slots (topk ranks NaN first).
-        best = best.nan_to_num(nan=float("-inf"), posinf=float("-inf"))
-        best[..., : self.floor_count(k)] = float("inf")  # the floor is taken first
+        share = share.nan_to_num(nan=float("-inf"), posinf=float("-inf"))
+        floor = min(self.floor_count(k), w)
+        if floor:  # each head's best `floor` are taken first
+            share.scatter_(-1, share.topk(floor, dim=-1, sorted=False).indices, float("inf"))
+        # The row's H*G*k largest shares. Within a head a share is its estimate minus one constant, so
+        # what a head gets is always its best listed segments: no sort is needed.
         total = min(H * G * k, H * G * w)
-        taken = torch.zeros(B, H * G * w, dtype=torch.bool, device=scores.device)
-        taken.scatter_(1, best.reshape(B, -1).topk(total, dim=-1, sorted=False).indices, True)
-        return taken.view(B, H, G, w).sum(-1)
+        taken = torch.zeros(B, H * G * w, dtype=torch.bool, device=estimates.device)
+        taken.scatter_(1, share.reshape(B, -1).topk(total, dim=-1, sorted=False).indices, True)
+        return taken.view(B, H, G, w)

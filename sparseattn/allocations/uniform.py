@@ -16,5 +16,9 @@ class Uniform:
     def width(self, k: int, n_segments: int) -> int:
         return min(k, n_segments)
 
-    def plan(self, scores: torch.Tensor, always_mass: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.full(scores.shape[:3], min(k, scores.shape[-1]), dtype=torch.long, device=scores.device)
+    def plan(self, estimates: torch.Tensor, log_total: torch.Tensor, k: int) -> torch.Tensor:
+        w = estimates.shape[-1]
+        if w <= k:
+            return torch.ones(estimates.shape, dtype=torch.bool, device=estimates.device)
+        top = estimates.nan_to_num(nan=float("-inf")).topk(k, dim=-1, sorted=False).indices  # each selection's best k
+        return torch.zeros(estimates.shape, dtype=torch.bool, device=estimates.device).scatter_(-1, top, True)

@@ -133,24 +133,25 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
-class CountedSegmentAttention(Protocol):
-    """Optional capability: ``segment_attention`` where each selection attends only its first listed segments.
+class MaskedSegmentAttention(Protocol):
+    """Optional capability: ``segment_attention`` where each selection attends only some of its listed segments.
 
-    ``counts: [B, H_kv, G']`` long, each in ``[0, k]``: selection ``(b, h, s)`` attends sinks, tail and
-    its first ``counts[b, h, s]`` segments of ``segments[b, h, s]`` (a budget allocation gives heads
-    different numbers). A decode state asks with ``isinstance``; without it, it gathers the tokens
-    (torch). The float64 reference: :func:`~sparseattn.ops.attention.attention_ref` under
-    :func:`~sparseattn.ops.attention.segment_mask` with ``valid = arange(k) < counts``.
+    ``valid: [B, H_kv, G', k]`` bool: selection ``(b, h, s)`` attends sinks, tail and the segments
+    ``segments[b, h, s, i]`` with ``valid[b, h, s, i]`` (a budget allocation gives heads different
+    numbers); the others are not read (any index). A decode state asks with ``isinstance``; without
+    it, it gathers the tokens (torch). The float64 reference:
+    :func:`~sparseattn.ops.attention.attention_ref` under :func:`~sparseattn.ops.attention.segment_mask`
+    with ``valid``.
     """
 
-    def segment_attention_counted(
+    def segment_attention_masked(
         self,
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         layout: SegmentLayout,
         segments: torch.Tensor,
-        counts: torch.Tensor,
+        valid: torch.Tensor,
         scale: float | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor: ...

@@ -84,21 +84,21 @@ class CpuBackend(BackendBase):
             check_values(values)
         return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap)
 
-    def segment_attention_counted(
+    def segment_attention_masked(
         self,
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         layout: SegmentLayout,
         segments: torch.Tensor,
-        counts: torch.Tensor,
+        valid: torch.Tensor,
         scale: float | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """:class:`~sparseattn.backends.base.CountedSegmentAttention`: the kernel builds each row's spans from
-        the first ``counts`` segments of every selection. Unchecked: the decode state had
-        ``segment_attention`` accept these inputs, and a count outside ``[0, k]`` is refused by the kernel."""
-        return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, counts)
+        """:class:`~sparseattn.backends.base.MaskedSegmentAttention`: the kernel builds each row's spans from
+        the listed segments flagged in ``valid``. Unchecked: the decode state had ``segment_attention``
+        accept these inputs; a flagged index outside ``[0, n_segments)`` is refused by the kernel."""
+        return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid)
 
     def dense(
         self,

@@ -142,9 +142,9 @@ SA_DEFINE_ATTEND_BLOCK(attend_block_any, 0)
 typedef void (*sa_block_fn)(const float *, int, uint64_t, const float *, int64_t, const float *, int64_t, int, float,
                             float *, float *, float *, float *);
 
-/* The attended spans of one row (sorted, disjoint, maximal). Returns the count, or -1 for a bad index or
- * count. cnt (NULL: k each) holds how many of each set's k listed segments are attended: the first cnt[set]. */
-static int64_t row_spans(const int64_t *sel, const int64_t *cnt, int64_t sets, int64_t k, int64_t G, int64_t sink_end,
+/* The attended spans of one row (sorted, disjoint, maximal). Returns the count, or -1 for a bad index.
+ * valid (NULL: all) flags which of each set's k listed segments are attended; the others are not read. */
+static int64_t row_spans(const int64_t *sel, const uint8_t *valid, int64_t sets, int64_t k, int64_t G, int64_t sink_end,
                          int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length, uint64_t *mask,
                          sa_span *out) {
     const uint64_t all = G == 64 ? ~(uint64_t)0 : (((uint64_t)1 << G) - 1);
@@ -153,9 +153,8 @@ static int64_t row_spans(const int64_t *sel, const int64_t *cnt, int64_t sets, i
     memset(mask, 0, (size_t)n_segments * sizeof(uint64_t));
     for (int64_t set = 0; set < sets; ++set) {
         uint64_t bits = sets == 1 ? all : (uint64_t)1 << set;
-        const int64_t listed = cnt ? cnt[set] : k;
-        if (listed < 0 || listed > k) return -1;
-        for (int64_t i = 0; i < listed; ++i) {
+        for (int64_t i = 0; i < k; ++i) {
+            if (valid && !valid[set * k + i]) continue;
             int64_t seg = sel[set * k + i];
             if (seg < 0 || seg >= n_segments) return -1;
             mask[seg] |= bits;
@@ -180,21 +179,33 @@ static int64_t row_spans(const int64_t *sel, const int64_t *cnt, int64_t sets, i
     return n;
 }
 
+/* Ask for `n` key and value rows from `start` (segments are scattered and short: the hardware prefetcher
+ * would only ramp up on a span when it is nearly done). At most 2 * SA_BLOCK rows: more would evict. */
+static inline void prefetch_rows(const char *kr, const char *vr, size_t esize, int64_t kst, int64_t vst, int64_t start,
+                                 int64_t n, int64_t D) {
+    const int64_t rows = n < 2 * SA_BLOCK ? n : 2 * SA_BLOCK, row_bytes = D * (int64_t)esize;
+    for (int64_t j = 0; j < rows; ++j)
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+            __builtin_prefetch(kr + (start + j) * kst * (int64_t)esize + off, 0, 1);
+            __builtin_prefetch(vr + (start + j) * vst * (int64_t)esize + off, 0, 1);
+        }
+}
+
 /*
  * out[b, h, g, :] = softmax over the attended tokens of (scale * q . k_j, soft-capped) applied to v_j.
  *
  * q:        [B, H, G, D] float32, contiguous.
  * keys:     element (b, h, j, d) at keys[b * ksb + h * ksh + j * kst + d] (d contiguous); values alike.
  * segments: [B, H, sets, k] int64, contiguous; sets = 1 (shared by the group) or G (one per query head).
- * counts:   NULL, or [B, H, sets] int64, contiguous: each set attends only its first counts[...] segments
- *           (a budget allocation gives heads different numbers of segments).
+ * valid:    NULL, or [B, H, sets, k] uint8, contiguous: each set attends only its listed segments flagged
+ *           non-zero (a budget allocation gives heads different numbers of segments).
  * layout:   sinks [0, sink_end), segment i = [sink_end + i * seg_size, + seg_size) clipped at tail_start,
  *           tail [tail_start, length).
  * softcap:  <= 0 for none. out: [B, H, G, D] float32, contiguous.
  */
 int sa_segment_attention(const float *q, const void *keys, const void *values, int dtype, int64_t ksb, int64_t ksh,
                          int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, int64_t B, int64_t H, int64_t G,
-                         int64_t D, const int64_t *segments, const int64_t *counts, int64_t sets, int64_t k,
+                         int64_t D, const int64_t *segments, const uint8_t *valid, int64_t sets, int64_t k,
                          int64_t sink_end, int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length,
                          float scale, float softcap, float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && !(dtype == SA_F16 && sa_float16_supported())) return SA_BAD_DTYPE;
@@ -211,7 +222,7 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
     /* 1. spans and token counts per row */
     for (int64_t r = 0; r < rows && status == SA_OK; ++r) {
         sa_span *sp = spans + r * max_spans;
-        int64_t n = row_spans(segments + r * sets * k, counts ? counts + r * sets : NULL, sets, k, G, sink_end,
+        int64_t n = row_spans(segments + r * sets * k, valid ? valid + r * sets * k : NULL, sets, k, G, sink_end,
                               seg_size, n_segments, tail_start, length, mask, sp);
         if (n < 0) {
             status = SA_BAD_SEGMENT;
@@ -280,6 +291,9 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
                     int64_t len = sp[i].end - sp[i].start;
                     int64_t lo = part.first > before ? part.first - before : 0;
                     int64_t hi = part.last - before < len ? part.last - before : len;
+                    if (i + 1 < n_spans[r] && before + len < part.last) /* the next span's rows, while this one runs */
+                        prefetch_rows(kr, vr, esize, kst, vst, sp[i + 1].start,
+                                      sp[i + 1].end - sp[i + 1].start, D);
                     for (int64_t j0 = lo; j0 < hi; j0 += SA_BLOCK) {
                         int n = (int)(hi - j0 < SA_BLOCK ? hi - j0 : SA_BLOCK);
                         int64_t kstride, vstride;
@@ -332,6 +346,36 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
     return status;
 }
 
+/* Logits of a block of n keys for `rows` query rows: s[r * SA_BLOCK + j] = factor * q_r . k_j. Key-major:
+ * each key row is read once for every query row while it sits in L1. Compiled for the common head dims
+ * (a constant D unrolls and vectorises without a loop-carried horizontal sum per element). */
+#define SA_DEFINE_BLOCK_LOGITS(NAME, DIM)                                                                       \
+    static void NAME(const float *restrict qr, int rows, const float *restrict kb, int64_t stride, int n,       \
+                     int D_, float factor, float *restrict s) {                                                 \
+        const int D = DIM > 0 ? DIM : D_;                                                                      \
+        for (int j = 0; j < n; ++j) {                                                                          \
+            const float *kj = kb + j * stride;                                                                 \
+            for (int r = 0; r < rows; ++r) {                                                                   \
+                const float *qv = qr + (int64_t)r * D;                                                         \
+                float dot = 0.f;                                                                               \
+                for (int d = 0; d < D; ++d) dot += qv[d] * kj[d];                                              \
+                s[r * SA_BLOCK + j] = dot * factor;                                                            \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+SA_DEFINE_BLOCK_LOGITS(block_logits_64, 64)
+SA_DEFINE_BLOCK_LOGITS(block_logits_128, 128)
+SA_DEFINE_BLOCK_LOGITS(block_logits_any, 0)
+
+/* Ask for a listed segment's key rows ahead of use: segments are scattered, and a short one ends before the
+ * hardware prefetcher has ramped up on it. */
+static inline void prefetch_segment(const char *base, size_t esize, int64_t seg_size, int64_t kst, int64_t D) {
+    const int64_t row_bytes = D * (int64_t)esize;
+    for (int64_t j = 0; j < seg_size; ++j)
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(base + j * kst * (int64_t)esize + off, 0, 1);
+}
+
 /*
  * Exact log attention masses of listed segments (the rerank of sparseattn.summaries.Rerank):
  * out[b, h, r, i] = log sum_{j in segment segments[b, h, set(r), i]} exp(factor * q[b, h, r] . k_j),
@@ -369,6 +413,13 @@ int sa_segment_log_mass(const float *q, const void *keys, int dtype, int64_t ksb
             }
             const int64_t r0 = sets == 1 ? 0 : set, rows = sets == 1 ? R : 1;
             const char *base = (const char *)keys + (b * ksb + h * ksh + seg * kss) * esize;
+            if (it + 1 < items) { /* the next item's segment (the same (b, h) but at a list's end: no division) */
+                const int64_t next = segments[it + 1];
+                int64_t nb = b, nh = h;
+                if (i + 1 == m) nh = ((it + 1) / (m * sets)) % H, nb = (it + 1) / (m * sets * H);
+                if (next >= 0 && next < n_segments)
+                    prefetch_segment((const char *)keys + (nb * ksb + nh * ksh + next * kss) * esize, esize, seg_size, kst, D);
+            }
             const float *qr = q + ((b * H + h) * R + r0) * D;
             float top[SA_MAX_ROWS], sum[SA_MAX_ROWS], s[SA_MAX_ROWS * SA_BLOCK];
             for (int64_t r = 0; r < rows; ++r) top[r] = SA_NO_SCORE, sum[r] = 0.f;
@@ -376,15 +427,9 @@ int sa_segment_log_mass(const float *q, const void *keys, int dtype, int64_t ksb
                 const int n = (int)(seg_size - j0 < SA_BLOCK ? seg_size - j0 : SA_BLOCK);
                 int64_t stride;
                 const float *kb = load_rows(base, dtype, kst, j0, n, (int)D, kbuf, &stride);
-                for (int j = 0; j < n; ++j) { /* a key row is read once for every row of the list */
-                    const float *kj = kb + j * stride;
-                    for (int64_t r = 0; r < rows; ++r) {
-                        const float *qv = qr + r * D;
-                        float dot = 0.f;
-                        for (int64_t d = 0; d < D; ++d) dot += qv[d] * kj[d];
-                        s[r * SA_BLOCK + j] = dot * factor;
-                    }
-                }
+                if (D == 128) block_logits_128(qr, (int)rows, kb, stride, n, (int)D, factor, s);
+                else if (D == 64) block_logits_64(qr, (int)rows, kb, stride, n, (int)D, factor, s);
+                else block_logits_any(qr, (int)rows, kb, stride, n, (int)D, factor, s);
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *sr = s + r * SA_BLOCK;
                     float block_top = SA_NO_SCORE, block_sum = 0.f;

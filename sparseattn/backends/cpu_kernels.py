@@ -268,7 +268,7 @@ def segment_attention_cpu(
     segments: torch.Tensor,
     scale: float | None = None,
     softcap: float | None = None,
-    counts: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~sparseattn.ops.attention.segment_attention` by the C kernel, reading the cache in place.
 
@@ -276,21 +276,21 @@ def segment_attention_cpu(
     [B, H_kv, t_cap, D]`` float32/bfloat16/float16 CPU tensors whose last dimension is contiguous
     (views of a capacity buffer are fine), ``segments: [B, H_kv, G', k]`` integer indices with
     ``G'`` in ``{1, G}``. The caller checks shapes (the backend does, or the decode state guarantees
-    them). ``counts: [B, H_kv, G']`` (optional): each selection attends only its first ``counts`` listed
-    segments (a budget allocation's split). Returns ``[B, H_kv, G, D]`` float32.
+    them). ``valid: [B, H_kv, G', k]`` bool (optional): each selection attends only its listed segments
+    flagged True (a budget allocation's split); the others are not read. Returns ``[B, H_kv, G, D]`` float32.
     """
     lib = load_library()
     B, H, G, D = q.shape
     scale = D**-0.5 if scale is None else scale
     qf = q.to(torch.float32).contiguous()
     seg = segments.to(torch.int64).contiguous()
-    cnt = None if counts is None else counts.to(torch.int64).contiguous()
+    flags = None if valid is None else valid.to(torch.uint8).contiguous()
     out = torch.empty(B, H, G, D, dtype=torch.float32)
     ks, vs = keys.stride(), values.stride()
     status = lib.sa_segment_attention(
         qf.data_ptr(), keys.data_ptr(), values.data_ptr(), DTYPE_CODES[keys.dtype],
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], B, H, G, D,
-        seg.data_ptr(), None if cnt is None else cnt.data_ptr(), seg.shape[2], seg.shape[3],
+        seg.data_ptr(), None if flags is None else flags.data_ptr(), seg.shape[2], seg.shape[3],
         layout.sink_end, layout.segment_size, layout.n_segments, layout.tail_start, layout.length,
         float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.allocations.base import Allocation
+from sparseattn.allocations.base import Allocation, log_total_mass
 from sparseattn.allocations.uniform import Uniform
-from sparseattn.backends.base import CountedSegmentAttention
+from sparseattn.backends.base import MaskedSegmentAttention
 from sparseattn.backends.registry import check_backend_name, select_backend
 from sparseattn.methods.always import AlwaysKept
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
@@ -28,7 +28,7 @@ from sparseattn.validation import check_int
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector, has_distinct_indices, selector_seed
 from sparseattn.selectors.topk import TopK
-from sparseattn.summaries.base import GroupScoringSummary, SegmentKeys, Summary, TopKAwareSummary
+from sparseattn.summaries.base import GroupScoringSummary, SegmentKeys, ShortlistingSummary, Summary, TopKAwareSummary
 from sparseattn.summaries.performer import PerformerFeatures
 
 # Tokens x heads summarised at once during a rebuild: bounds the [.., c, n_features] temporary.
@@ -92,8 +92,8 @@ class SegmentSearch(StatefulMethod):
             :class:`~sparseattn.allocations.PooledMass` gives more to heads whose attention is diffuse
             and fewer to peaked ones, ``k`` per selection on average, so a step's tokens over the
             layer's heads still honour ``budget`` (one head may attend more than ``budget``). A
-            non-uniform split runs a backend's counted kernel where it has one
-            (:class:`~sparseattn.backends.base.CountedSegmentAttention`: the C kernel), else the
+            non-uniform split runs a backend's masked kernel where it has one
+            (:class:`~sparseattn.backends.base.MaskedSegmentAttention`: the C kernel), else the
             torch gather path.
         refine: None, or :class:`~sparseattn.refine.TopTokens`: shortlist more segments than the
             budget buys and attend the best tokens inside them (exact logits) instead of whole
@@ -344,6 +344,7 @@ class SegmentSearchState(KVState):
         self._summaries: list[GrowableBuffer] = []
         self._grid: SegmentGrid | None = None
         self._params = _prepare_heads(method.summary, layer, self.compute_dtype)
+        self._shortlisting = isinstance(method.summary, ShortlistingSummary)  # asked once: a protocol check is slow
         seed = selector_seed(method.selector)
         self._generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + layer.layer_idx) % (2**63))
         self._rebuilt_since_attend = False
@@ -464,14 +465,9 @@ class SegmentSearchState(KVState):
 
     # -- decoding ------------------------------------------------------------------------------
 
-    def scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
-        """Segment log-mass estimates ``[B, H_kv, G, S]`` for ``grouped_query: [B, H_kv, G, D]``.
-
-        ``top_k`` (the segments this step attends) is passed to summaries that declare ``uses_top_k``.
-        """
+    def _score_inputs(self, grouped_query: torch.Tensor) -> tuple:
+        """What a summary's ``score`` takes after ``params``: summaries, scaled queries, segment keys, segment size."""
         summary = self.method.summary
-        if self.layout.n_segments == 0:
-            return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
         summaries = tuple(buf.view() for buf in self._summaries)
         queries = self._scaled(grouped_query)
         seg_keys = None
@@ -480,8 +476,39 @@ class SegmentSearchState(KVState):
             if self._mass_backend is None:  # exact segment masses: auto's choice, once per state
                 self._mass_backend = select_backend("auto", "segment_log_mass", q=queries, keys=raw)
             seg_keys = SegmentKeys(raw, math.sqrt(self.scale), self.compute_dtype, self._workspace, self._mass_backend)
+        return summaries, queries, seg_keys, self.layout.segment_size
+
+    def scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
+        """Segment log-mass estimates ``[B, H_kv, G, S]`` for ``grouped_query: [B, H_kv, G, D]``.
+
+        ``top_k`` (the segments this step attends) is passed to summaries that declare ``uses_top_k``.
+        """
+        summary = self.method.summary
+        if self.layout.n_segments == 0:
+            return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
         extra = {"top_k": top_k} if isinstance(summary, TopKAwareSummary) and summary.uses_top_k else {}
-        return summary.score(self._params, summaries, queries, seg_keys, self.layout.segment_size, **extra)
+        return summary.score(self._params, *self._score_inputs(grouped_query), **extra)
+
+    def best_segments(self, grouped_query: torch.Tensor, top_k: int, n: int, *, sorted: bool) -> tuple[torch.Tensor, ...]:
+        """``(scores, values, segments)``: the step's scores (``[B, H_kv, G', S]``, G' = 1 for a shared
+        selection) and each selection's ``n`` best (``[B, H_kv, G', n]``, best first if ``sorted``).
+
+        A shortlisting summary (:class:`~sparseattn.summaries.base.ShortlistingSummary`) hands its
+        shortlist over: when it holds ``n`` segments, the best are read off it instead of a top-n over
+        all S scores (the same segments: the shortlist ranks above the rest).
+        """
+        summary = self.method.summary
+        if not self.method.shared_kv_selection and self._shortlisting and self.layout.n_segments:
+            step = summary.score_shortlist(self._params, *self._score_inputs(grouped_query), top_k=top_k)
+            if step is not None and n <= step.exact.shape[-1]:
+                return (step.scores, *step.top(n, sorted=sorted))
+            scores = self.scores(grouped_query, top_k) if step is None else step.scores
+        elif self.method.shared_kv_selection:
+            scores = self.group_scores(grouped_query, top_k)
+        else:
+            scores = self.scores(grouped_query, top_k)
+        top = scores.topk(n, dim=-1, sorted=sorted)
+        return scores, top.values, top.indices
 
     def group_scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
         """Log of each KV group's summed estimated masses ``[B, H_kv, 1, S]`` (the shared selection's scores).
@@ -513,12 +540,15 @@ class SegmentSearchState(KVState):
             segments, valid = self._allocate(grouped, lay, k, shared)
         else:
             selector = self.method.selector
-            if selector.uses_scores:
-                scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
+            if type(selector) is TopK:  # the k best: read off a shortlist when the summary keeps one
+                segments = self.best_segments(grouped, k, k, sorted=False)[2]
             else:
-                scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
-            segments = selector.select(scores, k, self._generator)
-            _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
+                if selector.uses_scores:
+                    scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
+                else:
+                    scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
+                segments = selector.select(scores, k, self._generator)
+                _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
         if self.method.always is not None:
             return self._attend_tokens(query, grouped, lay, segments, group, valid)
         if self._backend is None:
@@ -526,10 +556,10 @@ class SegmentSearchState(KVState):
                 self.method.backend, "segment_attention", q=grouped, keys=self.keys, softcap=self.softcap
             )
         if valid is not None:  # an allocation's split: heads attend different numbers of the listed segments
-            if not isinstance(self._backend, CountedSegmentAttention):
+            if not isinstance(self._backend, MaskedSegmentAttention):
                 return self._attend_tokens(query, grouped, lay, segments, group, valid)
-            out = self._backend.segment_attention_counted(
-                grouped, self.keys, self.values, lay, segments, valid.sum(-1), self.scale, self.softcap
+            out = self._backend.segment_attention_masked(
+                grouped, self.keys, self.values, lay, segments, valid, self.scale, self.softcap
             )
         else:
             # Unchecked: the backend accepted this state's inputs once, and the state guarantees the shapes it checks.
@@ -544,31 +574,27 @@ class SegmentSearchState(KVState):
         return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info
 
     def _allocate(self, grouped: torch.Tensor, lay: SegmentLayout, k: int, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The allocation's split: ``segments [B, H_kv, G', w]`` (each selection's best first) and which are attended.
+        """The allocation's split: ``segments [B, H_kv, G', w]`` listed per selection and which are attended.
 
-        The selector picks the ``w`` (the allocation's width) segments a selection could get; each
-        selection attends the first ``counts`` of them in score order, so with :class:`TopK` a head
-        given ``n`` segments attends its top ``n``.
+        The selector picks the ``w`` (the allocation's width) segments a selection could get; the
+        allocation's plan flags which of them each selection attends (with :class:`TopK` and
+        :class:`~sparseattn.allocations.PooledMass`, a head given ``n`` attends its top ``n``).
         """
         B, H, S = self.batch, self.kv_heads, lay.n_segments
         allocation, selector = self.method.allocation, self.method.selector
         w = allocation.width(k, S)
-        scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
-        counts = allocation.plan(scores, self._always_log_mass(grouped, lay, shared), k)
-        if tuple(counts.shape) != (B, H, shared) or counts.dtype != torch.long:
-            raise ValueError(f"{allocation!r}.plan returned {counts.dtype} counts of shape {tuple(counts.shape)}, expected long {(B, H, shared)}")
-        if bool(((counts < 0) | (counts > w)).any()) or bool((counts.sum((1, 2)) > H * shared * k).any()):
-            raise ValueError(
-                f"{allocation!r}.plan returned counts outside [0, {w}] or above the layer's {H * shared * k} segments: {counts.tolist()}"
-            )
-        if type(selector) is TopK:  # its w picks are the w best: sorted, they are already in score order
-            segments = scores.topk(w, dim=-1, sorted=True).indices
+        if type(selector) is TopK:  # its w picks are the w best
+            scores, estimates, segments = self.best_segments(grouped, k, w, sorted=False)
         else:
-            picks = selector.select(scores, w, self._generator)
-            _check_selection(selector, picks, (B, H, shared, w), S)
-            order = scores.gather(-1, picks).argsort(dim=-1, descending=True, stable=True)
-            segments = picks.gather(-1, order)
-        valid = torch.arange(w, device=self.device) < counts.unsqueeze(-1)
+            scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
+            segments = selector.select(scores, w, self._generator)
+            _check_selection(selector, segments, (B, H, shared, w), S)
+            estimates = scores.gather(-1, segments)
+        valid = allocation.plan(estimates, log_total_mass(scores, self._always_log_mass(grouped, lay, shared)), k)
+        if tuple(valid.shape) != (B, H, shared, w) or valid.dtype != torch.bool:
+            raise ValueError(f"{allocation!r}.plan returned a {valid.dtype} mask of shape {tuple(valid.shape)}, expected bool {(B, H, shared, w)}")
+        if bool((valid.sum((1, 2, 3)) > H * shared * k).any()):
+            raise ValueError(f"{allocation!r}.plan flagged more than the layer's {H * shared * k} segments: {valid.sum((1, 2, 3)).tolist()}")
         return segments, valid
 
     def _attend_refined(self, query, grouped, lay, k, shared, group) -> tuple[torch.Tensor, SegmentSelection]:
@@ -592,13 +618,11 @@ class SegmentSearchState(KVState):
         n = m.tokens_for(lay, k)
         allocation = m.allocation
         width = allocation.width(n, index.shape[-1])
-        if allocation.uniform:
-            counts = torch.full((B, H, group), width, dtype=torch.long, device=self.device)
-        else:
+        top = ranked.topk(width, dim=-1, sorted=False)
+        keep = torch.isfinite(top.values)  # a padding or fixed token is no candidate
+        if not allocation.uniform:
             always = torch.logsumexp(logits.masked_fill(~fixed, float("-inf")), dim=-1)
-            counts = allocation.plan(ranked, always, n)
-        top = ranked.topk(width, dim=-1)
-        keep = (torch.arange(width, device=self.device) < counts.unsqueeze(-1)) & torch.isfinite(top.values)
+            keep &= allocation.plan(top.values, log_total_mass(ranked, always), n)
         chosen = torch.zeros_like(candidate.expand(B, H, group, -1)).scatter(-1, top.indices, keep)
         extra, extra_valid = index, chosen  # the refined tokens, reported as tokens on top of sinks and tail
         listed, attended = index, chosen | fixed
@@ -614,8 +638,8 @@ class SegmentSearchState(KVState):
         """Log attention mass ``[B, H_kv, G']`` of the sinks and the tail (attended by every head), on the
         scale of the segment scores (no soft-capping, as the summaries score)."""
         keys = torch.cat([self.keys[:, :, : lay.sink_end], self.keys[:, :, lay.tail_start : lay.length]], dim=2)
-        logits = torch.einsum("bhgd,bhtd->bhgt", self._scaled(grouped), self._scaled(keys))
-        mass = torch.logsumexp(logits, dim=-1)
+        logits = grouped.to(self.compute_dtype) @ keys.to(self.compute_dtype).transpose(-1, -2)  # a few dozen tokens
+        mass = torch.logsumexp(logits * self.scale, dim=-1)
         return torch.logsumexp(mass, dim=2, keepdim=True) if shared == 1 else mass
 
     def _always_tokens(

@@ -1,6 +1,6 @@
 """Segment summaries: each scores a segment by an estimate of its log attention mass."""
 
-from sparseattn.summaries.base import GroupScoringSummary, SegmentKeys, Summary, TopKAwareSummary
+from sparseattn.summaries.base import GroupScoringSummary, SegmentKeys, Shortlist, ShortlistingSummary, Summary, TopKAwareSummary
 from sparseattn.summaries.centered import CenteredFeatures
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.exact import ExactScore
@@ -17,6 +17,8 @@ __all__ = [
     "PerformerFeatures",
     "Rerank",
     "SegmentKeys",
+    "Shortlist",
+    "ShortlistingSummary",
     "Summary",
     "TopKAwareSummary",
 ]

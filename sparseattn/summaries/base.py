@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -98,4 +99,46 @@ class GroupScoringSummary(Summary, Protocol):
         segment_size: int,
     ) -> torch.Tensor:
         """``[B, H, 1, S]``: ``logsumexp_g score[..., g, :]`` for ``queries: [B, H, G, D]``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Shortlist:
+    """A two-stage summary's step: every segment's scores and the shortlist it rescored.
+
+    ``scores: [B, H, G, S]`` (what :meth:`Summary.score` returns); ``index: [B, H, G', m]`` the
+    shortlisted segments (``G'`` = 1 when a KV group shares one list); ``exact: [B, H, G, m]`` their
+    scores, equal to ``scores`` at ``index``. Every shortlisted segment of a row scores above every
+    other segment of it, so the top ``n <= m`` of ``scores`` are the top ``n`` of ``exact``.
+    """
+
+    scores: torch.Tensor
+    index: torch.Tensor
+    exact: torch.Tensor
+
+    def top(self, n: int, *, sorted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, segment indices)`` of each row's ``n <= m`` best segments, read off the shortlist."""
+        index = self.index.expand_as(self.exact)
+        if n == self.exact.shape[-1] and not sorted:  # the whole shortlist
+            return self.exact, index
+        best = self.exact.topk(n, dim=-1, sorted=sorted)
+        return best.values, index.gather(-1, best.indices)
+
+
+@runtime_checkable
+class ShortlistingSummary(TopKAwareSummary, Protocol):
+    """A summary that ranks a shortlist above the rest (:class:`~sparseattn.summaries.Rerank`): a
+    decode state that needs only the top ``n <= m`` segments reads them off the shortlist instead of
+    sorting all ``S`` scores (exactly the same segments, up to ties)."""
+
+    def score_shortlist(
+        self,
+        params: Any,
+        summaries: tuple[torch.Tensor, ...],
+        queries: torch.Tensor,
+        segment_keys: SegmentKeys | torch.Tensor | None,
+        segment_size: int,
+        top_k: int = 0,
+    ) -> Shortlist | None:
+        """The step's :class:`Shortlist`, or None when nothing is shortlisted (then use :meth:`Summary.score`)."""
         ...

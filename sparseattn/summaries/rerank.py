@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from sparseattn.validation import check_bool, check_int, check_real
-from sparseattn.summaries.base import Summary, segment_log_mass
+from sparseattn.summaries.base import Shortlist, Summary, segment_log_mass
 from sparseattn.summaries.performer import PerformerFeatures
 
 
@@ -71,12 +71,27 @@ class Rerank:
         segment_size: int,
         top_k: int = 0,
     ) -> torch.Tensor:
+        step = self.score_shortlist(params, summaries, queries, segment_keys, segment_size, top_k)
+        if step is None:
+            return self.coarse.score(params, summaries, queries, segment_keys if self.coarse.reads_keys else None, segment_size)
+        return step.scores
+
+    def score_shortlist(
+        self,
+        params: Any,
+        summaries: tuple[torch.Tensor, ...],
+        queries: torch.Tensor,
+        segment_keys: torch.Tensor | None,
+        segment_size: int,
+        top_k: int = 0,
+    ) -> Shortlist | None:
+        """The coarse scores with the shortlist's exact masses in place, and the shortlist (None if empty)."""
         coarse_keys = segment_keys if self.coarse.reads_keys else None
         scores = self.coarse.score(params, summaries, queries, coarse_keys, segment_size)  # [B, H, G, S]
         S = scores.shape[-1]
         m = min(max(self.shortlist, math.ceil(self.factor * top_k)) if self.shortlist else 0, S)
         if m == 0:
-            return scores
+            return None
         if segment_keys is None:
             raise ValueError("Rerank.score needs the segments' keys")
         if self.per_group:  # one shortlist per KV group: its keys are read once for the G query heads
@@ -84,8 +99,7 @@ class Rerank:
         else:
             short = scores.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
         exact = segment_log_mass(segment_keys, queries, short)  # [B, H, G, m]
-        short = short.expand_as(exact)
         # Shift the coarse scores below the smallest exact one: the shortlist ranks first, and the order
         # outside it (the coarse order) is kept exactly (a huge constant would round it away).
         shift = (scores.amax(-1, keepdim=True) - exact.amin(-1, keepdim=True)).clamp(min=0) + 1.0
-        return (scores - shift).scatter(-1, short, exact)
+        return Shortlist((scores - shift).scatter(-1, short.expand_as(exact), exact), short, exact)
