@@ -80,18 +80,29 @@ static const float *load_rows(const void *base, int dtype, int64_t row_stride, i
     return buf;
 }
 
+/* The rows to prefetch while a block runs: row j of k and of v (ks, vs bytes apart, `bytes` long) beside
+ * row j of the block, for j < n. */
+typedef struct {
+    const char *k, *v;
+    int64_t ks, vs;
+    int n, bytes;
+} sa_ahead;
+
 /* One block of n tokens: scores of the attending heads, online-softmax update, weighted values.
- * qs: [G, D] scaled queries; m, l: [G] running max and sum; acc: [G, D]; s: [G, SA_BLOCK] scratch.
+ * qs: [G, D] scaled queries; m, l: [G] running max and sum; acc: [G, D]; s: [G, SA_BLOCK] scratch;
+ * ahead: the next block's rows, asked for while this one is computed.
  * Token-major loops: a key or value row is read from memory once and used by every head that attends
  * it while it sits in L1 (measured faster than head-major loops that keep a head in registers). The
  * body is compiled for the common head dims (a constant D unrolls) and once for any D. */
 #define SA_DEFINE_ATTEND_BLOCK(NAME, DIM)                                                                        \
     static void NAME(const float *restrict qs, int D_, uint64_t heads, const float *restrict k, int64_t ks,     \
                      const float *restrict v, int64_t vs, int n, float softcap, float *restrict m,               \
-                     float *restrict l, float *restrict acc, float *restrict s) {                               \
+                     float *restrict l, float *restrict acc, float *restrict s, const sa_ahead *ahead) {         \
         const int D = DIM > 0 ? DIM : D_;                                                                      \
         for (int j = 0; j < n; ++j) {                                                                          \
             const float *kj = k + j * ks;                                                                      \
+            if (j < ahead->n)                                                                                  \
+                for (int off = 0; off < ahead->bytes; off += 64) __builtin_prefetch(ahead->k + j * ahead->ks + off, 0, 1); \
             for (uint64_t b = heads; b; b &= b - 1) {                                                          \
                 const int g = __builtin_ctzll(b);                                                              \
                 const float *qg = qs + (int64_t)g * D;                                                         \
@@ -126,6 +137,8 @@ static const float *load_rows(const void *base, int dtype, int64_t row_stride, i
         }                                                                                                      \
         for (int j = 0; j < n; ++j) {                                                                          \
             const float *vj = v + j * vs;                                                                      \
+            if (j < ahead->n)                                                                                  \
+                for (int off = 0; off < ahead->bytes; off += 64) __builtin_prefetch(ahead->v + j * ahead->vs + off, 0, 1); \
             for (uint64_t b = heads; b; b &= b - 1) {                                                          \
                 const int g = __builtin_ctzll(b);                                                              \
                 const float p = s[g * SA_BLOCK + j];                                                           \
@@ -140,7 +153,7 @@ SA_DEFINE_ATTEND_BLOCK(attend_block_128, 128)
 SA_DEFINE_ATTEND_BLOCK(attend_block_any, 0)
 
 typedef void (*sa_block_fn)(const float *, int, uint64_t, const float *, int64_t, const float *, int64_t, int, float,
-                            float *, float *, float *, float *);
+                            float *, float *, float *, float *, const sa_ahead *);
 
 /* The attended spans of one row (sorted, disjoint, maximal). Returns the count, or -1 for a bad index.
  * valid (NULL: all) flags which of each set's k listed segments are attended; the others are not read. */
@@ -177,18 +190,6 @@ static int64_t row_spans(const int64_t *sel, const uint8_t *valid, int64_t sets,
             out[n++] = (sa_span){tail_start, length, all};
     }
     return n;
-}
-
-/* Ask for `n` key and value rows from `start` (segments are scattered and short: the hardware prefetcher
- * would only ramp up on a span when it is nearly done). At most 2 * SA_BLOCK rows: more would evict. */
-static inline void prefetch_rows(const char *kr, const char *vr, size_t esize, int64_t kst, int64_t vst, int64_t start,
-                                 int64_t n, int64_t D) {
-    const int64_t rows = n < 2 * SA_BLOCK ? n : 2 * SA_BLOCK, row_bytes = D * (int64_t)esize;
-    for (int64_t j = 0; j < rows; ++j)
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-            __builtin_prefetch(kr + (start + j) * kst * (int64_t)esize + off, 0, 1);
-            __builtin_prefetch(vr + (start + j) * vst * (int64_t)esize + off, 0, 1);
-        }
 }
 
 /*
@@ -291,15 +292,25 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
                     int64_t len = sp[i].end - sp[i].start;
                     int64_t lo = part.first > before ? part.first - before : 0;
                     int64_t hi = part.last - before < len ? part.last - before : len;
-                    if (i + 1 < n_spans[r] && before + len < part.last) /* the next span's rows, while this one runs */
-                        prefetch_rows(kr, vr, esize, kst, vst, sp[i + 1].start,
-                                      sp[i + 1].end - sp[i + 1].start, D);
                     for (int64_t j0 = lo; j0 < hi; j0 += SA_BLOCK) {
                         int n = (int)(hi - j0 < SA_BLOCK ? hi - j0 : SA_BLOCK);
+                        /* The block after this one (in this span or the next): its rows are asked for one per
+                         * row computed here. Spans are scattered and short; spreading the requests keeps the
+                         * misses in flight steady (faster than asking for a whole span at its start). */
+                        int64_t next = -1, next_n = 0;
+                        if (j0 + SA_BLOCK < hi) {
+                            next = sp[i].start + j0 + SA_BLOCK, next_n = hi - j0 - SA_BLOCK;
+                        } else if (i + 1 < n_spans[r] && before + len < part.last) {
+                            next = sp[i + 1].start, next_n = sp[i + 1].end - sp[i + 1].start;
+                            if (next_n > part.last - before - len) next_n = part.last - before - len;
+                        }
+                        const sa_ahead ahead = {
+                            kr + (next < 0 ? 0 : next) * kst * (int64_t)esize, vr + (next < 0 ? 0 : next) * vst * (int64_t)esize,
+                            kst * (int64_t)esize, vst * (int64_t)esize, (int)(next_n < SA_BLOCK ? next_n : SA_BLOCK), (int)(D * esize)};
                         int64_t kstride, vstride;
                         const float *kb = load_rows(kr, dtype, kst, sp[i].start + j0, n, (int)D, kbuf, &kstride);
                         const float *vb = load_rows(vr, dtype, vst, sp[i].start + j0, n, (int)D, vbuf, &vstride);
-                        attend(qs, (int)D, sp[i].heads, kb, kstride, vb, vstride, n, softcap, m, l, acc, s);
+                        attend(qs, (int)D, sp[i].heads, kb, kstride, vb, vstride, n, softcap, m, l, acc, s, &ahead);
                     }
                     before += len;
                     if (before >= part.last) break;
@@ -347,14 +358,17 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
 }
 
 /* Logits of a block of n keys for `rows` query rows: s[r * SA_BLOCK + j] = factor * q_r . k_j. Key-major:
- * each key row is read once for every query row while it sits in L1. Compiled for the common head dims
+ * each key row is read once for every query row while it sits in L1. With pf, row j of the block at pf
+ * (rows pf_stride bytes apart, pf_bytes long) is prefetched beside key j. Compiled for the common head dims
  * (a constant D unrolls and vectorises without a loop-carried horizontal sum per element). */
 #define SA_DEFINE_BLOCK_LOGITS(NAME, DIM)                                                                       \
     static void NAME(const float *restrict qr, int rows, const float *restrict kb, int64_t stride, int n,       \
-                     int D_, float factor, float *restrict s) {                                                 \
+                     int D_, float factor, float *restrict s, const char *pf, int64_t pf_stride, int pf_bytes) { \
         const int D = DIM > 0 ? DIM : D_;                                                                      \
         for (int j = 0; j < n; ++j) {                                                                          \
             const float *kj = kb + j * stride;                                                                 \
+            if (pf)                                                                                            \
+                for (int off = 0; off < pf_bytes; off += 64) __builtin_prefetch(pf + j * pf_stride + off, 0, 1); \
             for (int r = 0; r < rows; ++r) {                                                                   \
                 const float *qv = qr + (int64_t)r * D;                                                         \
                 float dot = 0.f;                                                                               \
@@ -367,14 +381,6 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
 SA_DEFINE_BLOCK_LOGITS(block_logits_64, 64)
 SA_DEFINE_BLOCK_LOGITS(block_logits_128, 128)
 SA_DEFINE_BLOCK_LOGITS(block_logits_any, 0)
-
-/* Ask for a listed segment's key rows ahead of use: segments are scattered, and a short one ends before the
- * hardware prefetcher has ramped up on it. */
-static inline void prefetch_segment(const char *base, size_t esize, int64_t seg_size, int64_t kst, int64_t D) {
-    const int64_t row_bytes = D * (int64_t)esize;
-    for (int64_t j = 0; j < seg_size; ++j)
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(base + j * kst * (int64_t)esize + off, 0, 1);
-}
 
 /*
  * Exact log attention masses of listed segments (the rerank of sparseattn.summaries.Rerank):
@@ -413,12 +419,14 @@ int sa_segment_log_mass(const float *q, const void *keys, int dtype, int64_t ksb
             }
             const int64_t r0 = sets == 1 ? 0 : set, rows = sets == 1 ? R : 1;
             const char *base = (const char *)keys + (b * ksb + h * ksh + seg * kss) * esize;
-            if (it + 1 < items) { /* the next item's segment (the same (b, h) but at a list's end: no division) */
+            /* The next item's segment is scattered and, when short, would end before the hardware prefetcher
+             * ramped up on it: its rows are asked for one per key computed here (spread over the item, so
+             * the misses in flight stay steady: 1.5x faster than asking for the whole segment at once). */
+            const char *pf = NULL;
+            if (it + 1 < items) {
                 const int64_t next = segments[it + 1];
-                int64_t nb = b, nh = h;
-                if (i + 1 == m) nh = ((it + 1) / (m * sets)) % H, nb = (it + 1) / (m * sets * H);
-                if (next >= 0 && next < n_segments)
-                    prefetch_segment((const char *)keys + (nb * ksb + nh * ksh + next * kss) * esize, esize, seg_size, kst, D);
+                const int64_t nh = ((it + 1) / (m * sets)) % H, nb = (it + 1) / (m * sets * H);
+                if (next >= 0 && next < n_segments) pf = (const char *)keys + (nb * ksb + nh * ksh + next * kss) * esize;
             }
             const float *qr = q + ((b * H + h) * R + r0) * D;
             float top[SA_MAX_ROWS], sum[SA_MAX_ROWS], s[SA_MAX_ROWS * SA_BLOCK];
@@ -427,9 +435,11 @@ int sa_segment_log_mass(const float *q, const void *keys, int dtype, int64_t ksb
                 const int n = (int)(seg_size - j0 < SA_BLOCK ? seg_size - j0 : SA_BLOCK);
                 int64_t stride;
                 const float *kb = load_rows(base, dtype, kst, j0, n, (int)D, kbuf, &stride);
-                if (D == 128) block_logits_128(qr, (int)rows, kb, stride, n, (int)D, factor, s);
-                else if (D == 64) block_logits_64(qr, (int)rows, kb, stride, n, (int)D, factor, s);
-                else block_logits_any(qr, (int)rows, kb, stride, n, (int)D, factor, s);
+                const int64_t row = kst * (int64_t)esize; /* bytes between key rows */
+                const char *pfb = pf ? pf + j0 * row : NULL;
+                if (D == 128) block_logits_128(qr, (int)rows, kb, stride, n, (int)D, factor, s, pfb, row, (int)(D * esize));
+                else if (D == 64) block_logits_64(qr, (int)rows, kb, stride, n, (int)D, factor, s, pfb, row, (int)(D * esize));
+                else block_logits_any(qr, (int)rows, kb, stride, n, (int)D, factor, s, pfb, row, (int)(D * esize));
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *sr = s + r * SA_BLOCK;
                     float block_top = SA_NO_SCORE, block_sum = 0.f;
