@@ -261,7 +261,9 @@ def RadarPlusPooled(
     * centroids stored in bfloat16: the scoring of every segment reads half the bytes (it is a
       memory-bound matrix-vector product over the 2x larger grid); only the shortlist depends on it.
 
-    ``budget`` is honoured on average over a layer's heads (one head may attend more).
+    ``budget`` is honoured on average over a layer's heads (one head may attend more). With
+    ``cap > factor`` a head may take segments beyond its group's shortlist, ranked by their centroids
+    below every shortlisted one: the split then ranks all segments (correct, slower).
     """
     return RadarPlus(
         top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget,
