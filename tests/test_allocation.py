@@ -366,3 +366,23 @@ def test_the_best_segments_read_off_a_shortlist_are_the_best_of_all_scores(seed,
     torch.testing.assert_close(values, expected.values)
     assert torch.equal(segments.sort(-1).values, expected.indices.sort(-1).values)
     assert torch.equal(full.gather(-1, segments), values)  # the listed values are those segments' scores
+
+
+class GreedyEverything(PooledMass):
+    """A third-party allocation whose plan flags every listed segment."""
+
+    def plan(self, estimates, log_total, k):
+        return torch.ones(estimates.shape, dtype=torch.bool)
+
+
+class CountsNotMask(PooledMass):
+    def plan(self, estimates, log_total, k):
+        return super().plan(estimates, log_total, k).sum(-1)
+
+
+@pytest.mark.parametrize("allocation, match", [(GreedyEverything(cap=2.0), "flagged more than the layer's"), (CountsNotMask(cap=2.0), "expected bool")])
+def test_a_plan_beyond_the_layers_total_or_not_a_mask_is_refused(allocation, match):
+    state = SegmentSearch(Centroid(), TopK(), SqrtSchedule(aspect=2.0), budget=40, allocation=allocation).new_state(1, 2, 8)
+    state.append(torch.randn(1, 2, 300, 8), torch.randn(1, 2, 300, 8))
+    with pytest.raises(ValueError, match=match):
+        state.attend(torch.randn(1, 4, 8))
