@@ -11,10 +11,6 @@ docs/serving.md). The prompts are token ids cut from this repository's docs, so 
 """
 
 import asyncio
-import contextlib
-import gc
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: install sparseattn[vl
 
 from sparseattn.data.needle import PasskeyTask, string_match_all
 from sparseattn.hf.models import local_model_dir
+from vllm_engine import greedy_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -58,34 +55,10 @@ def prompts() -> list[list[int]]:
     return out
 
 
-@contextlib.contextmanager
-def fd_log(path: Path):
-    """Send this process's stdout/stderr (and those of the engine processes it spawns) to ``path``."""
-    saved = [os.dup(1), os.dup(2)]
-    with open(path, "w") as log:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
 def generate(tmp: Path, label: str, token_prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **extra) -> tuple[list[list[int]], str]:
     """Greedy tokens of every prompt, all in one batch, from a fresh engine, and its log."""
-    from vllm import LLM, SamplingParams
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    log = tmp / f"{label}.log"
-    with fd_log(log):
-        llm = LLM(model=str(local_model_dir()), **{**ENGINE, **extra})
-        outs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-        del llm
-        gc.collect()
-    return [list(o.outputs[0].token_ids) for o in outs], log.read_text()
+    prompts = [{"prompt_token_ids": p} for p in token_prompts]
+    return greedy_tokens(tmp / f"{label}.log", prompts, {**ENGINE, **extra}, new_tokens, ignore_eos=True, cache_gib="4")
 
 
 async def _arriving(token_prompts: list[list[int]], extra: dict) -> tuple[list[list[int]], list[int]]:

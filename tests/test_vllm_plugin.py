@@ -6,8 +6,6 @@ bfloat16 near-ties (docs/serving.md has the bfloat16 result). ``max_num_batched_
 long prompts prefill in chunks while the short one decodes: the batches mix prefill and decode.
 """
 
-import contextlib
-import gc
 import os
 import subprocess
 import sys
@@ -19,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed: install sparseattn[vllm] in its own venv, see docs/serving.md")
 
-from sparseattn.hf.models import local_model_dir
+from vllm_engine import greedy_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 24
@@ -31,34 +29,9 @@ def prompts() -> list[str]:
     return ["The capital of France is", text[:2500] + "\nIn short,", text[:6000] + "\nThe main idea is"]
 
 
-@contextlib.contextmanager
-def fd_log(path: Path):
-    """Send this process's stdout/stderr (and those of the engine processes it spawns) to ``path``."""
-    saved = [os.dup(1), os.dup(2)]
-    with open(path, "w") as log:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
 def generate(tmp: Path, label: str, **extra) -> tuple[list[list[int]], str]:
     """Greedy tokens of every prompt from a fresh engine, and its log; the engine is shut down after."""
-    from vllm import LLM, SamplingParams
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    log = tmp / f"{label}.log"
-    with fd_log(log):
-        llm = LLM(model=str(local_model_dir()), **ENGINE, **extra)
-        outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
-        del llm
-        gc.collect()
-    return [list(o.outputs[0].token_ids) for o in outs], log.read_text()
+    return greedy_tokens(tmp / f"{label}.log", prompts(), {**ENGINE, **extra}, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

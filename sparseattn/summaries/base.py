@@ -140,5 +140,5 @@ class ShortlistingSummary(TopKAwareSummary, Protocol):
         segment_size: int,
         top_k: int = 0,
     ) -> Shortlist | None:
-        """The step's :class:`Shortlist`, or None when nothing is shortlisted (then use :meth:`Summary.score`)."""
+        """The step's :class:`Shortlist`, or None, before any work, when the summary shortlists nothing (then use :meth:`Summary.score`)."""
         ...

@@ -85,13 +85,16 @@ class Rerank:
         segment_size: int,
         top_k: int = 0,
     ) -> Shortlist | None:
-        """The coarse scores with the shortlist's exact masses in place, and the shortlist (None if empty)."""
+        """The coarse scores with the shortlist's exact masses in place, and the shortlist; None (before any
+        work) when reranking is disabled (``shortlist = 0``)."""
+        if not self.shortlist:
+            return None
         coarse_keys = segment_keys if self.coarse.reads_keys else None
         scores = self.coarse.score(params, summaries, queries, coarse_keys, segment_size)  # [B, H, G, S]
-        S = scores.shape[-1]
-        m = min(max(self.shortlist, math.ceil(self.factor * top_k)) if self.shortlist else 0, S)
-        if m == 0:
-            return None
+        m = min(max(self.shortlist, math.ceil(self.factor * top_k)), scores.shape[-1])
+        if m == 0:  # no segment at all: an empty shortlist
+            empty = scores[..., :0]
+            return Shortlist(scores, empty.long(), empty)
         if segment_keys is None:
             raise ValueError("Rerank.score needs the segments' keys")
         if self.per_group:  # one shortlist per KV group: its keys are read once for the G query heads
