@@ -160,10 +160,10 @@ def _write_manifest(library: Path, key: str, compiler: str, version: str, extra:
         raise
 
 
-def _build(compiler: str, version: str, source_text: bytes, target: Path, key: str) -> None:
-    """Compile ``source_text`` to ``target`` and write its manifest; raises :class:`KernelBuildError`."""
-    with tempfile.TemporaryDirectory() as tmp, progress(f"compiling the cpu kernel with {Path(compiler).name}"):
-        source = Path(tmp) / "cpu_kernels.c"
+def _build(compiler: str, version: str, source_text: bytes, target: Path, key: str, name: str = "cpu_kernels.c") -> None:
+    """Compile ``source_text`` (the file ``name``) to ``target`` and write its manifest; raises :class:`KernelBuildError`."""
+    with tempfile.TemporaryDirectory() as tmp, progress(f"compiling {name} with {Path(compiler).name}"):
+        source = Path(tmp) / name
         source.write_bytes(source_text)
         extra: tuple[str, ...] = ()
         complaint = _compile(compiler, source, target, extra)
@@ -171,11 +171,11 @@ def _build(compiler: str, version: str, source_text: bytes, target: Path, key: s
             extra = ("-DSA_NO_FLOAT16",)
             fallback = _compile(compiler, source, target, extra)
             if fallback is not None:
-                raise KernelBuildError(f"compiling cpu_kernels.c with {compiler} failed:\n{fallback}")
+                raise KernelBuildError(f"compiling {name} with {compiler} failed:\n{fallback}")
     _write_manifest(target, key, compiler, version, extra)
 
 
-def _ensure_built(compiler: str, version: str, source_text: bytes, target: Path, key: str) -> bool:
+def _ensure_built(compiler: str, version: str, source_text: bytes, target: Path, key: str, name: str = "cpu_kernels.c") -> bool:
     """Make ``target`` a verified build of ``source_text``; True when this call built it."""
     if _is_verified(target, key):
         return False
@@ -183,31 +183,33 @@ def _ensure_built(compiler: str, version: str, source_text: bytes, target: Path,
     with file_lock(target.with_suffix(".lock"), f"another process building the cpu kernel {target.name}"):
         if _is_verified(target, key):  # it finished while we waited
             return False
-        _build(compiler, version, source_text, target, key)
+        _build(compiler, version, source_text, target, key, name)
         return True
 
 
-def _open(target: Path) -> ctypes.CDLL:
-    """Load ``target`` and check that it exports the kernel's entry points; raises :class:`KernelBuildError`."""
+def _open(target: Path, symbols: tuple[str, ...] = SYMBOLS, name: str = "cpu_kernels.c") -> ctypes.CDLL:
+    """Load ``target`` and check that it exports ``symbols``; raises :class:`KernelBuildError`."""
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as err:
         raise KernelBuildError(f"loading the compiled kernel {target} failed: {err}") from err
-    missing = [name for name in SYMBOLS if not hasattr(lib, name)]
+    missing = [symbol for symbol in symbols if not hasattr(lib, symbol)]
     if missing:
-        raise KernelBuildError(
-            f"the library {target} does not export {', '.join(missing)}: it is not a build of cpu_kernels.c"
-        )
+        raise KernelBuildError(f"the library {target} does not export {', '.join(missing)}: it is not a build of {name}")
     return lib
 
 
-@functools.cache
-def load_library() -> ctypes.CDLL:
-    """Build (once per machine and source) and load the kernel library; raises :class:`KernelBuildError`."""
+def build_library(package: str, name: str, symbols: tuple[str, ...]) -> ctypes.CDLL:
+    """Build (once per machine and source) and load the C file ``name`` of ``package``; raises :class:`KernelBuildError`.
+
+    The same build for every C kernel of the package: compiled for this CPU with :data:`CFLAGS`, cached
+    under a key of source, compiler, flags and CPU with a manifest, built once under a file lock, and
+    checked to export ``symbols`` after loading.
+    """
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc or clang)")
-    source_text = resources.files("sparseattn.backends").joinpath("cpu_kernels.c").read_bytes()
+    source_text = resources.files(package).joinpath(name).read_bytes()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
@@ -215,10 +217,10 @@ def load_library() -> ctypes.CDLL:
     key = hashlib.sha256(b"\0".join(
         [source_text, version.encode(), " ".join(CFLAGS + LDFLAGS + LIBS).encode(), _host_signature().encode()]
     )).hexdigest()
-    target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
-    built = _ensure_built(compiler, version, source_text, target, key)
+    target = cache_dir() / f"{Path(name).stem}-{key[:16]}.so"
+    built = _ensure_built(compiler, version, source_text, target, key, name)
     try:
-        lib = _open(target)
+        return _open(target, symbols, name)
     except KernelBuildError as err:
         if built:  # a fresh build that does not load: rebuilding would give the same
             raise
@@ -228,6 +230,12 @@ def load_library() -> ctypes.CDLL:
         # manifest: the next process rebuilds it.
         _manifest_path(target).unlink(missing_ok=True)
         raise KernelBuildError(f"{err}; its manifest was removed, so the next run rebuilds it") from err
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """Build (once per machine and source) and load the kernel library; raises :class:`KernelBuildError`."""
+    lib = build_library("sparseattn.backends", "cpu_kernels.c", SYMBOLS)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.sa_segment_attention.restype = ctypes.c_int
     lib.sa_segment_attention.argtypes = [

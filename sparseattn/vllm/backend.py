@@ -72,6 +72,29 @@ def kernel_attend_pages(
     return out.view(B, H_q, D)
 
 
+#: The last step's plan, shared by every layer of the process: ``(decode lengths, block size, policy, plan)``.
+_LAST_PLAN: list = []
+
+
+def _plan_for_step(policy: Any, lens: Any, block_size: int) -> Any:
+    """The fused step's plan for these decode lengths: computed by the first layer of a step, reused by the others.
+
+    A plan depends only on the lengths (and the policy, the page size), so equal lengths are the key,
+    not vLLM's metadata object (whose tensors may be buffers reused between steps).
+    """
+    import torch
+
+    from sparseattn.vllm.paged_kernel import step_plan
+
+    if _LAST_PLAN:
+        last_lens, last_bs, last_policy, plan = _LAST_PLAN
+        if last_bs == block_size and last_policy == policy and torch.equal(last_lens, lens):
+            return plan
+    plan = step_plan(policy, lens, block_size)
+    _LAST_PLAN[:] = [lens.clone(), block_size, policy, plan]
+    return plan
+
+
 def _layer_index(name: str) -> int:
     found = re.findall(r"\.(\d+)\.", f".{name}.")
     return int(found[0]) if found else 0
@@ -110,6 +133,7 @@ def _classes() -> dict[str, type]:
 
     from sparseattn.vllm.config import current_request
     from sparseattn.vllm.paged import PagedPolicy, PageSummaries, select_pages
+    from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, kernel_refusal, step_plan
 
     logger = init_logger("vllm.sparseattn")  # under vLLM's logger, which has the handlers
 
@@ -137,7 +161,13 @@ def _classes() -> dict[str, type]:
             self._heads = _rank_kv_heads(self.num_kv_heads)
             self._prepared: tuple[Any, torch.Generator] | None = None
             self._summaries: PageSummaries | None = None  # this layer's page summaries, per physical block
-            logger.info_once("sparseattn: decode tokens run %r in the paged engine (%r)", request.label, self.policy.method)
+            # The fused C step where it knows the policy's parts (and builds here), else the generic path.
+            refusal = kernel_refusal()
+            self._fused = None if refusal is not None else fused_mode(self.policy)
+            self._store: PageStore | None = None  # the fused step's page summaries, per physical block
+            logger.info_once("sparseattn: decode tokens run %r in the paged engine (%r), %s", request.label, self.policy.method,
+                             "the generic path: " + (refusal or "the fused kernel does not know its parts")
+                             if self._fused is None else "the fused kernel")
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
             if attn_metadata is None or self.attn_type != AttentionType.DECODER:
@@ -162,10 +192,18 @@ def _classes() -> dict[str, type]:
             rows = starts[decode].long()
             out = output.view(output.shape[0], self.num_heads, self.head_size)
             params, generator = self._prepared
-            if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
-                self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
             q = query[rows].view(-1, self.num_heads, self.head_size)
             table, lens = attn_metadata.block_table[decode], attn_metadata.seq_lens[decode]
+            if self._fused is not None:
+                if self._fused != FIXED and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
+                    self._store = PageStore(kv_cache.shape[0], self.num_kv_heads, self.head_size, self._fused)
+                plan = _plan_for_step(self.policy, lens, kv_cache.shape[2])
+                result, _ = fused_decode(self.policy, self._fused, self._store, kv_cache, q, table, lens, self.scale,
+                                         self.logits_soft_cap or None, plan=plan)
+                out[rows] = result.to(out.dtype)
+                return output
+            if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
+                self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
             pages = select_pages(self.policy, params, generator, kv_cache, q, table, lens, self.scale, self._summaries)
             out[rows] = kernel_attend_pages(q, kv_cache, table, pages, lens, self.scale, self.logits_soft_cap or None, isa)
             return output
@@ -174,6 +212,8 @@ def _classes() -> dict[str, type]:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             if self._summaries is not None:  # a block written to (reused, or still filling) is summarised afresh
                 self._summaries.invalidate(slot_mapping)
+            if self._store is not None:
+                self._store.invalidate(slot_mapping, kv_cache.shape[2])
 
     class SparseCPUAttentionBackend(CPUAttentionBackend):
         """vLLM's CPU backend (name, builder, cache shape unchanged) with :class:`SparseCPUAttentionImpl`."""

@@ -1,0 +1,412 @@
+/*
+ * The paged engine's fused decode step on the CPU: score, select and attend vLLM's KV pages in one
+ * pass per (sequence, KV head), reading the pages in place in vLLM's CPU cache layout.
+ *
+ * The layout (sparseattn/vllm/paged.py, page_views): the cache of one layer is [N, H, bs, 2 D];
+ * per (block, KV head) the bs * 2 D elements are the page's keys *transposed*, [D, bs], then its
+ * values [bs, D]. So a page's logits are a product over d of whole key rows of bs tokens (the inner
+ * loop runs over tokens, contiguous), and its values are read row by row.
+ *
+ * Per sequence b the caller's plan says (sink_pages, n_cand, k, m): pages [0, sink_pages) are sinks,
+ * the next n_cand are candidates, the rest (through the sequence's last, partial page) are the tail.
+ * Sinks and tail are always attended. Of the candidates the step attends
+ *   - every one when k >= n_cand (dense, or a budget covering the context);
+ *   - none when k == 0 (streamingllm as a selection);
+ *   - else the k chosen by the mode:
+ *       SA_RERANK: radar+ -- every candidate is scored by its centroid, scale q.mean(k) + log(bs); the
+ *         KV group's m best by the group's log-sum-exp over its query heads are shortlisted; their
+ *         exact log masses logsumexp_j scale q.k_j are computed (the logits are kept) and each query
+ *         head (or the group, shared) takes its k best. The kept logits are then attended: a
+ *         shortlisted key is read once, for ranking and attention.
+ *       SA_BOUND: quest -- every candidate is scored by the bound sum_d max(q_d min_d, q_d max_d) of
+ *         its per-channel key minimum and maximum; each query head (or the group) takes its k best.
+ *   One softmax over every attended token of a query head (float32; the running maximum starts at a
+ *   finite value: built with -ffast-math).
+ *
+ * Summaries live in caller-owned stores indexed by physical block: summary[N, H, D] (centroid: mean
+ * key; bound: min, then max in a second store) and state[N] (0: stale, 1: valid). A stale page is
+ * summarised before any scoring, once even when prefix caching shares it between sequences.
+ *
+ * The Python references are sparseattn.vllm.paged.select_pages (the selection) and attend_pages
+ * (the attention); tests/test_vllm_paged_kernel.py holds the kernel to them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define SA_NO_SCORE (-1e30f)
+
+enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2 };
+enum { SA_RERANK = 0, SA_BOUND = 1, SA_FIXED = 2 };
+enum { SA_OK = 0, SA_BAD_BLOCK = 1, SA_NO_MEMORY = 2, SA_BAD_DTYPE = 4, SA_BAD_PLAN = 6 };
+
+int sa_paged_float16_supported(void) {
+#ifdef SA_NO_FLOAT16
+    return 0;
+#else
+    return 1;
+#endif
+}
+
+/* n elements of a cache row (any dtype) as float32 into dst. */
+static inline void to_float(const void *src, int dtype, int64_t n, float *restrict dst) {
+    if (dtype == SA_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == SA_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t bits = (uint32_t)s[i] << 16;
+            memcpy(dst + i, &bits, 4);
+        }
+    }
+#ifndef SA_NO_FLOAT16
+    else {
+        const _Float16 *s = (const _Float16 *)src;
+        for (int64_t i = 0; i < n; ++i) dst[i] = (float)s[i];
+    }
+#endif
+}
+
+typedef struct {
+    const char *cache;
+    int dtype;
+    int64_t elem, H, bs, D; /* elem: bytes per element */
+} sa_pages;
+
+static inline const char *page_keys(const sa_pages *c, int64_t block, int64_t h) {
+    return c->cache + ((block * c->H + h) * c->bs * 2 * c->D) * c->elem;
+}
+
+static inline const char *page_values(const sa_pages *c, int64_t block, int64_t h) {
+    return page_keys(c, block, h) + c->bs * c->D * c->elem;
+}
+
+/* Logits lg[g * ld + j] = q_g . k_j of the first n tokens of a page, for rows g < G (q is pre-scaled).
+ * Keys are [D, bs]: one converted row of n tokens per channel, multiplied into every head's logits. */
+static void page_logits(const sa_pages *c, const char *keys, int n, const float *restrict q, int G, float *restrict lg,
+                        int64_t ld, float *restrict row) {
+    const int64_t D = c->D, bs = c->bs;
+    for (int g = 0; g < G; ++g) memset(lg + g * ld, 0, (size_t)n * sizeof(float));
+    for (int64_t d = 0; d < D; ++d) {
+        to_float(keys + d * bs * c->elem, c->dtype, n, row);
+        for (int g = 0; g < G; ++g) {
+            const float qd = q[g * D + d];
+            float *restrict lgg = lg + g * ld;
+            for (int j = 0; j < n; ++j) lgg[j] += qd * row[j];
+        }
+    }
+}
+
+/* Online-softmax state of G query rows. */
+typedef struct {
+    float *m, *l, *acc; /* [G], [G], [G, D] */
+} sa_softmax;
+
+/* Attend n tokens of a page whose logits lg[g * ld + j] are given, for the rows flagged in rows[] (NULL: all G). */
+static void attend_logits(const sa_pages *c, const char *values, int n, const float *lg, int64_t ld, int G,
+                          const uint8_t *rows, float softcap, sa_softmax *st, float *restrict p, float *restrict row) {
+    const int64_t D = c->D;
+    for (int g = 0; g < G; ++g) {
+        if (rows && !rows[g]) continue;
+        const float *lgg = lg + g * ld;
+        float *pg = p + (int64_t)g * c->bs;
+        float top = SA_NO_SCORE;
+        for (int j = 0; j < n; ++j) {
+            float x = lgg[j];
+            if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+            pg[j] = x;
+            top = x > top ? x : top;
+        }
+        const float m_new = st->m[g] > top ? st->m[g] : top;
+        const float alpha = expf(st->m[g] - m_new);
+        float sum = 0.f;
+        for (int j = 0; j < n; ++j) {
+            const float e = expf(pg[j] - m_new);
+            pg[j] = e;
+            sum += e;
+        }
+        st->l[g] = st->l[g] * alpha + sum;
+        st->m[g] = m_new;
+        if (alpha != 1.f) {
+            float *ag = st->acc + (int64_t)g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+        }
+    }
+    for (int j = 0; j < n; ++j) {
+        to_float(values + (int64_t)j * D * c->elem, c->dtype, D, row);
+        for (int g = 0; g < G; ++g) {
+            if (rows && !rows[g]) continue;
+            const float w = p[(int64_t)g * c->bs + j];
+            float *restrict ag = st->acc + (int64_t)g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];
+        }
+    }
+}
+
+/* Attend the first n tokens of a page for every row (logits computed here). */
+static void attend_page(const sa_pages *c, int64_t block, int64_t h, int n, const float *q, int G, float softcap,
+                        sa_softmax *st, float *lg, float *p, float *row) {
+    page_logits(c, page_keys(c, block, h), n, q, G, lg, c->bs, row);
+    attend_logits(c, page_values(c, block, h), n, lg, c->bs, G, NULL, softcap, st, p, row);
+}
+
+/* Indices of the k largest of x[0..n) into out (any order), by insertion into a sorted list of k. */
+static void top_k(const float *x, int64_t n, int64_t k, int64_t *out, float *vals) {
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = x[i];
+        if (have == k && !(v > vals[k - 1])) continue;
+        int64_t at = have < k ? have++ : k - 1;
+        while (at > 0 && v > vals[at - 1]) {
+            vals[at] = vals[at - 1];
+            out[at] = out[at - 1];
+            --at;
+        }
+        vals[at] = v;
+        out[at] = i;
+    }
+}
+
+static inline float log_sum_exp(const float *x, int64_t n, int64_t stride) {
+    float top = SA_NO_SCORE;
+    for (int64_t i = 0; i < n; ++i) top = x[i * stride] > top ? x[i * stride] : top;
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += expf(x[i * stride] - top);
+    return top + logf(sum);
+}
+
+/* Summarise one page of one head into summary (+ summary2 for the bound): the mean key, or min and max. */
+static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, float *restrict s1, float *restrict s2,
+                      float *restrict row) {
+    const int64_t D = c->D, bs = c->bs;
+    const char *keys = page_keys(c, block, h);
+    for (int64_t d = 0; d < D; ++d) {
+        to_float(keys + d * bs * c->elem, c->dtype, bs, row);
+        if (mode == SA_RERANK) {
+            double sum = 0.0;
+            for (int64_t j = 0; j < bs; ++j) sum += row[j];
+            s1[d] = (float)(sum / (double)bs);
+        } else {
+            float lo = row[0], hi = row[0];
+            for (int64_t j = 1; j < bs; ++j) {
+                lo = row[j] < lo ? row[j] : lo;
+                hi = row[j] > hi ? row[j] : hi;
+            }
+            s1[d] = lo;
+            s2[d] = hi;
+        }
+    }
+}
+
+/*
+ * One decode token per sequence. q: [B, H, G, D] float32 (unscaled); cache: [N, H, bs, 2 D] of dtype;
+ * block_table: [B, bt_stride] int32 physical blocks; seq_lens: [B] int32 (the current token included);
+ * plan: [B, 4] int32 (sink_pages, n_cand, k, m); shared: one selection per KV group (else per query
+ * head); summary, summary2: [N, H, D] float32 stores (summary2 only for SA_BOUND), state: [N] uint8;
+ * selected: [B, H, G' = shared ? 1 : G, kmax] int32 candidate indices chosen (-1 past k), or NULL;
+ * out: [B, H, G, D] float32.
+ */
+int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t G,
+                    int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, const int32_t *plan,
+                    int mode, int shared, float scale, float softcap, float *summary, float *summary2, uint8_t *state,
+                    int32_t *selected, int64_t kmax, float *out, int threads) {
+    if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
+    if (mode != SA_FIXED && mode != SA_RERANK && mode != SA_BOUND) return SA_BAD_PLAN;
+    if (bs < 1 || bs > 4096 || D < 1 || G < 1 || H < 1) return SA_BAD_PLAN;
+#ifdef SA_NO_FLOAT16
+    if (dtype == SA_F16) return SA_BAD_DTYPE;
+#endif
+    const int64_t elem = dtype == SA_F32 ? 4 : 2;
+    const sa_pages c = {(const char *)cache, dtype, elem, H, bs, D};
+    /* Check the plan and the block table before any work; collect the stale candidate pages. */
+    int64_t most_cand = 0, most_m = 0, stale_n = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int32_t *pl = plan + b * 4;
+        const int64_t L = seq_lens[b], pages = (L + bs - 1) / bs;
+        const int64_t attended = pl[2] < pl[1] ? pl[2] : pl[1];
+        if (L < 1 || pl[0] < 0 || pl[1] < 0 || pl[0] + pl[1] >= pages + (pl[1] == 0) || pl[2] < 0 || attended > kmax ||
+            pages > bt_stride || (mode == SA_FIXED && pl[2] > 0 && pl[2] < pl[1]) ||
+            (mode == SA_RERANK && pl[2] > 0 && pl[2] < pl[1] && (pl[3] < pl[2] || pl[3] > pl[1])))
+            return SA_BAD_PLAN;
+        for (int64_t p = 0; p < pages; ++p)
+            if (block_table[b * bt_stride + p] < 0 || block_table[b * bt_stride + p] >= N) return SA_BAD_BLOCK;
+        most_cand = pl[1] > most_cand ? pl[1] : most_cand;
+        most_m = pl[3] > most_m ? pl[3] : most_m;
+    }
+    int64_t *stale = NULL;
+    if (mode != SA_FIXED) {
+        for (int64_t b = 0; b < B; ++b) {
+            const int32_t *pl = plan + b * 4;
+            if (pl[2] >= pl[1] || pl[2] == 0) continue; /* nothing to score */
+            for (int64_t i = 0; i < pl[1]; ++i) {
+                const int32_t blk = block_table[b * bt_stride + pl[0] + i];
+                if (state[blk] != 1) {
+                    if (!stale) stale = malloc(sizeof(int64_t) * (size_t)(B * most_cand + 1));
+                    if (!stale) return SA_NO_MEMORY;
+                    state[blk] = 1; /* listed once even when shared by several sequences */
+                    stale[stale_n++] = blk;
+                }
+            }
+        }
+    }
+#ifdef _OPENMP
+    if (threads < 1) threads = 1;
+#endif
+    int status = SA_OK;
+    if (stale_n) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < stale_n * H; ++i) {
+            float row[4096]; /* bs <= 4096: checked above */
+            const int64_t blk = stale[i / H], h = i % H;
+            summarise(&c, mode, blk, h, summary + (blk * H + h) * D, summary2 ? summary2 + (blk * H + h) * D : NULL, row);
+        }
+    }
+    free(stale);
+    const int64_t Gs = shared ? 1 : G;
+#pragma omp parallel num_threads(threads)
+    {
+        /* Per-thread scratch: scores of the candidates, the shortlist's kept logits, one page's logits and weights. */
+        const int64_t cand_cap = most_cand > 0 ? most_cand : 1, m_cap = most_m > 0 ? most_m : 1;
+        float *qs = malloc(sizeof(float) * (size_t)(G * D));
+        float *cs = malloc(sizeof(float) * (size_t)(G * cand_cap));
+        float *gs = malloc(sizeof(float) * (size_t)cand_cap);
+        float *kept = mode == SA_RERANK ? malloc(sizeof(float) * (size_t)(m_cap * G * bs)) : NULL;
+        float *mass = malloc(sizeof(float) * (size_t)(G * m_cap));
+        float *lg = malloc(sizeof(float) * (size_t)(G * bs));
+        float *p = malloc(sizeof(float) * (size_t)(G * bs));
+        float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
+        float *vals = malloc(sizeof(float) * (size_t)(cand_cap + 1));
+        int64_t *short_ix = malloc(sizeof(int64_t) * (size_t)m_cap);
+        int64_t *pick = malloc(sizeof(int64_t) * (size_t)(Gs * cand_cap));
+        int64_t *npick = malloc(sizeof(int64_t) * (size_t)Gs);
+        uint8_t *rows = malloc((size_t)G);
+        float *m = malloc(sizeof(float) * (size_t)G), *l = malloc(sizeof(float) * (size_t)G);
+        float *acc = malloc(sizeof(float) * (size_t)(G * D));
+        const int ok = qs && cs && gs && (kept || mode != SA_RERANK) && mass && lg && p && row && vals && short_ix && pick &&
+                       npick && rows && m && l && acc;
+        if (!ok) {
+#pragma omp atomic write
+            status = SA_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * H; ++item) {
+            if (!ok) continue;
+            const int64_t b = item / H, h = item % H;
+            const int32_t *pl = plan + b * 4;
+            const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
+            const int64_t pages = (L + bs - 1) / bs;
+            const int32_t *table = block_table + b * bt_stride;
+            for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
+            sa_softmax st = {m, l, acc};
+            for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
+            memset(acc, 0, sizeof(float) * (size_t)(G * D));
+            int64_t short_n = 0;
+            const int select = k > 0 && k < n_cand && mode != SA_FIXED;
+            if (select) {
+                /* Coarse scores of every candidate, per query row. */
+                for (int64_t i = 0; i < n_cand; ++i) {
+                    const int64_t blk = table[sink_pages + i];
+                    const float *s1 = summary + (blk * H + h) * D;
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float *qg = qs + g * D;
+                        float v = 0.f;
+                        if (mode == SA_RERANK) {
+                            for (int64_t d = 0; d < D; ++d) v += qg[d] * s1[d];
+                        } else {
+                            const float *s2 = summary2 + (blk * H + h) * D;
+                            for (int64_t d = 0; d < D; ++d) {
+                                const float a = qg[d] * s1[d], z = qg[d] * s2[d];
+                                v += a > z ? a : z;
+                            }
+                        }
+                        cs[g * n_cand + i] = v;
+                    }
+                }
+                if (mode == SA_RERANK) {
+                    /* The group's shortlist by log-sum-exp over its rows, then exact masses (logits kept). */
+                    const int64_t mm = pl[3];
+                    for (int64_t i = 0; i < n_cand; ++i) gs[i] = log_sum_exp(cs + i, G, n_cand);
+                    top_k(gs, n_cand, mm, short_ix, vals);
+                    short_n = mm;
+                    for (int64_t s = 0; s < short_n; ++s) {
+                        float *ks = kept + s * G * bs;
+                        page_logits(&c, page_keys(&c, table[sink_pages + short_ix[s]], h), (int)bs, qs, (int)G, ks, bs, row);
+                        for (int64_t g = 0; g < G; ++g) mass[g * short_n + s] = log_sum_exp(ks + g * bs, bs, 1);
+                    }
+                    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                        const float *src = mass + gs_i * short_n;
+                        if (shared) { /* the group's mass: log-sum-exp over its rows */
+                            for (int64_t s = 0; s < short_n; ++s) gs[s] = log_sum_exp(mass + s, G, short_n);
+                            src = gs;
+                        }
+                        top_k(src, short_n, k, pick + gs_i * cand_cap, vals); /* positions in the shortlist */
+                        npick[gs_i] = k;
+                    }
+                } else {
+                    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                        const float *src = cs + gs_i * n_cand;
+                        if (shared) {
+                            for (int64_t i = 0; i < n_cand; ++i) gs[i] = log_sum_exp(cs + i, G, n_cand);
+                            src = gs;
+                        }
+                        top_k(src, n_cand, k, pick + gs_i * cand_cap, vals);
+                        npick[gs_i] = k;
+                    }
+                }
+            }
+            /* Sinks, every candidate when not selecting, and the tail: attended by every row. */
+            const int64_t common_end = select || k == 0 ? sink_pages : sink_pages + n_cand;
+            for (int64_t pg = 0; pg < pages; ++pg) {
+                if (pg >= common_end && pg < sink_pages + n_cand) continue;
+                const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
+                attend_page(&c, table[pg], h, n, qs, (int)G, softcap, &st, lg, p, row);
+            }
+            /* The selected candidates: per selection, its rows. */
+            if (select) {
+                for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                    for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
+                    for (int64_t t = 0; t < npick[gs_i]; ++t) {
+                        const int64_t at = pick[gs_i * cand_cap + t];
+                        const int64_t cand = mode == SA_RERANK ? short_ix[at] : at;
+                        const int64_t blk = table[sink_pages + cand];
+                        if (mode == SA_RERANK) {
+                            attend_logits(&c, page_values(&c, blk, h), (int)bs, kept + at * G * bs, bs, (int)G, rows, softcap,
+                                          &st, p, row);
+                        } else {
+                            page_logits(&c, page_keys(&c, blk, h), (int)bs, qs, (int)G, lg, bs, row);
+                            attend_logits(&c, page_values(&c, blk, h), (int)bs, lg, bs, (int)G, rows, softcap, &st, p, row);
+                        }
+                        if (selected) selected[((b * H + h) * Gs + gs_i) * kmax + t] = (int32_t)cand;
+                    }
+                }
+            }
+            if (selected) { /* the rest of each list: every candidate (not selecting), or -1 */
+                for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                    int32_t *sel = selected + ((b * H + h) * Gs + gs_i) * kmax;
+                    const int64_t from = select ? npick[gs_i] : 0;
+                    for (int64_t t = from; t < kmax; ++t) sel[t] = (!select && t < n_cand && k > 0) ? (int32_t)t : -1;
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+                float *o = out + ((b * H + h) * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+            }
+        }
+        free(qs); free(cs); free(gs); free(kept); free(mass); free(lg); free(p); free(row); free(vals);
+        free(short_ix); free(pick); free(npick); free(rows); free(m); free(l); free(acc);
+    }
+    return status;
+}
+
+/* Mark stale the blocks written through slot_mapping ([n] int64 slots, -1: padding). */
+void sa_paged_invalidate(const int64_t *slot_mapping, int64_t n, int64_t bs, uint8_t *state, int64_t N) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t s = slot_mapping[i];
+        if (s >= 0 && s / bs < N) state[s / bs] = 0;
+    }
+}

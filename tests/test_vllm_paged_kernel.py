@@ -1,0 +1,198 @@
+"""The fused paged step (sparseattn/vllm/paged_kernels.c) against the generic paged engine and float64 attention.
+
+For every policy the kernel runs (radar+, quest, dense, streamingllm), on fresh random paged caches:
+the kernel attends the pages :func:`select_pages` selects (the policy's own parts, in torch), and
+its output is float64 attention over exactly those pages. Page summaries kept between calls, shared
+by sequences (prefix caching) and invalidated by writes give what fresh summaries give.
+"""
+
+import pytest
+import torch
+
+from sparseattn import Quest, RadarPlus, registry
+from sparseattn.testing import assert_close
+from sparseattn.vllm.paged import PagedPolicy, paged_decode_ref, select_pages
+from sparseattn.vllm.paged_kernel import (
+    BOUND,
+    FIXED,
+    RERANK,
+    PageStore,
+    StepPlan,
+    fused_decode,
+    fused_mode,
+    kernel_refusal,
+    step_plan,
+)
+from tests.test_vllm_paged import paged_cache, sequences
+
+pytestmark = pytest.mark.skipif(kernel_refusal() is not None, reason=f"the fused paged kernel cannot be built here: {kernel_refusal()}")
+
+# (lengths, block size, KV heads, group, head dim)
+SHAPES = [
+    ((700, 1000, 37), 16, 2, 3, 16),
+    ((2000, 1500), 32, 3, 3, 64),
+    ((900,), 16, 1, 4, 8),
+    ((333, 64, 16, 1), 16, 2, 2, 32),
+]
+POLICIES = [
+    ("radar+", {"budget": 256}),
+    ("radar+", {"budget": 128, "shortlist": 4, "factor": 1.5}),
+    ("radar+", {"budget": 96, "sinks": 40, "window": 20}),
+    ("quest", {"budget": 200}),
+    ("quest", {"budget": 300, "shared_kv_selection": True, "sinks": 16}),
+    ("dense", {}),
+    ("streamingllm", {"budget": 100}),
+    ("radar+", {"budget": 10**6}),
+]
+
+
+def setup(name, options, lengths, bs, H, G, D, dtype=torch.float32, seed=0):
+    keys, values = sequences(lengths, H, D, dtype, seed=seed + 1)
+    cache, table = paged_cache(keys, values, bs, seed=seed)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    return PagedPolicy(build(name, options), name), cache, table, query, torch.tensor(lengths)
+
+
+def build(name, options):
+    """The registry's method, or the preset's constructor for options the registry does not offer."""
+    if set(options) - set(registry.get(name).option_names):
+        return {"radar+": RadarPlus, "quest": Quest}[name](**options)
+    return registry.build(name, **options)
+
+
+def store_for(policy, cache):
+    mode = fused_mode(policy)
+    return None if mode == FIXED else PageStore(cache.shape[0], cache.shape[1], cache.shape[3] // 2, mode)
+
+
+def candidate_sets(policy, cache, table, query, lens, bs):
+    """Per (sequence, KV head, selection): the set of candidate pages the generic engine attends."""
+    params, gen = policy.prepare(cache.shape[1], cache.shape[3] // 2, 0)
+    pages = select_pages(policy, params, gen, cache, query, table, lens, query.shape[-1] ** -0.5)
+    plan = step_plan(policy, lens, bs).plan
+    sets = {}
+    for b in range(pages.shape[0]):
+        lo, hi = int(plan[b, 0]), int(plan[b, 0] + plan[b, 1])
+        for h in range(pages.shape[1]):
+            for g in range(pages.shape[2]):
+                sets[b, h, g] = {p - lo for p in pages[b, h, g].tolist() if lo <= p < hi}
+    return sets
+
+
+def mask_of(selected, plan, lens, bs, G):
+    """Per sequence, the ``[H_q, L]`` tokens attended: sinks, the selected candidates, the tail."""
+    masks = []
+    B, H, Gs, _ = selected.shape
+    for b in range(B):
+        L, sink, n = int(lens[b]), int(plan[b, 0]), int(plan[b, 1])
+        m = torch.zeros(H, G, L, dtype=torch.bool)
+        m[..., : sink * bs] = True
+        m[..., (sink + n) * bs :] = True
+        for h in range(H):
+            for gs in range(Gs):
+                for c in selected[b, h, gs].tolist():
+                    if c >= 0:
+                        rows = slice(None) if Gs == 1 else gs
+                        m[h, rows, (sink + c) * bs : (sink + c + 1) * bs] = True
+        masks.append(m.view(H * G, L))
+    return masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s[0]}-bs{s[1]}-H{s[2]}-G{s[3]}-D{s[4]}")
+@pytest.mark.parametrize("name, options", POLICIES, ids=lambda v: str(v))
+def test_the_kernel_attends_what_the_policy_selects(name, options, shape, dtype):
+    lengths, bs, H, G, D = shape
+    seed = int(torch.randint(0, 2**30, ()))  # fresh inputs each run; the seed is in the failure message
+    policy, cache, table, query, lens = setup(name, options, lengths, bs, H, G, D, dtype, seed)
+    mode = fused_mode(policy)
+    assert mode is not None
+    plan = step_plan(policy, lens, bs)
+    out, selected = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, D**-0.5, plan=plan,
+                                 with_selection=True)
+    expected = candidate_sets(policy, cache, table, query, lens, bs)
+    got = {(b, h, g): {c for c in selected[b, h, g].tolist() if c >= 0}
+           for b in range(selected.shape[0]) for h in range(H) for g in range(selected.shape[2])}
+    assert got == expected, f"seed {seed}"
+    reference = paged_decode_ref(cache.double(), query.double(), table, lens, D**-0.5, mask_of(selected, plan.plan, lens, bs, G))
+    assert_close(out, reference.float(), torch.float32 if dtype == torch.float32 else torch.bfloat16, what=f"seed {seed}")
+
+
+def test_a_budget_covering_the_context_is_dense():
+    policy, cache, table, query, lens = setup("radar+", {"budget": 10**6}, (300, 77, 1024), 32, 2, 3, 16)
+    out, _ = fused_decode(policy, RERANK, store_for(policy, cache), cache, query, table, lens, 0.25)
+    assert_close(out, paged_decode_ref(cache.double(), query.double(), table, lens, 0.25).float(), torch.float32)
+
+
+def test_kept_summaries_are_used_shared_and_refreshed_after_a_write():
+    """Summaries computed once, shared by sequences on the same blocks, recomputed after vLLM writes a block."""
+    policy, cache, table, query, lens = setup("radar+", {"budget": 128}, (600, 600), 16, 2, 3, 16)
+    table[1] = table[0]  # prefix caching: both sequences read the same blocks
+    query[1] = query[0]
+    store = store_for(policy, cache)
+    first, sel = fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25, with_selection=True)
+    assert torch.equal(first[0], first[1]) and torch.equal(sel[0], sel[1])
+    n_cand = int(step_plan(policy, lens, 16).plan[0, 1])
+    assert int(store.state.sum()) == n_cand  # each shared candidate block summarised once
+    again, _ = fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25)
+    assert torch.equal(again, first)
+    # vLLM writes into two candidate blocks: their keys change, the slot mapping marks them stale.
+    blocks = table[0, 3:5].long()
+    cache[blocks] = torch.randn_like(cache[blocks]) * 3
+    store.invalidate((blocks * 16 + 5).to(torch.int64), 16)
+    assert int(store.state.sum()) == n_cand - 2
+    after, _ = fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25)
+    fresh, _ = fused_decode(policy, RERANK, store_for(policy, cache), cache, query, table, lens, 0.25)
+    assert torch.equal(after, fresh)
+
+
+def test_quest_bounds_are_kept_and_stale_pages_refreshed():
+    policy, cache, table, query, lens = setup("quest", {"budget": 200}, (900,), 16, 2, 3, 16)
+    store = store_for(policy, cache)
+    assert store.mode == BOUND and store.summary2 is not None
+    fused_decode(policy, BOUND, store, cache, query, table, lens, 0.25)
+    block = table[0, 10:11].long()
+    cache[block] = cache[block] * -2
+    store.invalidate(block * 16, 16)
+    after, _ = fused_decode(policy, BOUND, store, cache, query, table, lens, 0.25)
+    fresh, _ = fused_decode(policy, BOUND, store_for(policy, cache), cache, query, table, lens, 0.25)
+    assert torch.equal(after, fresh)
+
+
+def test_a_bad_plan_or_table_is_refused_before_any_work():
+    policy, cache, table, query, lens = setup("radar+", {"budget": 128}, (600, 300), 16, 2, 3, 16)
+    store = store_for(policy, cache)
+    plan = step_plan(policy, lens, 16)
+    bad = plan.plan.clone()
+    bad[0, 1] += 10  # candidates past the last page
+    with pytest.raises(ValueError, match="plan does not fit"):
+        fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25, plan=StepPlan(bad, plan.kmax))
+    bad_table = table.clone()
+    bad_table[1, 2] = cache.shape[0]
+    with pytest.raises(ValueError, match="block table entry"):
+        fused_decode(policy, RERANK, store, cache, query, bad_table, lens, 0.25)
+    assert int(store.state.sum()) == 0  # nothing was summarised
+    with pytest.raises(ValueError, match="page store"):
+        fused_decode(policy, RERANK, PageStore(cache.shape[0], 1, 16, RERANK), cache, query, table, lens, 0.25)
+    with pytest.raises(ValueError, match="one of each per sequence"):
+        fused_decode(policy, RERANK, store, cache, query[:1], table, lens, 0.25)
+
+
+def test_policies_the_kernel_does_not_know_keep_the_generic_path():
+    import dataclasses
+
+    import torch as t
+
+    from sparseattn.selectors.topk import TopK
+    from sparseattn.summaries import Centroid, Rerank
+
+    assert fused_mode(PagedPolicy(registry.build("radar"), "radar")) is None
+    bf16 = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(t.bfloat16), per_group=True))
+    assert fused_mode(PagedPolicy(bf16, "radar+bf16")) is None
+    per_head = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(), per_group=False))
+    assert fused_mode(PagedPolicy(per_head, "radar+per-head")) is None
+
+    class Shuffled(TopK):
+        pass
+
+    assert fused_mode(PagedPolicy(dataclasses.replace(registry.build("quest"), selector=Shuffled()), "q")) is None
