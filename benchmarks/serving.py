@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
     parser.add_argument("--block-size", type=int, default=None, help="vLLM's page size for every engine (default: vLLM's, 128 "
                         "on CPU; its CPU kernels take multiples of 16): the paged engine's segment size")
+    parser.add_argument("--yarn", type=float, default=None, help="stretch the model's RoPE window this many times by YaRN "
+                        "(vLLM hf_overrides): contexts beyond the trained 8k, e.g. --yarn 4 --context 32000")
+    parser.add_argument("--methods", nargs="+", default=["quest", "radar+"], help="sparse methods run beside stock and dense")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     # The sizes first; the model's window once the model is found (below).
@@ -44,7 +47,9 @@ def main() -> None:
         parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels: multiples of 32 through vec, of 16 through vec16)")
     if args.kv_cache_gib < 1:
         parser.error(f"--kv-cache-gib: {args.kv_cache_gib} is out of range; allowed: >= 1")
-    runs = serving.runs_for(args.budget)
+    if args.yarn is not None and not args.yarn > 1:
+        parser.error(f"--yarn: {args.yarn} is out of range; allowed: > 1")
+    runs = serving.runs_for(args.budget, args.methods)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only}
     if serving.STOCK not in runs:
@@ -59,16 +64,17 @@ def main() -> None:
     from sparseattn.hf.models import local_model_dir
 
     model = str(local_model_dir())
-    window = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    overrides = serving.yarn_overrides(model, args.yarn) if args.yarn else None
+    window = overrides["max_position_embeddings"] if overrides else getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
     for option, problem in serving.option_problems(args.context, args.batches, args.new_tokens, args.runs, window):
         parser.error(f"{option}: {problem}")
     console = Console(width=160)
     machine, rows = serving.run(
         model, runs, context=args.context, batches=args.batches, new_tokens=args.new_tokens, rounds=args.runs,
-        kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, say=console.print,
+        kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, hf_overrides=overrides, say=console.print,
     )  # fmt: skip
     console.print(serving.table(rows, args.context, args.new_tokens, args.runs))
-    out = args.out or REPO / "benchmarks" / "results" / f"serving-cpu-c{args.context}.json"
+    out = args.out or REPO / "benchmarks" / "results" / f"serving-cpu-c{args.context}{'-yarn' if args.yarn else ''}.json"
     serving.write(out, machine, model, vars(args), rows)
     console.print(f"wrote {out}")
 

@@ -151,7 +151,7 @@ def test_two_processes_on_an_empty_kernel_cache_compile_once(tmp_path):
     assert [out.strip() for out, _ in outputs] == ["None", "None"], [err[-2000:] for _, err in outputs]
     assert len(log.read_text().splitlines()) == 1, "both processes compiled the kernel"
     stderr = "".join(err for _, err in outputs)
-    assert stderr.count("compiling the cpu kernel with counting-cc") >= 2  # started ... done, by one builder
+    assert stderr.count("compiling cpu_kernels.c with counting-cc") >= 2  # started ... done, by one builder
 
 
 # --- progress while a cache fills --------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_the_kernel_compile_shows_progress_lines_in_logs(tmp_path, monkeypatch, 
     target = tmp_path / "cpu_kernels-0123.so"
     assert cpu_kernels._ensure_built("cc", "cc 1.0", b"int x;", target, "0123")
     assert not cpu_kernels._ensure_built("cc", "cc 1.0", b"int x;", target, "0123")  # verified: not rebuilt
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("compiling the cpu kernel")]
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("compiling cpu_kernels.c")]
     assert lines[0].endswith(": started") and lines[-1].endswith("(done)") and len(lines) >= 4
 
 

@@ -156,3 +156,26 @@ def test_radar_plus_finds_the_passkey_at_6k_with_budget_512(passkey_answers, dep
     (with vLLM's default 128-token pages, 512 tokens are 4 pages: at depth 10% it answered 2524 for 25248)."""
     answer, references = passkey_answers[depth]
     assert string_match_all([answer], [references]) == 100.0, (answer, references)
+
+
+def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts):
+    """radar+ keeps page summaries per physical block: when vLLM frees one request's blocks and hands them
+    to the next (a cache of 56 blocks, prefix caching off), the second request's tokens are those it gets
+    from a fresh engine, not those of summaries left over from the first request's keys."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_engine import fd_log
+
+    first, second = token_prompts[6], token_prompts[7]  # 4800 and 5200 tokens: 38 and 41 of the 56 blocks
+    extra = {**ENGINE, "additional_config": {"sparseattn": {"method": "radar+", "budget": 512}},
+             "enable_prefix_caching": False, "num_gpu_blocks_override": 56}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with fd_log(tmp / "block-reuse.log"):
+        llm = LLM(model=str(local_model_dir()), **extra)
+        llm.generate([{"prompt_token_ids": first}], params)
+        after_first = list(llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0].token_ids)
+        del llm
+    log = (tmp / "block-reuse.log").read_text()
+    assert "first decode step answered by the paged engine (radar+:budget=512)" in log, log[-3000:]
+    alone, _ = generate(tmp, "block-reuse-fresh", [second], **{k: v for k, v in extra.items() if k not in ENGINE})
+    assert after_first == alone[0]

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(kernel_refusal() is not None, reason=f"the fused
 # (lengths, block size, KV heads, group, head dim)
 SHAPES = [
     ((700, 1000, 37), 16, 2, 3, 16),
+    ((1200, 77), 32, 3, 5, 64),
     ((2000, 1500), 32, 3, 3, 64),
     ((900,), 16, 1, 4, 8),
     ((333, 64, 16, 1), 16, 2, 2, 32),
@@ -98,7 +99,7 @@ def mask_of(selected, plan, lens, bs, G):
     return masks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s[0]}-bs{s[1]}-H{s[2]}-G{s[3]}-D{s[4]}")
 @pytest.mark.parametrize("name, options", POLICIES, ids=lambda v: str(v))
 def test_the_kernel_attends_what_the_policy_selects(name, options, shape, dtype):
@@ -115,7 +116,7 @@ def test_the_kernel_attends_what_the_policy_selects(name, options, shape, dtype)
            for b in range(selected.shape[0]) for h in range(H) for g in range(selected.shape[2])}
     assert got == expected, f"seed {seed}"
     reference = paged_decode_ref(cache.double(), query.double(), table, lens, D**-0.5, mask_of(selected, plan.plan, lens, bs, G))
-    assert_close(out, reference.float(), torch.float32 if dtype == torch.float32 else torch.bfloat16, what=f"seed {seed}")
+    assert_close(out, reference.float(), torch.float32 if dtype == torch.float32 else dtype, what=f"seed {seed}")
 
 
 def test_a_budget_covering_the_context_is_dense():

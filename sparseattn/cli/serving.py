@@ -14,6 +14,9 @@ or the benchmark itself.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import json
 import os
 import shlex
@@ -155,6 +158,8 @@ def serving_bench(
     new_tokens: int = typer.Option(32, help="tokens generated per sequence (>= 2: decode is timed from the 2nd)"),
     runs: int = typer.Option(2, help="rounds of alternating measurements (the median is reported)"),
     kv_cache_gib: int = typer.Option(1, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE, unless already set)"),
+    yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
+                                      "hf_overrides), for contexts beyond the trained window: e.g. --yarn 4 --context 32000"),
     text: str | None = typer.Option(None, help="the shared document: a text name (`sparseattn data list`) or a file "
                                     "(default: this repository's README and docs, else pydecimal)"),
     out: Path | None = typer.Option(None, help="the JSON written at the end (default: results/serving-c<context>.json)"),
@@ -171,6 +176,8 @@ def serving_bench(
         raise bad(option.split(" / "), problem)
     check_range("--budget", budget, 1)
     check_range("--kv-cache-gib", kv_cache_gib, 1)
+    if yarn is not None and not yarn > 1:
+        raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
     plan = serving.runs_for(budget, ())
     for spec in method:
         label, config = vllm_method(spec, budget)
@@ -186,6 +193,15 @@ def serving_bench(
         raise bad("--out", f"{out} is not a .json file; allowed: a path ending in .json")
     check_out(out.parent)
     info = inspect_model(model)
+    overrides = None
+    if yarn is not None:
+        try:
+            overrides = serving.yarn_overrides(info.directory, yarn)
+        except ValueError as err:
+            raise bad("--yarn", str(err)) from None
+        stretched = copy.copy(info.config)  # the window YaRN gives, for the positions check below
+        stretched.max_position_embeddings = overrides["max_position_embeddings"]
+        info = dataclasses.replace(info, config=stretched)
     needed = serving.positions_needed(context, new_tokens)
     check_positions(info, ["--context", "--new-tokens"], needed,
                     f"--context {context} + --new-tokens {new_tokens} + {serving.QUESTION_MARGIN} (the question)",
@@ -200,10 +216,10 @@ def serving_bench(
 
     machine, rows = serving.run(
         str(info.directory), plan, context=context, batches=batch, new_tokens=new_tokens, rounds=runs,
-        kv_cache_gib=kv_cache_gib, text=document, say=lambda line: console.print(line, markup=False),
+        kv_cache_gib=kv_cache_gib, text=document, hf_overrides=overrides, say=lambda line: console.print(line, markup=False),
     )  # fmt: skip
     console.print(serving.table(rows, context, new_tokens, runs))
     args = {"model": model, "method": method, "budget": budget, "context": context, "batches": batch,
-            "new_tokens": new_tokens, "runs": runs, "kv_cache_gib": kv_cache_gib, "text": text, "out": out}  # fmt: skip
+            "new_tokens": new_tokens, "runs": runs, "kv_cache_gib": kv_cache_gib, "yarn": yarn, "text": text, "out": out}  # fmt: skip
     serving.write(out, machine, str(info.directory), args, rows)
     wrote([out])

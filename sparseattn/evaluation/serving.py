@@ -109,6 +109,34 @@ def option_problems(
     return problems
 
 
+def yarn_overrides(model: str | Path, factor: float) -> dict[str, Any]:
+    """vLLM ``hf_overrides`` that stretch the model's RoPE window ``factor`` times by YaRN (Peng et al. 2023).
+
+    The model's ``rope_parameters`` (its ``rope_theta`` kept) become YaRN's with
+    ``original_max_position_embeddings`` the trained window, and ``max_position_embeddings`` the
+    stretched one, which is what vLLM derives ``max_model_len`` from. No training: quality beyond the
+    trained window is whatever YaRN gives this model, dense included (measure it).
+
+    >>> import json, tempfile
+    >>> d = tempfile.mkdtemp(); _ = Path(d, "config.json").write_text(json.dumps(
+    ...     {"max_position_embeddings": 8192, "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}))
+    >>> yarn_overrides(d, 4)
+    {'rope_parameters': {'rope_theta': 100000.0, 'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 8192}, 'max_position_embeddings': 32768}
+    """
+    if not factor > 1:
+        raise ValueError(f"YaRN factor {factor} is out of range; allowed: > 1")
+    config = json.loads((Path(model) / "config.json").read_text())
+    window = config.get("max_position_embeddings")
+    rope = dict(config.get("rope_parameters") or {})
+    if not isinstance(window, int) or "rope_theta" not in rope or rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"{model}: YaRN needs a config with max_position_embeddings and plain rope_parameters (rope_theta, rope_type "
+            f"'default'); got max_position_embeddings={window!r}, rope_parameters={rope!r}"
+        )
+    rope.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=window)
+    return {"rope_parameters": rope, "max_position_embeddings": int(window * factor)}
+
+
 def runs_for(budget: int, methods: Sequence[str] = ("quest", "radar+")) -> dict[str, dict]:
     """Run label -> extra ``LLM`` arguments: stock, the plugin's dense, and each method at ``budget``."""
     return {
@@ -186,13 +214,15 @@ def run(
     kv_cache_gib: int = 1,
     block_size: int | None = None,
     text: str | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start one engine per run (``model``: a local HF directory), measure, compare with ``stock``: ``(machine, rows)``.
 
     ``runs`` maps a label to extra ``LLM`` arguments (:func:`runs_for`) and must hold ``stock``, the
     reference. ``block_size``: vLLM's page size for every engine (None: vLLM's, 128 on CPU), which is
-    the paged engine's segment size. ``say`` gets the progress lines (the machine's facts, each
+    the paged engine's segment size. ``hf_overrides``: passed to every engine (e.g. :func:`yarn_overrides`
+    for contexts beyond the model's window). ``say`` gets the progress lines (the machine's facts, each
     engine's start time).
     """
     if STOCK not in runs:
@@ -212,7 +242,8 @@ def run(
         engines[label] = LLM(
             model=model, dtype="bfloat16", max_model_len=max_len, enable_prefix_caching=True, seed=0,
             gpu_memory_utilization=0.2,  # host memory on CPU: four engines run side by side
-            **({"block_size": block_size} if block_size else {}), **extra,
+            **({"block_size": block_size} if block_size else {}), **({"hf_overrides": dict(hf_overrides)} if hf_overrides else {}),
+            **extra,
         )
         start_s[label] = time.perf_counter() - t
         for batch in batches:  # fills the prefix cache with the document (and warms the engine)
@@ -240,6 +271,7 @@ def run(
             tok_s = statistics.median(s["tok_s"] for s in got)
             rows.append({
                 "run": label, "batch": batch, "context": context, "new_tokens": new_tokens, "block_size": block_size,
+                "hf_overrides": dict(hf_overrides) if hf_overrides else None,
                 "tok_s": tok_s, "tpot_ms": statistics.median(s["tpot_ms"] for s in got),
                 "tok_s_all": [s["tok_s"] for s in got], "vs_stock": tok_s / stock_tok_s,
                 "same_as_stock": same, "first_diff_step": first, "engine_start_s": start_s[label],

@@ -118,7 +118,7 @@ def step_plan(policy: PagedPolicy, seq_lens: torch.Tensor, block_size: int) -> S
 
     >>> from sparseattn import registry
     >>> step_plan(PagedPolicy(registry.build("radar+", budget=512), "radar+"), torch.tensor([1000, 300]), 64).plan.tolist()
-    [[1, 13, 5, 16], [1, 3, 3, 3]]
+    [[1, 14, 6, 14], [1, 3, 3, 0]]
     """
     m = policy.method
     rows = []

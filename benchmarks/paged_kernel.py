@@ -1,0 +1,181 @@
+"""One layer's decode attention over vLLM's paged CPU cache: stock vLLM's kernel vs the paged engine's paths.
+
+What a serving step spends in attention, without an engine: a cache in vLLM's CPU layout
+(``[N, H_kv, bs, 2 D]``, keys transposed per page) holding ``--batch`` sequences of ``--length``
+tokens (with ``--shared`` all of them on the same blocks, as prefix caching gives the serving
+benchmark's shared document), one decode query per sequence, the default model's heads (9 query,
+3 KV, head dim 64). Rows, each timed per call and interleaved round by round (the machine drifts):
+
+* ``vllm kernel (all pages)``: ``cpu_attention_with_kv_cache`` over each sequence's block table,
+  what stock vLLM runs for decode (needs vLLM; skipped without it);
+* ``fused <method>``: :func:`sparseattn.vllm.paged_kernel.fused_decode` (one C call: scoring,
+  selection, attention), page summaries kept between calls as the serving engine keeps them;
+* ``generic <method>``: :func:`~sparseattn.vllm.paged.select_pages` (the policy's own parts in torch)
+  then vLLM's kernel over the listed pages, the path any other policy takes (needs vLLM).
+
+    python benchmarks/paged_kernel.py --length 8000 --batch 8 --shared --dtype bfloat16
+
+Prints a table (median microseconds per call, and the ratio to vLLM's kernel) and writes JSON
+(``benchmarks/results/paged-kernel-<dtype>-b<batch>-L<length>.json``). One thread unless ``--threads``,
+as vLLM's CPU worker runs on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sparseattn import registry
+from sparseattn.vllm.paged import PagedPolicy, page_views, select_pages
+from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, step_plan
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_cache(batch: int, length: int, bs: int, H: int, D: int, dtype: torch.dtype, shared: bool, seed: int = 0):
+    """A random cache and block table: ``batch`` sequences of ``length`` tokens (shared: on the same blocks).
+
+    Keys have a per-page offset so that pages differ in how much attention they draw (random keys
+    alone make every page look alike to a centroid).
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages = math.ceil(length / bs)
+    n_blocks = pages * (1 if shared else batch) + 1
+    cache = torch.randn(n_blocks, H, bs, 2 * D, generator=g)
+    keys_t, _ = page_views(cache)
+    keys_t += torch.randn(n_blocks, H, D, 1, generator=g) * 0.5
+    order = torch.randperm(n_blocks - 1, generator=g).to(torch.int32)
+    table = torch.stack([order[:pages] if shared else order[i * pages : (i + 1) * pages] for i in range(batch)])
+    return cache.to(dtype), table.contiguous()
+
+
+def vllm_kernel(cache, table, lens, query, scale):
+    """Stock vLLM's decode: its CPU paged kernel over each sequence's own block table."""
+    from vllm import _custom_ops as ops
+
+    N, H, bs, two_d = cache.shape
+    B, H_q, D = query.shape
+    key_cache, value_cache = cache.view(N, H, 2 * bs, D).chunk(2, dim=2)
+    starts = torch.arange(B + 1, dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=B, num_heads=H_q, num_kv_heads=H, head_dim=D, seq_lens=lens, dtype=cache.dtype, query_start_loc=starts,
+        causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+    )  # fmt: skip
+    out = torch.empty_like(query)
+
+    def call():
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts, seq_lens=lens,
+            scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+            scheduler_metadata=metadata, s_aux=None,
+        )  # fmt: skip
+        return out
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length", type=int, default=8000, help="tokens per sequence (the current one included)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--shared", action="store_true", help="every sequence on the same blocks (prefix caching)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--methods", nargs="+", default=["dense", "quest", "radar+"])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    for option, value, least in (("--length", args.length, 2), ("--batch", args.batch, 1), ("--budget", args.budget, 1),
+                                 ("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):  # fmt: skip
+        if value < least:
+            parser.error(f"{option}: {value} is out of range; allowed: >= {least}")
+    if args.block_size < 16 or args.block_size % 16:
+        parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16")
+    for name in args.methods:
+        try:
+            registry.get(name)
+        except ValueError as err:
+            parser.error(f"--methods: {err}")
+    torch.set_num_threads(args.threads)
+    try:
+        import vllm  # noqa: F401
+
+        have_vllm = True
+    except ImportError:
+        have_vllm = False
+
+    H, G, D, bs = 3, 3, 64, args.block_size
+    dtype = DTYPES[args.dtype]
+    cache, table = make_cache(args.batch, args.length, bs, H, D, dtype, args.shared)
+    query = torch.randn(args.batch, H * G, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    lens = torch.full((args.batch,), args.length, dtype=torch.int32)
+    scale = D**-0.5
+
+    calls = {}
+    if have_vllm:
+        calls["vllm kernel (all pages)"] = vllm_kernel(cache, table, lens, query, scale)
+    for name in args.methods:
+        policy = PagedPolicy(registry.build(name, **({} if name == "dense" else {"budget": args.budget})), name)
+        mode = fused_mode(policy)
+        if mode is not None:
+            store = None if mode == FIXED else PageStore(cache.shape[0], H, D, mode)
+            plan = step_plan(policy, lens, bs)
+            calls[f"fused {name}"] = (lambda p=policy, m=mode, s=store, pl=plan: fused_decode(
+                p, m, s, cache, query, table, lens, scale, plan=pl)[0])  # fmt: skip
+        if have_vllm and name != "dense":
+            from sparseattn.vllm.backend import kernel_attend_pages
+            from sparseattn.vllm.paged import PageSummaries
+
+            params, gen = policy.prepare(H, D, 0)
+            summaries = PageSummaries(cache.shape[0], bs)
+
+            def generic(p=policy, pr=params, ge=gen, su=summaries):
+                pages = select_pages(p, pr, ge, cache, query, table, lens, scale, su)
+                return kernel_attend_pages(query, cache, table, pages, lens, scale, None, "vec")
+
+            calls[f"generic {name}"] = generic
+    times = {label: [] for label in calls}
+    for call in calls.values():  # warm: kernels built, summaries computed
+        call()
+    for r in range(args.repeats):
+        for label in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+            start = time.perf_counter()
+            calls[label]()
+            times[label].append(time.perf_counter() - start)
+    reference = "vllm kernel (all pages)" if have_vllm else next(iter(calls))
+    base = statistics.median(times[reference])
+    rows = [{"run": label, "median_us": 1e6 * statistics.median(t), "min_us": 1e6 * min(t),
+             "vs_reference": base / statistics.median(t)} for label, t in times.items()]  # fmt: skip
+
+    from rich.console import Console
+    from rich.table import Table
+
+    shared = "shared blocks" if args.shared else "own blocks"
+    table_out = Table(title=f"one layer's decode attention: batch {args.batch} x {args.length} tokens ({shared}), {args.dtype}, "
+                            f"{bs}-token pages, budget {args.budget}, {args.threads} thread(s), median of {args.repeats}")
+    for col in ("run", "us / call", "min us", f"speed vs {reference}"):
+        table_out.add_column(col, justify="left" if col == "run" else "right")
+    for row in rows:
+        table_out.add_row(row["run"], f"{row['median_us']:.0f}", f"{row['min_us']:.0f}", f"{row['vs_reference']:.2f}x")
+    Console(width=160).print(table_out)
+    out = args.out or REPO / "benchmarks" / "results" / f"paged-kernel-{args.dtype}-b{args.batch}-L{args.length}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
+               "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+    out.write_text(json.dumps({"machine": machine, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                               "rows": rows}, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
