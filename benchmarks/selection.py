@@ -37,7 +37,7 @@ from sparseattn.data import load_text
 from sparseattn.evaluation.diagnose import Probe, summarize_probes
 from sparseattn.evaluation.ppl import run_ppl, tokenize
 from sparseattn.evaluation.runs import RunDir
-from sparseattn.hf import apply, load_model
+from sparseattn.hf import apply, cache_kwargs, load_model
 
 
 def variants(budget: int, sinks: int, shortlist: int, aspect: float = 1.0) -> dict[str, SegmentSearch]:
@@ -120,9 +120,9 @@ def main() -> None:
             continue
         with apply(model, Probe(method)) as sparse, torch.no_grad():
             cache = sparse.new_cache()
-            model(ids[None, : args.prefill], past_key_values=cache, use_cache=True)
+            model(ids[None, : args.prefill], **cache_kwargs(model, cache), use_cache=True)
             for i in range(args.steps):
-                model(ids[None, args.prefill + i : args.prefill + i + 1], past_key_values=cache, use_cache=True)
+                model(ids[None, args.prefill + i : args.prefill + i + 1], **cache_kwargs(model, cache), use_cache=True)
         summary = summarize_probes([layer.state for layer in cache.sparse_layers])
         o = summary["overall"]
         row = {**o, "per_layer_hit@1": [sum(r["hit@1"]) / len(r["hit@1"]) for r in summary["per_layer"]],

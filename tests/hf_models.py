@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
+from sparseattn.hf import cache_kwargs
+
 COMMON = dict(
     vocab_size=97,
     hidden_size=48,
@@ -79,7 +81,7 @@ def greedy(model, ids, mask, cache=None, new_tokens: int = 64, **kwargs):
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparseattn import Radar, RadarAlg1
-from sparseattn.hf import apply, default_model_unavailable_reason, load_model
+from sparseattn.hf import apply, cache_kwargs, default_model_unavailable_reason, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_radar_at_full_budget_generates_the_same_32_tokens_as_dense(default_mode
     dense = model.generate(ids, **kwargs)
     with apply(model, Radar(top_k=10**6)) as sparse:
         cache = sparse.new_cache()
-        radar = model.generate(ids, past_key_values=cache, **kwargs)
+        radar = model.generate(ids, **cache_kwargs(model, cache), **kwargs)
     assert torch.equal(radar.sequences, dense.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(radar.logits, dense.logits)) <= 1e-3
     assert len(cache.sparse_layers) == 30
@@ -41,6 +41,6 @@ def test_radar_at_a_small_budget_attends_a_fraction_of_the_context(default_model
     ids = tokenizer(text, return_tensors="pt")["input_ids"]
     with apply(model, RadarAlg1(top_k=4)) as sparse:
         cache = sparse.new_cache()
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8, do_sample=False,
+        model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False,
                        pad_token_id=tokenizer.eos_token_id)
     assert cache.mean_attended() < 0.5 * cache.mean_stored()

@@ -22,7 +22,7 @@ from sparseattn import (
     SegmentSearch,
     TopK,
 )
-from sparseattn.hf import SparseCache, SparseLayer, apply
+from sparseattn.hf import SparseCache, SparseLayer, apply, cache_kwargs
 
 FULL = 10**6  # a top_k that covers every segment
 FULL_BUDGET_METHODS = {
@@ -95,12 +95,12 @@ def manual_greedy(model, cache, chunks: list[torch.Tensor], new_tokens: int) -> 
     """Prefill ``chunks`` one forward call each, then decode token by token with plain forward calls."""
     with torch.no_grad():
         for chunk in chunks:
-            logits = model(chunk, past_key_values=cache, use_cache=True).logits
+            logits = model(chunk, **cache_kwargs(model, cache), use_cache=True).logits
         tokens = []
         for _ in range(new_tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(nxt)
-            logits = model(nxt, past_key_values=cache, use_cache=True).logits
+            logits = model(nxt, **cache_kwargs(model, cache), use_cache=True).logits
     return torch.cat(tokens, 1)
 
 
@@ -149,7 +149,7 @@ def test_right_padding_is_refused_with_a_clear_error():
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
     with apply(model, Radar(top_k=1)) as sparse, pytest.raises(ValueError, match="left padding"):
-        model(ids, attention_mask=mask, past_key_values=sparse.new_cache())
+        model(ids, attention_mask=mask, **cache_kwargs(model, sparse.new_cache()))
 
 
 def test_models_outside_the_attention_registry_are_refused_by_name():
@@ -164,7 +164,7 @@ def test_beam_search_reorders_the_sparse_states():
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
     reference = model.generate(ids, **kwargs)
     with apply(model, Radar(top_k=FULL, n_features=32)) as sparse:
-        out = model.generate(ids, past_key_values=sparse.new_cache(), **kwargs)
+        out = model.generate(ids, **cache_kwargs(model, sparse.new_cache()), **kwargs)
     assert torch.equal(out, reference)
 
 

@@ -19,7 +19,7 @@ from hf_models import ARCHITECTURES, left_pad, prompts, tiny_model
 from sparseattn import Dense, Radar, RadarAlg1
 from sparseattn import registry
 from sparseattn.evaluation.shared_prefill import Fanout, FanoutState, _split_layer
-from sparseattn.hf import SparseCache, apply
+from sparseattn.hf import SparseCache, apply, cache_kwargs
 from sparseattn.hf.attention import ATTENTION_NAME, CALL_CACHE, link_caches, register, unlink_caches
 from sparseattn.hf.cache import RowwiseSelection, RowwiseState
 from sparseattn.methods.base import DecodeState, StepInfo
@@ -36,13 +36,13 @@ def declared(protocol) -> set[str]:
 def decode(model, cache, ids: torch.Tensor, mask: torch.Tensor | None = None, steps: int = 6):
     """Prefill ``ids``, then greedy-decode ``steps`` tokens one forward call each; yields each call's logits."""
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
         yield logits
         for _ in range(steps):
             token = logits.argmax(-1, keepdim=True)
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(token)], 1)
-            logits = model(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(token, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
             yield logits
 
 
@@ -138,9 +138,9 @@ def test_apply_removes_its_hooks_and_leaves_nothing_on_the_modules_even_after_an
     with apply(model, Radar(top_k=1)) as sparse:
         assert hook_count(model) > before
         with pytest.raises(ValueError, match="left padding"):  # raised inside the attention function
-            model(ids, attention_mask=right_padded, past_key_values=sparse.new_cache())
+            model(ids, attention_mask=right_padded, **cache_kwargs(model, sparse.new_cache()))
         assert no_call_cache_left(model)
-        model(ids, past_key_values=sparse.new_cache())  # still usable
+        model(ids, **cache_kwargs(model, sparse.new_cache()))  # still usable
         assert no_call_cache_left(model)
     assert hook_count(model) == before
     assert model.config._attn_implementation == "sdpa"
@@ -168,22 +168,28 @@ def test_every_architecture_reaches_its_sparse_layers_through_the_module(name):
     assert all(layer.stats.steps == 3 and layer.state is not None for layer in cache.sparse_layers), name
 
 
-def test_a_cache_passed_positionally_is_found():
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])  # transformers >= 5.24, and before
+def test_a_cache_passed_positionally_or_by_either_name_is_found(name):
     class Attention(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.layer_idx = 0
             self.seen = []
 
-        def forward(self, hidden, mask=None, past_key_values=None, **kwargs):
-            self.seen.append(self.__dict__.get(CALL_CACHE))
-            return hidden
+    def forward(self, hidden, mask=None, cache=None, **kwargs):
+        self.seen.append(self.__dict__.get(CALL_CACHE))
+        return hidden
 
+    def forward_before_5_24(self, hidden, mask=None, past_key_values=None, **kwargs):
+        self.seen.append(self.__dict__.get(CALL_CACHE))
+        return hidden
+
+    Attention.forward = forward if name == "cache" else forward_before_5_24
     module = Attention()
     handles = link_caches(module)
     marker = object()
     module(torch.zeros(1), None, marker)
-    module(torch.zeros(1), past_key_values=marker)
+    module(torch.zeros(1), **{name: marker})
     module(torch.zeros(1))
     assert module.seen == [marker, marker, None] and CALL_CACHE not in module.__dict__
     unlink_caches(handles)
@@ -305,7 +311,7 @@ def test_a_state_written_against_the_protocol_alone_decodes_with_padding_and_bea
     beam_reference = model.generate(ids, **beams)
     with apply(model, ProtocolOnly()) as sparse:
         out = hf_models.greedy(model, ids, mask, sparse.new_cache(), 8)
-        beam = model.generate(ids, past_key_values=sparse.new_cache(), **beams)
+        beam = model.generate(ids, **cache_kwargs(model, sparse.new_cache()), **beams)
     assert torch.equal(out.sequences, reference.sequences)
     assert torch.equal(beam, beam_reference)
 
@@ -318,7 +324,7 @@ def test_a_shared_left_padded_prefill_splits_into_the_caches_of_separate_prefill
     fanout = Fanout(tuple(methods))
     with apply(model, fanout), torch.no_grad():
         shared = SparseCache(fanout, config=model.config)
-        model(ids, attention_mask=mask, past_key_values=shared, use_cache=True)
+        model(ids, attention_mask=mask, **cache_kwargs(model, shared), use_cache=True)
     assert all(isinstance(layer.state, RowwiseState) for layer in shared.sparse_layers)
     token = torch.full((2, 1), 5)
     longer = torch.cat([mask, torch.ones_like(token)], 1)
@@ -327,7 +333,7 @@ def test_a_shared_left_padded_prefill_splits_into_the_caches_of_separate_prefill
         split.layers = [_split_layer(layer, method, index) for layer in shared.layers]
         with apply(model, method), torch.no_grad():
             own = SparseCache(method, config=model.config)
-            model(ids, attention_mask=mask, past_key_values=own, use_cache=True)
-            expected = model(token, attention_mask=longer, past_key_values=own, use_cache=True).logits
-            got = model(token, attention_mask=longer, past_key_values=split, use_cache=True).logits
+            model(ids, attention_mask=mask, **cache_kwargs(model, own), use_cache=True)
+            expected = model(token, attention_mask=longer, **cache_kwargs(model, own), use_cache=True).logits
+            got = model(token, attention_mask=longer, **cache_kwargs(model, split), use_cache=True).logits
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=repr(method))

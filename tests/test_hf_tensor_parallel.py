@@ -91,7 +91,7 @@ def decode(model) -> dict:
                     record(info)
 
                 layer.record_step = record
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **sparseattn.cache_kwargs(model, cache),
                                  max_new_tokens=NEW_TOKENS, do_sample=False)
         report[case] = {
             "tokens": out[0, PROMPT:].tolist(),

@@ -8,7 +8,7 @@ import torch
 import hf_models
 from hf_models import left_pad, prompts, tiny_model
 from sparseattn import registry
-from sparseattn.hf import apply
+from sparseattn.hf import apply, cache_kwargs
 from sparseattn.methods.layers import FirstLayers, layer_budgets
 
 NEW_TOKENS = 12
@@ -66,6 +66,6 @@ def test_beam_search_with_an_evicting_method(name):
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
     reference = model.generate(ids, **kwargs)
     with apply(model, method_at(name, FULL)) as sparse:
-        assert torch.equal(model.generate(ids, past_key_values=sparse.new_cache(), **kwargs), reference)
+        assert torch.equal(model.generate(ids, **cache_kwargs(model, sparse.new_cache()), **kwargs), reference)
     with apply(model, method_at(name, 42)) as sparse:  # SubGen needs 41: a 32-token window, 8 samples, 1 value
-        assert model.generate(ids, past_key_values=sparse.new_cache(), **kwargs).shape == (1, 48)
+        assert model.generate(ids, **cache_kwargs(model, sparse.new_cache()), **kwargs).shape == (1, 48)

@@ -7,7 +7,7 @@ import torch
 
 from sparseattn import H2O, Dense, Quest, RadarPlus, SnapKV, StreamingLLM, SubGen
 from sparseattn.evaluation.shared_prefill import Fanout, prefill_together
-from sparseattn.hf import apply
+from sparseattn.hf import apply, cache_kwargs
 from sparseattn.hf.cache import SparseCache
 from sparseattn.methods.segment_search import SegmentSearch
 from tests.hf_models import tiny_model
@@ -28,7 +28,7 @@ def _decode(model, cache, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits ``[steps, B, vocab]`` of feeding ``ids[:, prefill:]`` one token at a time into ``cache``."""
     out = []
     for position in range(prefill, ids.shape[1]):
-        out.append(model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        out.append(model(ids[:, position : position + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1])
     return torch.stack(out)
 
 
@@ -41,7 +41,7 @@ def test_shared_prefill_decodes_exactly_as_separate_prefills(architecture):
     for label, method in METHODS.items():
         with apply(model, method), torch.no_grad():
             alone = SparseCache(method, config=model.config)
-            model(ids[:, :prefill], past_key_values=alone, use_cache=True)
+            model(ids[:, :prefill], **cache_kwargs(model, alone), use_cache=True)
             expected = _decode(model, alone, ids, prefill)
             got = _decode(model, caches[label], ids, prefill)
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"{label}: shared prefill decodes differently")

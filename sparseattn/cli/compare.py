@@ -61,7 +61,7 @@ def compare(
     from sparseattn.evaluation.batches import stdlib_rows
     from sparseattn.evaluation.runs import environment, write_json
     from sparseattn.evaluation.shared_prefill import prefill_together
-    from sparseattn.hf import apply
+    from sparseattn.hf import apply, cache_kwargs
 
     # Every check comes before the weights load: a mistake costs seconds, not a prefill.
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
@@ -98,7 +98,7 @@ def compare(
             # The order rotates so that no method always runs right after another (caches stay warm alike).
             for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
                 begin = time.perf_counter()
-                logits = hf_model(token, past_key_values=caches[label], use_cache=True).logits[:, -1].float()
+                logits = hf_model(token, **cache_kwargs(hf_model, caches[label]), use_cache=True).logits[:, -1].float()
                 if i > 0:  # the first step allocates workspaces: a warm-up
                     seconds[label] += time.perf_counter() - begin
                 nll[label] += torch.nn.functional.cross_entropy(logits, target, reduction="none").tolist()

@@ -640,7 +640,7 @@ def diagnose(
     from sparseattn.evaluation.diagnose import Probe, summarize_probes
     from sparseattn.evaluation.plots import attention_pictures
     from sparseattn.evaluation.runs import RunDir
-    from sparseattn.hf import apply
+    from sparseattn.hf import apply, cache_kwargs
 
     hf_model = info.load(torch_dtype)
     table = Table(title=f"diagnostics on {text}, prefill {prefill}, {steps} steps (dense trajectory)")
@@ -654,10 +654,10 @@ def diagnose(
             with apply(hf_model, probe) as sparse, torch.no_grad():
                 cache = sparse.new_cache()
                 with forward_progress(hf_model, f"{label}: prefill {prefill} tokens"):
-                    hf_model(ids[None, :prefill], past_key_values=cache, use_cache=True)
+                    hf_model(ids[None, :prefill], **cache_kwargs(hf_model, cache), use_cache=True)
                 with progress(f"{label}: decode with exact attention beside", total=steps, unit="steps") as bar:
                     for i in range(steps):
-                        hf_model(ids[None, prefill + i : prefill + i + 1], past_key_values=cache, use_cache=True)
+                        hf_model(ids[None, prefill + i : prefill + i + 1], **cache_kwargs(hf_model, cache), use_cache=True)
                         bar.advance()
             states = [layer.state for layer in cache.sparse_layers]
             summary = {**config, **summarize_probes(states)}

@@ -170,7 +170,7 @@ def generate(
         )
     sparse_method = registry.build(method, **options)
 
-    from sparseattn.hf import apply
+    from sparseattn.hf import apply, cache_kwargs
 
     hf_model = info.load(torch_dtype)
     console.print(f"[bold]{method}[/]: {escape(repr(sparse_method))}{escape(note)}\nprompt: {ids.shape[1]} tokens; "
@@ -188,7 +188,7 @@ def generate(
                     attention_mask=torch.ones_like(ids).to(hf_model.device),
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
-                    past_key_values=cache,
+                    **cache_kwargs(hf_model, cache),
                     streamer=streamer,
                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                 )

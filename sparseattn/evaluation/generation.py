@@ -20,7 +20,7 @@ from sparseattn.data.needle import (
 )
 from sparseattn.evaluation import longbench as lb
 from sparseattn.evaluation.runs import RunDir
-from sparseattn.hf import apply
+from sparseattn.hf import apply, cache_kwargs
 from sparseattn.progress import progress as show_progress
 
 
@@ -75,7 +75,7 @@ def greedy(model, tokenizer, sparse, ids: torch.Tensor, max_new_tokens: int, sto
         out = model.generate(
             ids.to(model.device),
             attention_mask=torch.ones_like(ids).to(model.device),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=eos or None,
@@ -107,7 +107,7 @@ def continue_greedy(model, tokenizer, cache, logits: torch.Tensor, prompt_tokens
     start = time.perf_counter()
     with torch.no_grad():
         while len(new) < max_new_tokens and new[-1] != eos:
-            out = model(token.to(model.device), past_key_values=cache, use_cache=True)
+            out = model(token.to(model.device), **cache_kwargs(model, cache), use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             new.append(int(token))
     return Generation(

@@ -45,7 +45,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from sparseattn.cli.evaluate import parse_method
-from sparseattn.hf import apply
+from sparseattn.hf import apply, cache_kwargs
 from sparseattn.hf.models import local_model_dir
 
 #: The name lm-eval knows the model by (``--model sparseattn``).
@@ -118,14 +118,14 @@ class SparseAttnLM(HFLM):
         if n_prefill:
             self.model(
                 ids[:, :n_prefill],
-                past_key_values=cache,
+                **cache_kwargs(self.model, cache),
                 use_cache=True,
                 **self._keep_last(),
             )
         rows = []
         for position in range(n_prefill, len(tokens) - 1):
             logits = self.model(
-                ids[:, position : position + 1], past_key_values=cache, use_cache=True
+                ids[:, position : position + 1], **cache_kwargs(self.model, cache), use_cache=True
             ).logits  # [1, 1, V]
             rows.append(F.log_softmax(logits[0, -1], dim=-1, dtype=self.softmax_dtype))
         return torch.stack(rows)
@@ -183,8 +183,8 @@ class SparseAttnLM(HFLM):
                 # Positions as generate computes them under left padding, so the prefix matches its own prefill.
                 positions = (mask[:, :-1].long().cumsum(-1) - 1).clamp(min=0)
                 self.model(context[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
-                           past_key_values=cache, use_cache=True, **self._keep_last())  # fmt: skip
-            return super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+                           **cache_kwargs(self.model, cache), use_cache=True, **self._keep_last())  # fmt: skip
+            return super()._model_generate(context, max_length, stop, **cache_kwargs(self.model, cache), **generation_kwargs)
 
     def get_model_info(self) -> dict:
         """What lm-eval writes into the results' config, with no hub look-up (everything is local)."""

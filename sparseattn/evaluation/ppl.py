@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from sparseattn.evaluation.runs import RunDir, environment
-from sparseattn.hf import apply
+from sparseattn.hf import apply, cache_kwargs
 from sparseattn.hf.cache import SparseCache
 from sparseattn.progress import forward_progress
 from sparseattn.progress import progress as show_progress
@@ -153,7 +153,7 @@ def _decode_together(model, pending, done, rows, prefill, steps, progress) -> di
                 # A prefill of thousands of tokens takes a minute on a CPU: show it is moving (layers done).
                 size = f"{prefill} tokens" if rows.shape[0] == 1 else f"{rows.shape[0]} x {prefill} tokens"
                 with forward_progress(model, f"{label}: prefill {size}", enabled=progress):
-                    model(rows[:, :prefill], past_key_values=caches[label], use_cache=True, **keep_last)
+                    model(rows[:, :prefill], **cache_kwargs(model, caches[label]), use_cache=True, **keep_last)
             prefill_seconds[label] = time.perf_counter() - start
         elapsed = {label: records[-1]["elapsed"] if records else 0.0 for label, records in done.items()}
         title = labels[0] if len(labels) == 1 else f"{len(labels)} methods"
@@ -163,7 +163,7 @@ def _decode_together(model, pending, done, rows, prefill, steps, progress) -> di
                 position = prefill + i
                 for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
                     begin = time.perf_counter()
-                    logits = model(rows[:, position : position + 1], past_key_values=caches[label], use_cache=True).logits
+                    logits = model(rows[:, position : position + 1], **cache_kwargs(model, caches[label]), use_cache=True).logits
                     seconds = time.perf_counter() - begin
                     row_nlls = torch.nn.functional.cross_entropy(logits[:, -1].float(), rows[:, position + 1], reduction="none")
                     nll = float(row_nlls.mean())

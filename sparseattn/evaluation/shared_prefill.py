@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseattn.hf import apply
+from sparseattn.hf import apply, cache_kwargs
 from sparseattn.hf.cache import RowwiseState, SparseCache, SparseLayer
 from sparseattn.methods.base import LayerSpec, SparseMethod, sum_nbytes
 from sparseattn.progress import forward_progress
@@ -134,7 +134,7 @@ def prefill_shared(model, methods: dict[str, SparseMethod], ids: torch.Tensor, *
     keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     description = f"prefill {ids.shape[0]} x {ids.shape[1]} tokens for {len(labels)} methods"
     with apply(model, fanout), torch.no_grad(), forward_progress(model, description, enabled=progress):
-        logits = model(ids.to(model.device), past_key_values=shared, use_cache=True, **keep_last).logits[:, -1].float()
+        logits = model(ids.to(model.device), **cache_kwargs(model, shared), use_cache=True, **keep_last).logits[:, -1].float()
     caches = {}
     for index, label in enumerate(labels):
         cache = SparseCache(methods[label], config=model.config)

@@ -1,6 +1,6 @@
 """transformers integration: the ``sparseattn`` attention implementation, a sparse ``Cache``, model loading."""
 
-from sparseattn.hf.apply import SparseAttention, apply, check_model
+from sparseattn.hf.apply import SparseAttention, apply, cache_kwargs, check_model
 from sparseattn.hf.attention import ATTENTION_NAME, register
 from sparseattn.hf.cache import SparseCache, SparseLayer
 from sparseattn.hf.models import (
@@ -21,6 +21,7 @@ __all__ = [
     "SparseCache",
     "SparseLayer",
     "apply",
+    "cache_kwargs",
     "check_model",
     "default_model_available",
     "default_model_unavailable_reason",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from torch.utils.hooks import RemovableHandle
@@ -30,12 +31,29 @@ def check_model(model) -> None:
         )
 
 
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that passes ``cache`` to ``model(...)`` and ``model.generate(...)``, as a dict to unpack.
+
+    transformers renamed ``past_key_values`` to ``cache`` in 5.24 (the old name warns, and stops working
+    in forward calls at 5.40); this picks the name the installed model's forward takes, so one call
+    works on both sides of the rename::
+
+        model.generate(ids, **cache_kwargs(model, sparse.new_cache()), max_new_tokens=8)
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    return {"cache": cache} if "cache" in parameters else {"past_key_values": cache}
+
+
 @dataclass
 class SparseAttention:
     """A sparse method applied to a model: the attention implementation switched to ``"sparseattn"``.
 
-    Make caches with :meth:`new_cache` and pass them to ``model.generate(..., past_key_values=cache)``
-    or to your own forward loop (a ``SparseCache(method, config)`` made by hand works too, and several
+    Make caches with :meth:`new_cache` and pass them to ``model.generate(..., cache=cache)``
+    (``past_key_values=cache`` before transformers 5.24; :func:`cache_kwargs` picks the name) or to
+    your own forward loop (a ``SparseCache(method, config)`` made by hand works too, and several
     caches can be used in turn). :meth:`remove` (or leaving the ``with`` block, even by an exception)
     restores the model's previous attention implementation and removes the hooks that let the
     attention function find the cache each attention module is called with.
@@ -74,7 +92,7 @@ def apply(model, method: SparseMethod) -> SparseAttention:
     not the cache); no state outside the model and its caches. Example::
 
         with sparseattn.apply(model, Radar(top_k=8)) as sparse:
-            out = model.generate(**inputs, past_key_values=sparse.new_cache(), max_new_tokens=64)
+            out = model.generate(**inputs, **cache_kwargs(model, sparse.new_cache()), max_new_tokens=64)
     """
     check_model(model)
     if not hasattr(method, "new_state"):

@@ -32,8 +32,12 @@ from sparseattn.ops.attention import soft_cap
 
 ATTENTION_NAME = "sparseattn"
 
-#: The attribute (in the module's ``__dict__``) holding the ``past_key_values`` of the call in progress.
+#: The attribute (in the module's ``__dict__``) holding the cache of the call in progress.
 CALL_CACHE = "_sparseattn_call_cache"
+
+#: The names an attention module's forward takes its cache under: ``cache`` since transformers 5.24
+#: (``past_key_values`` is still accepted through a deprecation shim until 5.40), ``past_key_values`` before.
+CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 _UNSUPPORTED_KWARGS = (
     ("s_aux", "learned attention sinks (s_aux, e.g. gpt-oss)"),
@@ -53,14 +57,14 @@ def _model_name(module: torch.nn.Module) -> str:
 
 
 def _cache_position(module: torch.nn.Module) -> int | None | bool:
-    """Where ``module.forward`` takes ``past_key_values``: its positional index, None if only by keyword
-    (``**kwargs`` or keyword-only), False if not at all."""
+    """Where ``module.forward`` takes its cache (``cache`` or ``past_key_values``): its positional index,
+    None if only by keyword (``**kwargs`` or keyword-only), False if not at all."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
     for i, p in enumerate(parameters):
-        if p.name == "past_key_values":
+        if p.name in CACHE_ARGUMENTS:
             positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             return i if positional and all(q.kind != q.VAR_POSITIONAL for q in parameters[:i]) else None
     return None if any(p.kind == p.VAR_KEYWORD for p in parameters) else False
@@ -68,7 +72,7 @@ def _cache_position(module: torch.nn.Module) -> int | None | bool:
 
 def link_caches(model: torch.nn.Module) -> list[RemovableHandle]:
     """Hook every attention module of ``model`` (a module with an integer ``layer_idx`` whose forward takes
-    ``past_key_values``) so that, while it runs, the cache it was called with is on the module.
+    a cache, see :data:`CACHE_ARGUMENTS`) so that, while it runs, the cache it was called with is on the module.
 
     Returns the hook handles (remove them to unlink). Raises a ValueError when no module qualifies.
     """
@@ -81,8 +85,9 @@ def link_caches(model: torch.nn.Module) -> list[RemovableHandle]:
             continue
 
         def enter(module, args, kwargs, position=position):
-            if "past_key_values" in kwargs:
-                cache = kwargs["past_key_values"]
+            named = [kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None]
+            if named:
+                cache = named[0]
             else:
                 cache = args[position] if position is not None and len(args) > position else None
             module.__dict__[CALL_CACHE] = cache
@@ -94,7 +99,8 @@ def link_caches(model: torch.nn.Module) -> list[RemovableHandle]:
         handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
     if not handles:
         raise ValueError(
-            f"{_model_name(model)}: no attention module with an integer layer_idx whose forward takes past_key_values; "
+            f"{_model_name(model)}: no attention module with an integer layer_idx whose forward takes a cache "
+            "(cache or past_key_values); "
             "sparseattn cannot link its attention to the cache"
         )
     return handles
