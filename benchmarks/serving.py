@@ -35,6 +35,8 @@ def main() -> None:
                         "on CPU; its CPU kernels take multiples of 16): the paged engine's segment size")
     parser.add_argument("--yarn", type=float, default=None, help="stretch the model's RoPE window this many times by YaRN "
                         "(vLLM hf_overrides): contexts beyond the trained 8k, e.g. --yarn 4 --context 32000")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the engines' dtype (float32 "
+                        "where the CPU has no fast bf16 matmul: AVX2-only x86 runs bf16 GEMMs on a slow fallback)")
     parser.add_argument("--methods", nargs="+", default=["quest", "radar+"], help="sparse methods run beside stock and dense")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -71,10 +73,10 @@ def main() -> None:
     console = Console(width=160)
     machine, rows = serving.run(
         model, runs, context=args.context, batches=args.batches, new_tokens=args.new_tokens, rounds=args.runs,
-        kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, hf_overrides=overrides, say=console.print,
+        kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, hf_overrides=overrides, dtype=args.dtype, say=console.print,
     )  # fmt: skip
     console.print(serving.table(rows, args.context, args.new_tokens, args.runs))
-    out = args.out or REPO / "benchmarks" / "results" / f"serving-cpu-c{args.context}{'-yarn' if args.yarn else ''}.json"
+    out = args.out or REPO / "benchmarks" / "results" / f"serving-cpu-c{args.context}{'-yarn' if args.yarn else ''}{'-f32' if args.dtype == 'float32' else ''}.json"
     serving.write(out, machine, model, vars(args), rows)
     console.print(f"wrote {out}")
 

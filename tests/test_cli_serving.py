@@ -70,6 +70,10 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "bench eviction method": (bench + ["-m", "snapkv"], ["'--method'", "cannot run in vLLM"]),
         "bench method twice": (bench + ["-m", "quest", "-m", "quest:budget=1024"], ["'--method'", "quest (1024) given twice"]),
         "bench out not json": (bench + ["--out", "table.txt"], ["'--out'", "not a .json file"]),
+        "bench dtype": (bench + ["--dtype", "float16"], ["'--dtype'", "'float16' is not allowed", "bfloat16, float32"]),
+        "bench yarn 1": (bench + ["--yarn", "1"], ["'--yarn'", "1.0 is out of range", "> 1"]),
+        "bench beyond the stretched window": (bench + ["--yarn", "2", "--context", "8150", "--new-tokens", "32"],
+                                              ["'--context' / '--new-tokens'", "8246 positions", "model's 8192"]),
     }
     if not VLLM_INSTALLED:  # with vLLM installed these would start the server or the engines
         hint = ["vLLM is not installed for", "docs/serving.md#install", "pip install -e '.[vllm]'", "torchvision"]

@@ -197,3 +197,19 @@ def test_policies_the_kernel_does_not_know_keep_the_generic_path():
         pass
 
     assert fused_mode(PagedPolicy(dataclasses.replace(registry.build("quest"), selector=Shuffled()), "q")) is None
+
+
+@pytest.mark.parametrize("name, options", [("radar+", {"budget": 256}), ("quest", {"budget": 200}), ("dense", {})])
+def test_softcap_is_applied_to_the_attended_logits_as_the_torch_path_does(name, options):
+    """Gemma-style logit capping: the kernel's output equals attend_pages with the same softcap over the same pages."""
+    from sparseattn.vllm.paged import attend_pages
+
+    policy, cache, table, query, lens = setup(name, options, (1200, 640), 32, 2, 3, 64)
+    query = query * 8  # logits well past the cap, so capping changes the output
+    params, gen = policy.prepare(2, 64, 0)
+    pages = select_pages(policy, params, gen, cache, query, table, lens, 0.125)
+    expected = attend_pages(query, cache, table, pages, lens, 0.125, softcap=5.0)
+    got, _ = fused_decode(policy, fused_mode(policy), store_for(policy, cache), cache, query, table, lens, 0.125, softcap=5.0)
+    assert_close(got, expected, torch.float32)
+    uncapped, _ = fused_decode(policy, fused_mode(policy), store_for(policy, cache), cache, query, table, lens, 0.125)
+    assert not torch.allclose(uncapped, expected, atol=1e-3)

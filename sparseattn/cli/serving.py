@@ -158,6 +158,8 @@ def serving_bench(
     new_tokens: int = typer.Option(32, help="tokens generated per sequence (>= 2: decode is timed from the 2nd)"),
     runs: int = typer.Option(2, help="rounds of alternating measurements (the median is reported)"),
     kv_cache_gib: int = typer.Option(1, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE, unless already set)"),
+    dtype: str = typer.Option("bfloat16", help="the engines' dtype: bfloat16 or float32 (float32 where the CPU has no fast "
+                              "bf16 matmul, e.g. AVX2-only x86)"),
     yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
                                       "hf_overrides), for contexts beyond the trained window: e.g. --yarn 4 --context 32000"),
     text: str | None = typer.Option(None, help="the shared document: a text name (`sparseattn data list`) or a file "
@@ -176,6 +178,8 @@ def serving_bench(
         raise bad(option.split(" / "), problem)
     check_range("--budget", budget, 1)
     check_range("--kv-cache-gib", kv_cache_gib, 1)
+    if dtype not in ("bfloat16", "float32"):
+        raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
     if yarn is not None and not yarn > 1:
         raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
     plan = serving.runs_for(budget, ())
@@ -216,10 +220,10 @@ def serving_bench(
 
     machine, rows = serving.run(
         str(info.directory), plan, context=context, batches=batch, new_tokens=new_tokens, rounds=runs,
-        kv_cache_gib=kv_cache_gib, text=document, hf_overrides=overrides, say=lambda line: console.print(line, markup=False),
+        kv_cache_gib=kv_cache_gib, text=document, hf_overrides=overrides, dtype=dtype, say=lambda line: console.print(line, markup=False),
     )  # fmt: skip
     console.print(serving.table(rows, context, new_tokens, runs))
     args = {"model": model, "method": method, "budget": budget, "context": context, "batches": batch,
-            "new_tokens": new_tokens, "runs": runs, "kv_cache_gib": kv_cache_gib, "yarn": yarn, "text": text, "out": out}  # fmt: skip
+            "new_tokens": new_tokens, "runs": runs, "kv_cache_gib": kv_cache_gib, "dtype": dtype, "yarn": yarn, "text": text, "out": out}  # fmt: skip
     serving.write(out, machine, str(info.directory), args, rows)
     wrote([out])

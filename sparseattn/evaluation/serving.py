@@ -3,7 +3,7 @@
 Every sequence of a batch reads one shared document (by default the repository's README and docs,
 cut to ``context`` tokens) followed by its own short question, so prefix caching prefills the
 document once per engine while decode still reads every sequence's pages. Runs (vLLM's ``LLM``,
-bfloat16, greedy, ``ignore_eos``):
+bfloat16 unless asked otherwise, greedy, ``ignore_eos``):
 
 * ``stock``: vLLM's CPU backend, no plugin involvement (no ``additional_config``);
 * ``dense``: the plugin's paged engine over every page (its reference path);
@@ -215,6 +215,7 @@ def run(
     block_size: int | None = None,
     text: str | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
+    dtype: str = "bfloat16",
     say: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start one engine per run (``model``: a local HF directory), measure, compare with ``stock``: ``(machine, rows)``.
@@ -222,7 +223,8 @@ def run(
     ``runs`` maps a label to extra ``LLM`` arguments (:func:`runs_for`) and must hold ``stock``, the
     reference. ``block_size``: vLLM's page size for every engine (None: vLLM's, 128 on CPU), which is
     the paged engine's segment size. ``hf_overrides``: passed to every engine (e.g. :func:`yarn_overrides`
-    for contexts beyond the model's window). ``say`` gets the progress lines (the machine's facts, each
+    for contexts beyond the model's window). ``dtype``: the engines' (vLLM's ``dtype``: weights,
+    activations and KV cache). ``say`` gets the progress lines (the machine's facts, each
     engine's start time).
     """
     if STOCK not in runs:
@@ -240,7 +242,7 @@ def run(
     for label, extra in runs.items():
         t = time.perf_counter()
         engines[label] = LLM(
-            model=model, dtype="bfloat16", max_model_len=max_len, enable_prefix_caching=True, seed=0,
+            model=model, dtype=dtype, max_model_len=max_len, enable_prefix_caching=True, seed=0,
             gpu_memory_utilization=0.2,  # host memory on CPU: four engines run side by side
             **({"block_size": block_size} if block_size else {}), **({"hf_overrides": dict(hf_overrides)} if hf_overrides else {}),
             **extra,
@@ -270,7 +272,7 @@ def run(
             same, first = compare(got[0]["tokens"], ref)
             tok_s = statistics.median(s["tok_s"] for s in got)
             rows.append({
-                "run": label, "batch": batch, "context": context, "new_tokens": new_tokens, "block_size": block_size,
+                "run": label, "batch": batch, "context": context, "new_tokens": new_tokens, "block_size": block_size, "dtype": dtype,
                 "hf_overrides": dict(hf_overrides) if hf_overrides else None,
                 "tok_s": tok_s, "tpot_ms": statistics.median(s["tpot_ms"] for s in got),
                 "tok_s_all": [s["tok_s"] for s in got], "vs_stock": tok_s / stock_tok_s,
@@ -283,7 +285,8 @@ def table(rows: Sequence[Mapping[str, Any]], context: int, new_tokens: int, roun
     """The rows as a rich table; no ratio for a dense run that disagrees with stock."""
     from rich.table import Table
 
-    result = Table(title=f"vLLM decode, bf16, shared {context}-token document, {new_tokens} new tokens, median of {rounds}")
+    dtype = rows[0].get("dtype", "bfloat16") if rows else "bfloat16"
+    result = Table(title=f"vLLM decode, {dtype}, shared {context}-token document, {new_tokens} new tokens, median of {rounds}")
     for col in ("run", "batch", "tok/s (all seqs)", "ms / output token", "vs stock", "same as stock", "first diff"):
         result.add_column(col, justify="left" if col == "run" else "right")
     for row in rows:
