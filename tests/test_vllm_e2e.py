@@ -116,9 +116,12 @@ def stock(tmp, token_prompts):
 )
 def test_eight_mixed_prompts_in_one_batch_give_stock_tokens(tmp, token_prompts, stock, label, extra):
     """At a budget covering the context, 64 greedy tokens of 8 prompts (5 to 5200 tokens, two sharing a
-    4290-token prefix) equal stock vLLM's, with prefix caching on (shared pages) and off, chunked prefill on."""
+    4290-token prefix) equal stock vLLM's, with prefix caching on (shared pages) and off, chunked prefill on
+    (mixed steps: vLLM's kernel attends the prefill requests only, the paged engine the decode tokens)."""
     tokens, log = generate(tmp, label, token_prompts, **extra)
     assert "first decode step answered by the paged engine" in log, log[-3000:]
+    # chunks of 1024 tokens: the short prompts decode while the long ones prefill, in the same steps
+    assert "a mixed step's prefill requests attended by vLLM's kernel alone" in log, log[-3000:]
     assert all(len(t) == NEW_TOKENS for t in stock[0])
     assert tokens == stock[0]
 

@@ -4,9 +4,11 @@
 builder, KV-cache shape and layout) with its own impl: prefill and chunked prefill run vLLM's kernel
 unchanged; every request with exactly one query token this step (a decode token) is answered by
 :func:`sparseattn.vllm.paged.select_pages` under the method the engine was configured with
-(:mod:`sparseattn.vllm.config`), and vLLM's own paged kernel attends the selected pages
-(:func:`kernel_attend_pages`). A step made only of decode tokens never attends whole sequences; a
-mixed step runs vLLM's kernel over the batch and then overwrites the decode rows.
+(:mod:`sparseattn.vllm.config`): by the fused C step (:mod:`sparseattn.vllm.paged_kernel`) for the
+policies whose parts it knows, else by :func:`sparseattn.vllm.paged.select_pages` and vLLM's own paged
+kernel over the selected pages (:func:`kernel_attend_pages`). A decode token never attends its whole
+sequence: in a mixed step (prefill chunks beside decode tokens) vLLM's kernel gets the prefill
+requests only (:func:`prefill_part`).
 
 The plugin (:mod:`sparseattn.vllm.plugin`) points vLLM's ``CPU_ATTN`` entry at :data:`CPU_ATTN`,
 which resolves, each time vLLM looks it up, to vLLM's own class when the config being built asks for
@@ -22,7 +24,7 @@ import functools
 import re
 from typing import Any
 
-__all__ = ["CPU_ATTN", "SUPPORTED_ISAS", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "kernel_attend_pages"]  # noqa: F822 (the classes are built on first access, see __getattr__)
+__all__ = ["CPU_ATTN", "SUPPORTED_ISAS", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "kernel_attend_pages", "prefill_part"]  # noqa: F822 (the classes are built on first access, see __getattr__)
 
 #: vLLM CPU kernel ISAs whose cache layout (keys transposed per page) the paged engine reads; the
 #: ``amx``/``neon``/... layouts are not verified here and are refused.
@@ -70,6 +72,49 @@ def kernel_attend_pages(
         scheduler_metadata=metadata, s_aux=None,
     )
     return out.view(B, H_q, D)
+
+
+#: The last mixed step's prefill part, shared by every layer: ``[vLLM's metadata, (narrowed metadata, token rows)]``.
+_LAST_PREFILL: list = []
+
+
+def prefill_part(attn_metadata: Any, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any, isa: str,
+                 kv_cache_dtype: str) -> tuple[Any, Any]:  # fmt: skip
+    """vLLM's CPU attention metadata narrowed to the requests with more than one query token, and their token rows.
+
+    In a mixed step vLLM's kernel then attends the prefill chunks only; the decode tokens are left
+    to the paged engine instead of being attended densely and overwritten. The metadata is the same
+    object for every layer of a step, so the first layer narrows it (and computes the kernel's
+    scheduler metadata for the narrowed batch, as vLLM's builder does for the whole one) and the
+    others reuse it; the reference is held, so the object's id cannot be reused meanwhile.
+    """
+    import dataclasses
+
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    if _LAST_PREFILL and _LAST_PREFILL[0] is attn_metadata:
+        return _LAST_PREFILL[1]
+    starts = attn_metadata.query_start_loc
+    lengths = starts[1:] - starts[:-1]
+    keep = (lengths != 1).nonzero().flatten()
+    rows = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in keep.tolist()])
+    query_start_loc = torch.zeros(keep.numel() + 1, dtype=starts.dtype)
+    torch.cumsum(lengths[keep], 0, out=query_start_loc[1:])
+    seq_lens = attn_metadata.seq_lens[keep]
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=keep.numel(), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_lens=seq_lens,
+        dtype=dtype, query_start_loc=query_start_loc, causal=attn_metadata.causal, sliding_window_size=-1, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    narrowed = dataclasses.replace(
+        attn_metadata, num_actual_tokens=rows.numel(), max_query_len=int(lengths[keep].max()), query_start_loc=query_start_loc,
+        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=attn_metadata.block_table[keep],
+        slot_mapping=attn_metadata.slot_mapping[rows], scheduler_metadata=scheduler_metadata,
+    )  # fmt: skip
+    _LAST_PREFILL[:] = [attn_metadata, (narrowed, rows)]
+    return narrowed, rows
 
 
 #: The last step's plan, shared by every layer of the process: ``(decode lengths, block size, policy, plan)``.
@@ -184,10 +229,19 @@ def _classes() -> dict[str, type]:
             starts = attn_metadata.query_start_loc
             lengths = starts[1:] - starts[:-1]
             decode = (lengths == 1).nonzero().flatten()
-            if decode.numel() < lengths.numel():  # some prefill (chunk): vLLM's kernel for the batch, decode rows overwritten
-                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-            if decode.numel() == 0:
-                return output
+            if decode.numel() == 0:  # prefill (chunks) only: vLLM's kernel
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+            if decode.numel() < lengths.numel():  # a mixed step: vLLM's kernel for the prefill requests only
+                if attn_metadata.dynamic_causal is not None:  # not narrowed: the batch, decode rows overwritten below
+                    super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+                else:
+                    logger.info_once("sparseattn: a mixed step's prefill requests attended by vLLM's kernel alone")
+                    narrowed, part = prefill_part(attn_metadata, self.num_heads, self.num_kv_heads, self.head_size,
+                                                  query.dtype, isa, self.kv_cache_dtype)  # fmt: skip
+                    prefill_out = output[part]
+                    super().forward(layer, query[part], key[part], value[part], kv_cache, narrowed, prefill_out,
+                                    output_scale, output_block_scale)  # fmt: skip
+                    output[part] = prefill_out
             logger.info_once("sparseattn: first decode step answered by the paged engine (%s)", self.policy.name)
             rows = starts[decode].long()
             out = output.view(output.shape[0], self.num_heads, self.head_size)
