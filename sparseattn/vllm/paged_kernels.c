@@ -1,6 +1,9 @@
 /*
  * The paged engine's fused decode step on the CPU: score, select and attend vLLM's KV pages in one
  * pass per (sequence, KV head), reading the pages in place in vLLM's CPU cache layout.
+ * The passes run head-major (every sequence's pass over KV head 0, then head 1, ...): under prefix
+ * caching the sequences of a batch share their document's pages, and one head's pages of a long
+ * document fit in the last-level cache from one sequence to the next where all heads' do not.
  *
  * The layout (sparseattn/vllm/paged.py, page_views): the cache of one layer is [N, H, bs, 2 D];
  * per (block, KV head) the bs * 2 D elements are the page's keys *transposed*, [D, bs], then its
@@ -440,7 +443,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < B * H; ++item) {
             if (!ok) continue;
-            const int64_t b = item / H, h = item % H;
+            const int64_t h = item / B, b = item % B; /* head-major: see the top of the file */
             const int32_t *pl = plan + b * 4;
             const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
             const int64_t pages = (L + bs - 1) / bs;
