@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from sparseattn import registry
+from sparseattn.evaluation.serving import cpu_model
 from sparseattn.vllm.paged import PagedPolicy, page_views, select_pages
 from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, step_plan
 
@@ -171,7 +172,7 @@ def main() -> None:
     out = args.out or REPO / "benchmarks" / "results" / f"paged-kernel-{args.dtype}-b{args.batch}-L{args.length}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-               "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+               "cpu_capability": torch.backends.cpu.get_cpu_capability(), **cpu_model()}  # fmt: skip
     out.write_text(json.dumps({"machine": machine, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                "rows": rows}, indent=2) + "\n")  # fmt: skip
     print(f"wrote {out}")

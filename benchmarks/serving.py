@@ -2,7 +2,7 @@
 
 Every sequence of a batch reads one shared document (the repository's README and docs, cut to
 ``--context`` tokens) followed by its own short question; four engines (stock vLLM, the plugin's
-dense path, quest and radar+ at ``--budget``) are started first and measured in alternation; each
+dense path, quest and radar+ at each of ``--budgets``) are started first and measured in alternation; each
 run's greedy tokens are compared with stock's before any speed is reported. The method and its
 details are in :mod:`sparseattn.evaluation.serving`; ``sparseattn serving-bench`` runs the same
 comparison from the command line.
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2, help="rounds of alternating measurements (median reported)")
-    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[1024], help="each method runs at each budget")
     parser.add_argument("--only", nargs="+", default=None, help="run labels to keep (default: all)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
     parser.add_argument("--block-size", type=int, default=None, help="vLLM's page size for every engine (default: vLLM's, 128 "
@@ -43,15 +43,16 @@ def main() -> None:
     # The sizes first; the model's window once the model is found (below).
     for option, problem in serving.option_problems(args.context, args.batches, args.new_tokens, args.runs):
         parser.error(f"{option}: {problem}")
-    if args.budget < 1:
-        parser.error(f"--budget: {args.budget} is out of range; allowed: >= 1")
+    for budget in args.budgets:
+        if budget < 1:
+            parser.error(f"--budgets: {budget} is out of range; allowed: >= 1")
     if args.block_size is not None and (args.block_size < 16 or args.block_size % 16):
         parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels: multiples of 32 through vec, of 16 through vec16)")
     if args.kv_cache_gib < 1:
         parser.error(f"--kv-cache-gib: {args.kv_cache_gib} is out of range; allowed: >= 1")
     if args.yarn is not None and not args.yarn > 1:
         parser.error(f"--yarn: {args.yarn} is out of range; allowed: > 1")
-    runs = serving.runs_for(args.budget, args.methods)
+    runs = serving.runs_for(args.budgets, args.methods)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only}
     if serving.STOCK not in runs:

@@ -137,12 +137,17 @@ def yarn_overrides(model: str | Path, factor: float) -> dict[str, Any]:
     return {"rope_parameters": rope, "max_position_embeddings": int(window * factor)}
 
 
-def runs_for(budget: int, methods: Sequence[str] = ("quest", "radar+")) -> dict[str, dict]:
-    """Run label -> extra ``LLM`` arguments: stock, the plugin's dense, and each method at ``budget``."""
+def runs_for(budget: int | Sequence[int], methods: Sequence[str] = ("quest", "radar+")) -> dict[str, dict]:
+    """Run label -> extra ``LLM`` arguments: stock, the plugin's dense, and each method at each budget.
+
+    >>> list(runs_for([1024, 2048], ["radar+"]))
+    ['stock', 'dense', 'radar+ (1024)', 'radar+ (2048)']
+    """
+    budgets = [budget] if isinstance(budget, int) else list(budget)
     return {
         STOCK: {},
         DENSE: {"additional_config": {"sparseattn": {"method": "dense"}}},
-        **{f"{name} ({budget})": {"additional_config": {"sparseattn": {"method": name, "budget": budget}}} for name in methods},
+        **{f"{name} ({b})": {"additional_config": {"sparseattn": {"method": name, "budget": b}}} for name in methods for b in budgets},
     }
 
 
@@ -194,13 +199,29 @@ def compare(tokens: list[list[int]], ref: list[list[int]]) -> tuple[int, int | N
     return same, (min(found) if found else None)
 
 
+#: The CPU features that decide the speed of a bf16 engine on x86 (no avx512_bf16/amx: bf16 GEMMs take a slow path).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model() -> dict[str, Any]:
+    """The CPU's model name and which of :data:`ISA_FLAGS` it has (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)  # the last core's, all alike
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name"), "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def machine_info() -> dict[str, Any]:
     """Versions and machine facts, vLLM's included (imports vLLM)."""
     import vllm
 
     from sparseattn.evaluation.runs import environment
 
-    return {**environment(), "vllm": vllm.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    return {**environment(), **cpu_model(), "vllm": vllm.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform()}
 
 
 def run(
