@@ -170,8 +170,10 @@ def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts):
     from vllm_engine import fd_log
 
     first, second = token_prompts[6], token_prompts[7]  # 4800 and 5200 tokens: 38 and 41 of the 56 blocks
-    extra = {**ENGINE, "additional_config": {"sparseattn": {"method": "radar+", "budget": 512}},
-             "enable_prefix_caching": False, "num_gpu_blocks_override": 56}  # fmt: skip
+    # 56 blocks hold 7168 tokens: vLLM refuses a max_model_len (8192 in ENGINE) one request could not fit in
+    overrides = {"additional_config": {"sparseattn": {"method": "radar+", "budget": 512}}, "enable_prefix_caching": False,
+                 "num_gpu_blocks_override": 56, "max_model_len": 6144}  # fmt: skip
+    extra = {**ENGINE, **overrides}
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with fd_log(tmp / "block-reuse.log"):
         llm = LLM(model=str(local_model_dir()), **extra)
@@ -180,5 +182,5 @@ def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts):
         del llm
     log = (tmp / "block-reuse.log").read_text()
     assert "first decode step answered by the paged engine (radar+:budget=512)" in log, log[-3000:]
-    alone, _ = generate(tmp, "block-reuse-fresh", [second], **{k: v for k, v in extra.items() if k not in ENGINE})
+    alone, _ = generate(tmp, "block-reuse-fresh", [second], **overrides)
     assert after_first == alone[0]
