@@ -126,13 +126,25 @@ static inline __attribute__((always_inline)) sa_v16 load16(const char *src, int 
     return f;
 }
 
+/* Ask for the lines [off, off + len) of the next block to read (pf, NULL: none) while this one is computed.
+ * Pages are scattered in the cache and a page's key or value block (8-32 KB) ends before the hardware
+ * prefetcher has ramped up; spread over the current block's loop, one line per line read, the next
+ * block arrives in L2 as this one finishes (into L2, locality 1: it is read once, soon). */
+#define SA_PREFETCH(pf, off, len)                                                                             \
+    do {                                                                                                     \
+        if (pf)                                                                                              \
+            for (int64_t pf_o = 0; pf_o < (len); pf_o += 64) __builtin_prefetch((pf) + (off) + pf_o, 0, 1); \
+    } while (0)
+
 /* Logits of tokens [j0, j0 + 2 SA_LANES) for NG rows: keys [D, bs] (element size elem), q rows D apart.
  * Two vectors of tokens per row: twice the independent accumulators of one (the loop is bound by the
  * FMA latency otherwise), and one broadcast of q per two vectors. */
 static inline __attribute__((always_inline)) void logits16(const char *keys, int64_t bs, int64_t D, int64_t elem, int dtype,
-                                                           const float *q, int NG, float *lg, int64_t ld, int64_t j0) {
+                                                           const float *q, int NG, float *lg, int64_t ld, int64_t j0,
+                                                           const char *pf) {
     sa_v16 acc[SA_HEADS][2] = {{0}};
     for (int64_t d = 0; d < D; ++d) {
+        SA_PREFETCH(pf, d * 2 * SA_LANES * elem, 2 * SA_LANES * elem);
         const char *row = keys + (d * bs + j0) * elem;
         const sa_v16 k0 = load16(row, dtype), k1 = load16(row + SA_LANES * elem, dtype);
         for (int g = 0; g < NG; ++g) {
@@ -147,11 +159,14 @@ static inline __attribute__((always_inline)) void logits16(const char *keys, int
 /* acc[row] += sum_j p[row][j] v_j over n tokens, for NG rows (indices rows[], weights p + row * pld),
  * two vectors of channels at a time (as logits16: independent accumulators, one broadcast per two). */
 static inline __attribute__((always_inline)) void values16(const char *values, int n, int64_t D, int64_t elem, int dtype,
-                                                           const int *rows, int NG, const float *p, int64_t pld, float *out) {
+                                                           const int *rows, int NG, const float *p, int64_t pld, float *out,
+                                                           const char *pf) {
     for (int64_t d0 = 0; d0 < D; d0 += 2 * SA_LANES) {
         sa_v16 acc[SA_HEADS][2];
         for (int g = 0; g < NG; ++g) memcpy(acc[g], out + rows[g] * D + d0, sizeof acc[g]);
+        const char *pfd = pf ? pf + d0 * n * elem : NULL; /* this chunk's share of the next block, n * 2 SA_LANES elements */
         for (int j = 0; j < n; ++j) {
+            SA_PREFETCH(pfd, (int64_t)j * 2 * SA_LANES * elem, 2 * SA_LANES * elem);
             const char *row = values + ((int64_t)j * D + d0) * elem;
             const sa_v16 v0 = load16(row, dtype), v1 = load16(row + SA_LANES * elem, dtype);
             for (int g = 0; g < NG; ++g) {
@@ -174,7 +189,7 @@ static inline __attribute__((always_inline)) void values16(const char *values, i
 
 #define SA_DEFINE_FAST(SUFFIX)                                                                                      \
     static void page_logits_##SUFFIX(const char *keys, int n, int64_t bs, int64_t D, const float *q, int G, float *lg,   \
-                                     int64_t ld) {                                                                       \
+                                     int64_t ld, const char *pf) {                                                       \
         for (int g0 = 0; g0 < G; g0 += SA_HEADS) {                                                                       \
             const int ng = G - g0 < SA_HEADS ? G - g0 : SA_HEADS;                                                        \
             for (int64_t j0 = 0; j0 < n; j0 += 2 * SA_LANES) {                                                           \
@@ -184,14 +199,18 @@ static inline __attribute__((always_inline)) void values16(const char *values, i
         }                                                                                                                \
     }                                                                                                                    \
     static void page_values_##SUFFIX(const char *values, int n, int64_t D, const int *rows, int nrows, const float *p,  \
-                                     int64_t pld, float *out) {                                                          \
+                                     int64_t pld, float *out, const char *pf) {                                          \
         for (int r0 = 0; r0 < nrows; r0 += SA_HEADS) {                                                                   \
             const int ng = nrows - r0 < SA_HEADS ? nrows - r0 : SA_HEADS;                                                \
             SA_DISPATCH_HEADS(ng, SA_VALUES_CALL)                                                                        \
         }                                                                                                                \
     }
-#define SA_LOGITS_CALL(NG) logits16(keys, bs, D, SA_ELEM, SA_DT, q + (int64_t)g0 * D, NG, lg + (int64_t)g0 * ld, ld, j0)
-#define SA_VALUES_CALL(NG) values16(values, n, D, SA_ELEM, SA_DT, rows + r0, NG, p, pld, out)
+/* The next block is prefetched on the first pass over the rows only; the logits' chunk j0 of 2 SA_LANES tokens
+ * takes its D * 2 SA_LANES elements of the next key block (together: the whole block when n == bs). */
+#define SA_LOGITS_CALL(NG)                                                                                    \
+    logits16(keys, bs, D, SA_ELEM, SA_DT, q + (int64_t)g0 * D, NG, lg + (int64_t)g0 * ld, ld, j0,            \
+             pf && g0 == 0 ? pf + j0 * D * SA_ELEM : NULL)
+#define SA_VALUES_CALL(NG) values16(values, n, D, SA_ELEM, SA_DT, rows + r0, NG, p, pld, out, r0 == 0 ? pf : NULL)
 
 #define SA_DT SA_F32
 #define SA_ELEM 4
@@ -217,14 +236,14 @@ static inline int fast_shape(const sa_pages *c) { return c->bs % (2 * SA_LANES) 
 /* Logits lg[g * ld + j] = q_g . k_j of the first n tokens of a page, for rows g < G (q is pre-scaled).
  * Keys are [D, bs]: one converted row of n tokens per channel, multiplied into every head's logits. */
 static void page_logits(const sa_pages *c, const char *keys, int n, const float *restrict q, int G, float *restrict lg,
-                        int64_t ld, float *restrict row) {
+                        int64_t ld, float *restrict row, const char *next_keys) {
     const int64_t D = c->D, bs = c->bs;
     if (fast_shape(c)) {
-        if (c->dtype == SA_BF16) page_logits_bf16(keys, n, bs, D, q, G, lg, ld);
+        if (c->dtype == SA_BF16) page_logits_bf16(keys, n, bs, D, q, G, lg, ld, next_keys);
 #ifndef SA_NO_FLOAT16
-        else if (c->dtype == SA_F16) page_logits_f16(keys, n, bs, D, q, G, lg, ld);
+        else if (c->dtype == SA_F16) page_logits_f16(keys, n, bs, D, q, G, lg, ld, next_keys);
 #endif
-        else page_logits_f32(keys, n, bs, D, q, G, lg, ld);
+        else page_logits_f32(keys, n, bs, D, q, G, lg, ld, next_keys);
         return;
     }
     for (int g = 0; g < G; ++g) memset(lg + g * ld, 0, (size_t)n * sizeof(float));
@@ -243,9 +262,11 @@ typedef struct {
     float *m, *l, *acc; /* [G], [G], [G, D] */
 } sa_softmax;
 
-/* Attend n tokens of a page whose logits lg[g * ld + j] are given, for the rows flagged in rows[] (NULL: all G). */
+/* Attend n tokens of a page whose logits lg[g * ld + j] are given, for the rows flagged in rows[] (NULL: all G);
+ * next_values: the value block read after this one (prefetched meanwhile), or NULL. */
 static void attend_logits(const sa_pages *c, const char *values, int n, const float *lg, int64_t ld, int G,
-                          const uint8_t *rows, float softcap, sa_softmax *st, float *restrict p, float *restrict row) {
+                          const uint8_t *rows, float softcap, sa_softmax *st, float *restrict p, float *restrict row,
+                          const char *next_values) {
     const int64_t D = c->D;
     for (int g = 0; g < G; ++g) {
         if (rows && !rows[g]) continue;
@@ -277,11 +298,11 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
         int active[64], na = 0; /* G <= 64: checked by the caller */
         for (int g = 0; g < G; ++g)
             if (!rows || rows[g]) active[na++] = g;
-        if (c->dtype == SA_BF16) page_values_bf16(values, n, D, active, na, p, c->bs, st->acc);
+        if (c->dtype == SA_BF16) page_values_bf16(values, n, D, active, na, p, c->bs, st->acc, next_values);
 #ifndef SA_NO_FLOAT16
-        else if (c->dtype == SA_F16) page_values_f16(values, n, D, active, na, p, c->bs, st->acc);
+        else if (c->dtype == SA_F16) page_values_f16(values, n, D, active, na, p, c->bs, st->acc, next_values);
 #endif
-        else page_values_f32(values, n, D, active, na, p, c->bs, st->acc);
+        else page_values_f32(values, n, D, active, na, p, c->bs, st->acc, next_values);
         return;
     }
     for (int j = 0; j < n; ++j) {
@@ -295,11 +316,13 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
     }
 }
 
-/* Attend the first n tokens of a page for every row (logits computed here). */
+/* Attend the first n tokens of a page for every row (logits computed here); next: the block attended after
+ * it (its keys and values are prefetched meanwhile), or -1. */
 static void attend_page(const sa_pages *c, int64_t block, int64_t h, int n, const float *q, int G, float softcap,
-                        sa_softmax *st, float *lg, float *p, float *row) {
-    page_logits(c, page_keys(c, block, h), n, q, G, lg, c->bs, row);
-    attend_logits(c, page_values(c, block, h), n, lg, c->bs, G, NULL, softcap, st, p, row);
+                        sa_softmax *st, float *lg, float *p, float *row, int64_t next) {
+    page_logits(c, page_keys(c, block, h), n, q, G, lg, c->bs, row, page_values(c, block, h));
+    attend_logits(c, page_values(c, block, h), n, lg, c->bs, G, NULL, softcap, st, p, row,
+                  next >= 0 ? page_keys(c, next, h) : NULL);
 }
 
 /* Indices of the k largest of x[0..n) into out (any order), by insertion into a sorted list of k. */
@@ -482,7 +505,8 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     short_n = mm;
                     for (int64_t s = 0; s < short_n; ++s) {
                         float *ks = kept + s * G * bs;
-                        page_logits(&c, page_keys(&c, table[sink_pages + short_ix[s]], h), (int)bs, qs, (int)G, ks, bs, row);
+                        const char *next = s + 1 < short_n ? page_keys(&c, table[sink_pages + short_ix[s + 1]], h) : NULL;
+                        page_logits(&c, page_keys(&c, table[sink_pages + short_ix[s]], h), (int)bs, qs, (int)G, ks, bs, row, next);
                         for (int64_t g = 0; g < G; ++g) mass[g * short_n + s] = log_sum_exp(ks + g * bs, bs, 1);
                     }
                     for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
@@ -511,7 +535,8 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
             for (int64_t pg = 0; pg < pages; ++pg) {
                 if (pg >= common_end && pg < sink_pages + n_cand) continue;
                 const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
-                attend_page(&c, table[pg], h, n, qs, (int)G, softcap, &st, lg, p, row);
+                const int64_t after = pg + 1 >= common_end && pg + 1 < sink_pages + n_cand ? sink_pages + n_cand : pg + 1;
+                attend_page(&c, table[pg], h, n, qs, (int)G, softcap, &st, lg, p, row, after < pages ? table[after] : -1);
             }
             /* The selected candidates: per selection, its rows. */
             if (select) {
@@ -521,12 +546,18 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                         const int64_t at = pick[gs_i * cand_cap + t];
                         const int64_t cand = mode == SA_RERANK ? short_ix[at] : at;
                         const int64_t blk = table[sink_pages + cand];
-                        if (mode == SA_RERANK) {
+                        int64_t next = -1; /* the block attended after this one (prefetched meanwhile) */
+                        if (t + 1 < npick[gs_i]) {
+                            const int64_t at2 = pick[gs_i * cand_cap + t + 1];
+                            next = table[sink_pages + (mode == SA_RERANK ? short_ix[at2] : at2)];
+                        }
+                        if (mode == SA_RERANK) { /* the logits are kept: only values are read */
                             attend_logits(&c, page_values(&c, blk, h), (int)bs, kept + at * G * bs, bs, (int)G, rows, softcap,
-                                          &st, p, row);
+                                          &st, p, row, next >= 0 ? page_values(&c, next, h) : NULL);
                         } else {
-                            page_logits(&c, page_keys(&c, blk, h), (int)bs, qs, (int)G, lg, bs, row);
-                            attend_logits(&c, page_values(&c, blk, h), (int)bs, lg, bs, (int)G, rows, softcap, &st, p, row);
+                            page_logits(&c, page_keys(&c, blk, h), (int)bs, qs, (int)G, lg, bs, row, page_values(&c, blk, h));
+                            attend_logits(&c, page_values(&c, blk, h), (int)bs, lg, bs, (int)G, rows, softcap, &st, p, row,
+                                          next >= 0 ? page_keys(&c, next, h) : NULL);
                         }
                         if (selected) selected[((b * H + h) * Gs + gs_i) * kmax + t] = (int32_t)cand;
                     }
