@@ -125,6 +125,27 @@ def test_a_budget_covering_the_context_is_dense():
     assert_close(out, paged_decode_ref(cache.double(), query.double(), table, lens, 0.25).float(), torch.float32)
 
 
+@pytest.mark.parametrize("name, options", [("dense", {}), ("radar+", {"budget": 128}), ("quest", {"budget": 128})])
+def test_the_kernel_writes_into_a_given_output_what_it_returns(name, options):
+    """The backend hands vLLM's float32 output rows as ``out``: the kernel writes there, nothing else differs."""
+    policy, cache, table, query, lens = setup(name, options, (600, 300), 16, 2, 3, 16)
+    mode = fused_mode(policy)
+    expected, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25)
+    buffer = torch.full((4, 6, 16), float("nan"))  # vLLM's output: more rows than decode tokens
+    got, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25, out=buffer[:2])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:2], expected)
+    assert buffer[2:].isnan().all()  # rows past the decode tokens untouched
+
+
+@pytest.mark.parametrize("bad", [torch.empty(2, 6, 16, dtype=torch.bfloat16), torch.empty(3, 6, 16), torch.empty(2, 16, 6).transpose(1, 2)])
+def test_an_output_buffer_that_does_not_fit_is_refused_before_any_work(bad):
+    policy, cache, table, query, lens = setup("radar+", {"budget": 128}, (600, 300), 16, 2, 3, 16)
+    store = store_for(policy, cache)
+    with pytest.raises(ValueError, match="out"):
+        fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25, out=bad)
+    assert int(store.state.sum()) == 0  # no page was summarised
+
+
 def test_kept_summaries_are_used_shared_and_refreshed_after_a_write():
     """Summaries computed once, shared by sequences on the same blocks, recomputed after vLLM writes a block."""
     policy, cache, table, query, lens = setup("radar+", {"budget": 128}, (600, 600), 16, 2, 3, 16)

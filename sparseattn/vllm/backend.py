@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CPU_ATTN", "SUPPORTED_ISAS", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "kernel_attend_pages", "prefill_part"]  # noqa: F822 (the classes are built on first access, see __getattr__)
+__all__ = [
+    "CPU_ATTN", "SUPPORTED_ISAS", "DecodeStep", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "decode_step",
+    "kernel_attend_pages", "prefill_part",
+]  # noqa: F822 (the classes are built on first access, see __getattr__)
 
 #: vLLM CPU kernel ISAs whose cache layout (keys transposed per page) the paged engine reads; the
 #: ``amx``/``neon``/... layouts are not verified here and are refused.
@@ -117,6 +121,74 @@ def prefill_part(attn_metadata: Any, num_heads: int, num_kv_heads: int, head_dim
     return narrowed, rows
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """The decode requests of one step (one query token each), as every layer's forward reads them.
+
+    ``requests``: their indices in the batch; ``rows``: their token rows, None when the step is
+    decode tokens only (then they are rows ``0..B-1``: the query and output rows are sliced, not
+    gathered); ``table``, ``lens``: their block-table rows and lengths (the current token included);
+    ``mixed``: other requests of the step have several query tokens (prefill chunks).
+    """
+
+    requests: Any
+    rows: Any
+    table: Any
+    lens: Any
+    mixed: bool
+
+
+#: The last step's decode requests, shared by every layer: ``[vLLM's metadata, its seq_lens (a copy), DecodeStep | None]``.
+_LAST_DECODE: list = []
+
+
+def decode_step(attn_metadata: Any) -> DecodeStep | None:
+    """The step's :class:`DecodeStep` (None: no decode token), computed by the first layer of a step, reused by the others.
+
+    vLLM hands every layer of a step the same metadata object, so the first layer finds the decode
+    requests (and copies their table rows) and the other 29 reuse them: per layer only the query and
+    output rows and the kernel call remain. The key is the object (its reference held, so its id is
+    not reused meanwhile) and its lengths (a copy: should vLLM refill the same object's buffers for
+    the next step, the lengths have grown and the step is computed afresh).
+    """
+    import torch
+
+    if _LAST_DECODE and _LAST_DECODE[0] is attn_metadata and torch.equal(_LAST_DECODE[1], attn_metadata.seq_lens):
+        return _LAST_DECODE[2]
+    starts = attn_metadata.query_start_loc
+    lengths = starts[1:] - starts[:-1]
+    requests = (lengths == 1).nonzero().flatten()
+    n = requests.numel()
+    if n == 0:
+        step = None
+    elif n == lengths.numel():  # decode tokens only: request i is token row i
+        step = DecodeStep(requests, None, attn_metadata.block_table[:n], attn_metadata.seq_lens[:n], False)
+    else:
+        step = DecodeStep(requests, starts[requests].long(), attn_metadata.block_table[requests],
+                          attn_metadata.seq_lens[requests], True)  # fmt: skip
+    _LAST_DECODE[:] = [attn_metadata, attn_metadata.seq_lens.clone(), step]
+    return step
+
+
+#: The policies built in this process, by request label: one object for every layer (see :func:`_shared_policy`).
+_POLICIES: dict[str, Any] = {}
+
+
+def _shared_policy(request: Any) -> Any:
+    """One :class:`~sparseattn.vllm.paged.PagedPolicy` per requested method for every layer of the process.
+
+    The step plan's cache then finds the last plan's policy by identity, not by comparing the
+    method's parts field by field in each of the 30 layers. The label names the method and every
+    option given (the registry types the values), so equal labels build equal policies.
+    """
+    from sparseattn.vllm.paged import PagedPolicy
+
+    policy = _POLICIES.get(request.label)
+    if policy is None:
+        policy = _POLICIES[request.label] = PagedPolicy(request.build(), request.label)
+    return policy
+
+
 #: The last step's plan, shared by every layer of the process: ``(decode lengths, block size, policy, plan)``.
 _LAST_PLAN: list = []
 
@@ -133,11 +205,19 @@ def _plan_for_step(policy: Any, lens: Any, block_size: int) -> Any:
 
     if _LAST_PLAN:
         last_lens, last_bs, last_policy, plan = _LAST_PLAN
-        if last_bs == block_size and last_policy == policy and torch.equal(last_lens, lens):
+        if last_bs == block_size and (last_policy is policy or last_policy == policy) and torch.equal(last_lens, lens):
             return plan
     plan = step_plan(policy, lens, block_size)
     _LAST_PLAN[:] = [lens.clone(), block_size, policy, plan]
     return plan
+
+
+def _put_rows(out: Any, rows: Any, result: Any) -> None:
+    """Write the decode requests' ``result`` into their rows of ``out`` (rows ``0..B-1`` when ``rows`` is None)."""
+    if rows is None:
+        out[: result.shape[0]] = result.to(out.dtype)
+    else:
+        out[rows] = result.to(out.dtype)
 
 
 def _layer_index(name: str) -> int:
@@ -177,7 +257,7 @@ def _classes() -> dict[str, type]:
     )
 
     from sparseattn.vllm.config import current_request
-    from sparseattn.vllm.paged import PagedPolicy, PageSummaries, select_pages
+    from sparseattn.vllm.paged import PageSummaries, select_pages
     from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, kernel_refusal, step_plan
 
     logger = init_logger("vllm.sparseattn")  # under vLLM's logger, which has the handlers
@@ -190,7 +270,7 @@ def _classes() -> dict[str, type]:
             request = current_request()
             if request is None:
                 raise ValueError("SparseCPUAttentionImpl built with no sparseattn method requested (see sparseattn.vllm.config)")
-            self.policy = PagedPolicy(request.build(), request.label)
+            self.policy = _shared_policy(request)
             refused = [
                 why
                 for why, bad in (
@@ -210,6 +290,7 @@ def _classes() -> dict[str, type]:
             refusal = kernel_refusal()
             self._fused = None if refusal is not None else fused_mode(self.policy)
             self._store: PageStore | None = None  # the fused step's page summaries, per physical block
+            self._announced = False  # the first decode step's log line (logged once, not looked up per layer and step)
             logger.info_once("sparseattn: decode tokens run %r in the paged engine (%r), %s", request.label, self.policy.method,
                              "the generic path: " + (refusal or "the fused kernel does not know its parts")
                              if self._fused is None else "the fused kernel")
@@ -226,12 +307,10 @@ def _classes() -> dict[str, type]:
             if self._prepared is None:
                 heads, total = self._heads
                 self._prepared = self.policy.prepare(total, self.head_size, _layer_index(layer.layer_name), heads=heads)
-            starts = attn_metadata.query_start_loc
-            lengths = starts[1:] - starts[:-1]
-            decode = (lengths == 1).nonzero().flatten()
-            if decode.numel() == 0:  # prefill (chunks) only: vLLM's kernel
+            step = decode_step(attn_metadata)
+            if step is None:  # prefill (chunks) only: vLLM's kernel
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-            if decode.numel() < lengths.numel():  # a mixed step: vLLM's kernel for the prefill requests only
+            if step.mixed:  # a mixed step: vLLM's kernel for the prefill requests only
                 if attn_metadata.dynamic_causal is not None:  # not narrowed: the batch, decode rows overwritten below
                     super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
                 else:
@@ -242,24 +321,29 @@ def _classes() -> dict[str, type]:
                     super().forward(layer, query[part], key[part], value[part], kv_cache, narrowed, prefill_out,
                                     output_scale, output_block_scale)  # fmt: skip
                     output[part] = prefill_out
-            logger.info_once("sparseattn: first decode step answered by the paged engine (%s)", self.policy.name)
-            rows = starts[decode].long()
+            if not self._announced:
+                logger.info_once("sparseattn: first decode step answered by the paged engine (%s)", self.policy.name)
+                self._announced = True
+            n, rows = step.lens.shape[0], step.rows
+            q = (query[:n] if rows is None else query[rows]).view(n, self.num_heads, self.head_size)
             out = output.view(output.shape[0], self.num_heads, self.head_size)
-            params, generator = self._prepared
-            q = query[rows].view(-1, self.num_heads, self.head_size)
-            table, lens = attn_metadata.block_table[decode], attn_metadata.seq_lens[decode]
             if self._fused is not None:
                 if self._fused != FIXED and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
                     self._store = PageStore(kv_cache.shape[0], self.num_kv_heads, self.head_size, self._fused)
-                plan = _plan_for_step(self.policy, lens, kv_cache.shape[2])
-                result, _ = fused_decode(self.policy, self._fused, self._store, kv_cache, q, table, lens, self.scale,
-                                         self.logits_soft_cap or None, plan=plan)
-                out[rows] = result.to(out.dtype)
+                plan = _plan_for_step(self.policy, step.lens, kv_cache.shape[2])
+                # Decode rows 0..n-1 of a float32 output: the kernel writes them in place.
+                direct = rows is None and out.dtype == torch.float32 and out.is_contiguous()
+                result, _ = fused_decode(self.policy, self._fused, self._store, kv_cache, q, step.table, step.lens, self.scale,
+                                         self.logits_soft_cap or None, plan=plan, out=out[:n] if direct else None)
+                if not direct:
+                    _put_rows(out, rows, result)
                 return output
+            params, generator = self._prepared
             if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
                 self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
-            pages = select_pages(self.policy, params, generator, kv_cache, q, table, lens, self.scale, self._summaries)
-            out[rows] = kernel_attend_pages(q, kv_cache, table, pages, lens, self.scale, self.logits_soft_cap or None, isa)
+            pages = select_pages(self.policy, params, generator, kv_cache, q, step.table, step.lens, self.scale, self._summaries)
+            _put_rows(out, rows, kernel_attend_pages(q, kv_cache, step.table, pages, step.lens, self.scale,
+                                                     self.logits_soft_cap or None, isa))  # fmt: skip
             return output
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

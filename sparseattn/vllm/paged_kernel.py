@@ -163,7 +163,7 @@ class PageStore:
 def fused_decode(
     policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
-    plan: StepPlan | None = None, with_selection: bool = False,
+    plan: StepPlan | None = None, with_selection: bool = False, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode token per sequence: ``query [B, H_q, D]`` over the paged cache -> ``([B, H_q, D] float32, selected)``.
 
@@ -171,7 +171,8 @@ def fused_decode(
     ``store``: the layer's :class:`PageStore` (None for :data:`FIXED`); ``plan``: the step's
     :func:`step_plan` (computed here when None). ``with_selection``: also return the attended candidate
     pages ``[B, H_kv, G', kmax]`` int32 (candidate indices: logical page - sink pages; ``-1`` past a
-    list's end), else None.
+    list's end), else None. ``out``: a contiguous float32 ``[B, H_q, D]`` to write the result into
+    (the backend hands vLLM's float32 output rows: no copy), else a new tensor.
     """
     lib = _library()
     N, H, bs, two_d = kv_cache.shape
@@ -197,7 +198,11 @@ def fused_decode(
     q = query.to(torch.float32).contiguous()
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty(B, H_q, D, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(B, H_q, D, dtype=torch.float32)
+    elif out.shape != (B, H_q, D) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"fused paged decode: out {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}); "
+                         f"expected a contiguous float32 {(B, H_q, D)}")
     kmax = max(plan.kmax, 1)
     selected = torch.empty(B, H, 1 if shared else G, kmax, dtype=torch.int32) if with_selection else None
     status = lib.sa_paged_decode(
