@@ -33,6 +33,7 @@ Writes ``benchmarks/results/attention-<device>.json`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -43,10 +44,9 @@ from pathlib import Path
 
 import torch
 
-import dataclasses
-
 from sparseattn import Dense, PooledMass, RadarAlg1, RadarPlus, RadarPlusPooled, RadarPlusTokens, Rerank
 from sparseattn.backends.cpu_kernels import segment_attention_cpu
+from sparseattn.machine import cpu_model
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
 from sparseattn.ops.layout import SegmentLayout
 
@@ -116,11 +116,7 @@ def machine(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
-        try:
-            model = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
-            info["cpu"] = model[0].split(":", 1)[1].strip() if model else None
-        except OSError:
-            pass
+        info["cpu"] = cpu_model()["cpu"]
     return info
 
 

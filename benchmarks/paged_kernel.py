@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from sparseattn import registry
-from sparseattn.evaluation.serving import cpu_model
+from sparseattn.machine import cpu_model
 from sparseattn.vllm.paged import PagedPolicy, page_views, select_pages
 from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, step_plan
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from sparseattn.machine import cpu_flags
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.paths import file_lock, kernel_cache_dir
 from sparseattn.progress import progress
@@ -89,14 +90,9 @@ def find_compiler() -> str | None:
 
 
 def _host_signature() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux), else the machine."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return platform.machine() + line
-    except OSError:
-        pass
-    return platform.machine() + platform.processor()
+    """What ``-march=native`` compiles for: the CPU's feature flags (Linux), else the machine."""
+    flags = cpu_flags()
+    return platform.machine() + (" " + flags if flags else platform.processor())
 
 
 def _compile(compiler: str, source: Path, target: Path, extra: tuple[str, ...]) -> str | None:

@@ -40,6 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sparseattn.machine import cpu_model
+
 #: The repository's root, where the default document (README.md and docs/*.md) is read from.
 REPO = Path(__file__).resolve().parents[2]
 #: Positions kept beyond the document and the new tokens for a sequence's question (``max_model_len``).
@@ -197,22 +199,6 @@ def compare(tokens: list[list[int]], ref: list[list[int]]) -> tuple[int, int | N
     diffs = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(tokens, ref)]
     found = [d for d in diffs if d is not None]
     return same, (min(found) if found else None)
-
-
-#: The CPU features that decide the speed of a bf16 engine on x86 (no avx512_bf16/amx: bf16 GEMMs take a slow path).
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_model() -> dict[str, Any]:
-    """The CPU's model name and which of :data:`ISA_FLAGS` it has (Linux ``/proc/cpuinfo``; empty elsewhere)."""
-    try:
-        lines = open("/proc/cpuinfo").read().splitlines()
-    except OSError:
-        return {}
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)  # the last core's, all alike
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
-    return {"cpu": fields.get("model name"), "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def machine_info() -> dict[str, Any]:
