@@ -223,11 +223,14 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("name", registry.names())
 def test_generate_runs_every_method_at_one_budget(tiny_checkpoint, name):
     prompt = "".join(f"def f{i}(x): return x + {i}\n" for i in range(6))  # 150 characters, one token each
-    args = ["generate", "--model", tiny_checkpoint, "--method", name, "--budget", "48", "--prompt", prompt]
+    # Per-layer budgets (FirstLayers) leave layer 1 of this 2-layer model half the budget: 24 of 48 is below
+    # what a segment search can honour at t = 145 (4 sinks + a 20-token tail + one segment; it warns), 32 fits.
+    budget = 64 if "layer_factor" in registry.get(name).option_names else 48
+    args = ["generate", "--model", tiny_checkpoint, "--method", name, "--budget", str(budget), "--prompt", prompt]
     result = CliRunner().invoke(app, [*args, "--max-new-tokens", "3", "--quiet"], catch_exceptions=False, terminal_width=80)
     assert result.exit_code == 0, result.output
     attended, stored = map(int, re.search(r"attended\s+per\s+step\s+(\d+)\s+of\s+(\d+)\s+stored", result.output).groups())
     if "budget" not in registry.get(name).option_names:  # dense: every past token
         assert attended == stored > 140
     else:
-        assert attended <= 48
+        assert attended <= budget

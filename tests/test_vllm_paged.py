@@ -159,7 +159,7 @@ def test_selected_pages_are_what_the_mask_says():
 @pytest.mark.parametrize(
     "name, why",
     [("h2o", "eviction methods"), ("snapkv", "eviction methods"), ("radar+h2o", "always-kept part"), ("radar+pooled", "non-uniform budget allocation"),
-     ("oracle-tokens-pooled-layers", "per-layer budgets")],
+     ("oracle-tokens-pooled-layers", "per-layer budgets"), ("radar+pooled-layers", "per-layer budgets")],
 )
 def test_refused_methods_say_why(name, why):
     with pytest.raises(ValueError, match=why):

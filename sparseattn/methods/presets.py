@@ -461,6 +461,7 @@ def _first_layers(build):
 
 
 OracleTokensPooledFirstLayers = _first_layers(OracleTokensPooled)
+RadarPlusPooledFirstLayers = _first_layers(RadarPlusPooled)
 
 
 def _factor_option(default: float) -> Option:
@@ -588,6 +589,13 @@ for _entry in (
         "Ceiling with both splits: per-layer budgets (FirstLayers) and pooled head budgets (PooledMass)",
         OracleTokensPooledFirstLayers,
         (*segment_options(top_k=1024), *_pool_options(), *first_layers_options()),
+    ),
+    MethodEntry(
+        "radar+pooled-layers",
+        "radar+pooled with more of the budget in the first layers (FirstLayers; diffuse attention there): "
+        "the tokens over all layers still honour --budget per layer on average",
+        RadarPlusPooledFirstLayers,
+        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0), *first_layers_options()),
     ),
     MethodEntry(
         "radar+tokens",
