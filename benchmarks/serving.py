@@ -7,7 +7,7 @@ run's greedy tokens are compared with stock's before any speed is reported. The 
 details are in :mod:`sparseattn.evaluation.serving`; ``sparseattn serving-bench`` runs the same
 comparison from the command line.
 
-    /work/venv-vllm/bin/python benchmarks/serving.py --context 2048 --batches 1 8 --new-tokens 32 --runs 2
+    .venv-vllm/bin/python benchmarks/serving.py --context 2048 --batches 1 8 --new-tokens 32 --runs 2
 
 Writes ``benchmarks/results/serving-cpu-c<context>.json``. Needs vLLM (docs/serving.md, the venv).
 """

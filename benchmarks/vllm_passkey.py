@@ -1,13 +1,18 @@
-"""Passkey retrieval at ~8k tokens (the default model's limit) in vLLM: stock vs radar+ at budgets 512 and 1024.
+"""Passkey retrieval in vLLM: stock vs a sparse method at a few budgets, one sample per depth (10, 50, 90%).
 
-One sample per depth (10, 50, 90%), 32-token pages, float32, greedy 16 tokens; run in the vLLM venv from the
-repository root (it uses the engine helper of the vLLM tests, tests/vllm_engine.py):
+float32, greedy 16 tokens, chunked prefill of 1024 tokens, 32-token pages by default; run in the vLLM venv
+from the repository root (it uses the engine helper of the vLLM tests, tests/vllm_engine.py):
 
-    PYTHONPATH=. /work/venv-vllm/bin/python benchmarks/vllm_passkey_8k.py
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_passkey.py                      # ~8k: the model's limit
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_passkey.py --length 32000 --yarn 4 --budgets 1024
 
-Writes benchmarks/results/vllm-passkey-8k-block32.json: per run, (depth, answer, references, score).
+Beyond the model's window (``--yarn F``) every engine, stock included, runs with YaRN's RoPE stretched
+F times (:func:`sparseattn.evaluation.serving.yarn_overrides`): no training, so stock's score there is
+what YaRN gives this model, the reference a sparse method is compared with. Writes
+``benchmarks/results/vllm-passkey-<k>k-block<B>[-yarn<F>].json``: per run, (depth, answer, references, score).
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,28 +23,57 @@ sys.path.insert(0, str(REPO / "tests"))
 from vllm_engine import greedy_tokens  # noqa: E402
 
 from sparseattn.data.needle import PasskeyTask, string_match_all  # noqa: E402
+from sparseattn.evaluation.serving import positions_needed, yarn_overrides  # noqa: E402
 from sparseattn.hf.models import local_model_dir  # noqa: E402
 
-#: float32 at the model's 8k context, prefill in chunks of 1024 tokens, vLLM pages of 32 tokens.
-ENGINE = {"dtype": "float32", "max_model_len": 8192, "max_num_batched_tokens": 1024, "enable_chunked_prefill": True, "seed": 0, "block_size": 32}
+NEW_TOKENS = 16
+DEPTHS = (10.0, 50.0, 90.0)
 
-if __name__ == "__main__":
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=8000, help="prompt tokens (default 8000)")
+    parser.add_argument("--yarn", type=float, default=None, help="stretch RoPE this many times by YaRN (> 1), for lengths beyond 8k")
+    parser.add_argument("--method", default="radar+", help="the sparse method (a registry name the vLLM plugin runs)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM's page size in tokens (default 32)")
+    parser.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE): 3 prompts of 32k in float32 take ~4.4 GiB")
+    args = parser.parse_args()
+    model = str(local_model_dir())
+    try:
+        overrides = yarn_overrides(model, args.yarn) if args.yarn is not None else None
+    except ValueError as error:
+        parser.error(f"--yarn {args.yarn}: {error}")
+    window = (overrides or {}).get("max_position_embeddings") or json.loads(Path(model, "config.json").read_text())["max_position_embeddings"]
+    max_len = positions_needed(args.length, NEW_TOKENS)
+    if max_len > window:
+        parser.error(f"--length {args.length} needs {max_len} positions; the model has {window} (stretch it with --yarn)")
+    if any(b < 1 for b in args.budgets):
+        parser.error(f"--budgets must be >= 1, got {args.budgets}")
+    engine = {"dtype": "float32", "max_model_len": max_len, "max_num_batched_tokens": 1024, "enable_chunked_prefill": True,
+              "seed": 0, "block_size": args.block_size, **({"hf_overrides": overrides} if overrides else {})}  # fmt: skip
+
     import tempfile
 
-    logs = Path(tempfile.mkdtemp(prefix="vllm-passkey-"))
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(local_model_dir()))
-    depths = (10.0, 50.0, 90.0)
-    samples = [PasskeyTask().sample(8000, tok, seed=i, depths=d, reserve_tokens=16) for i, d in enumerate(depths)]
+    logs = Path(tempfile.mkdtemp(prefix="vllm-passkey-"))
+    tok = AutoTokenizer.from_pretrained(model)
+    samples = [PasskeyTask().sample(args.length, tok, seed=i, depths=d, reserve_tokens=NEW_TOKENS) for i, d in enumerate(DEPTHS)]
     ids = [tok.encode(s.prompt) for s in samples]
-    print("lengths", [len(i) for i in ids], flush=True)
+    print("lengths", [len(i) for i in ids], "engine logs in", logs, flush=True)
+    runs = {"stock": {}} | {f"{args.method}{b}": {"additional_config": {"sparseattn": {"method": args.method, "budget": b}}} for b in args.budgets}
     out = {}
-    for label, extra in (("stock", {}), ("radar+512", {"additional_config": {"sparseattn": {"method": "radar+", "budget": 512}}}),
-                         ("radar+1024", {"additional_config": {"sparseattn": {"method": "radar+", "budget": 1024}}})):
+    for label, extra in runs.items():
         prompts = [{"prompt_token_ids": p} for p in ids]
-        tokens, _ = greedy_tokens(logs / f"{label}.log", prompts, {**ENGINE, **extra}, 16, ignore_eos=True, cache_gib="4")
+        tokens, _ = greedy_tokens(logs / f"{label}.log", prompts, {**engine, **extra}, NEW_TOKENS, ignore_eos=True, cache_gib=str(args.kv_cache_gib))
         answers = [tok.decode(t) for t in tokens]
-        out[label] = [(d, a, s.answers, string_match_all([a], [s.answers])) for d, a, s in zip(depths, answers, samples)]
+        out[label] = [(d, a, s.answers, string_match_all([a], [s.answers])) for d, a, s in zip(DEPTHS, answers, samples)]
         print(label, out[label], flush=True)
-    (REPO / "benchmarks" / "results" / "vllm-passkey-8k-block32.json").write_text(json.dumps(out, indent=1))
+    name = f"vllm-passkey-{round(args.length / 1000)}k-block{args.block_size}{f'-yarn{args.yarn:g}' if args.yarn else ''}.json"
+    (REPO / "benchmarks" / "results" / name).write_text(json.dumps(out, indent=1))
+    print("wrote", REPO / "benchmarks" / "results" / name)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ arriving while others decode, passkey retrieval at 6k (needs vLLM: see docs/serv
 Slow (about 9 minutes on 2 cores: five engine starts and ~80k tokens of float32 prefill), so excluded
 from the default run; run in the vLLM venv with ``-m slow``:
 
-    /work/venv-vllm/bin/python -m pytest -m slow tests/test_vllm_e2e.py
+    .venv-vllm/bin/python -m pytest -m slow tests/test_vllm_e2e.py
 
 Greedy tokens are compared in float32 (bfloat16 near-ties flip tokens between any two kernels, see
 docs/serving.md). The prompts are token ids cut from this repository's docs, so their lengths are exact.
