@@ -1,10 +1,11 @@
 """Passkey retrieval in vLLM: stock vs a sparse method at a few budgets, one sample per depth (10, 50, 90%).
 
-float32, greedy 16 tokens, chunked prefill of 1024 tokens, 32-token pages by default; run in the vLLM venv
+float32, greedy 16 tokens, chunked prefill (1024 tokens a chunk by default), 32-token pages by default; run in the vLLM venv
 from the repository root (it uses the engine helper of the vLLM tests, tests/vllm_engine.py):
 
     PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_passkey.py                      # ~8k: the model's limit
-    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_passkey.py --length 32000 --yarn 4 --budgets 1024
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_passkey.py --length 32000 --yarn 4 --budgets 1024 \
+        --prefill-chunk 8192 --kv-cache-gib 6
 
 Beyond the model's window (``--yarn F``) every engine, stock included, runs with YaRN's RoPE stretched
 F times (:func:`sparseattn.evaluation.serving.yarn_overrides`): no training, so stock's score there is
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--method", default="radar+", help="the sparse method (a registry name the vLLM plugin runs)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--block-size", type=int, default=32, help="vLLM's page size in tokens (default 32)")
+    parser.add_argument("--prefill-chunk", type=int, default=1024,
+                        help="vLLM's max_num_batched_tokens (chunked prefill); at 32k, 8192 prefills ~4x faster than 1024 on 2 cores")
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE): 3 prompts of 32k in float32 take ~4.4 GiB")
     args = parser.parse_args()
     model = str(local_model_dir())
@@ -50,7 +53,9 @@ def main() -> None:
         parser.error(f"--length {args.length} needs {max_len} positions; the model has {window} (stretch it with --yarn)")
     if any(b < 1 for b in args.budgets):
         parser.error(f"--budgets must be >= 1, got {args.budgets}")
-    engine = {"dtype": "float32", "max_model_len": max_len, "max_num_batched_tokens": 1024, "enable_chunked_prefill": True,
+    if args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    engine = {"dtype": "float32", "max_model_len": max_len, "max_num_batched_tokens": args.prefill_chunk, "enable_chunked_prefill": True,
               "seed": 0, "block_size": args.block_size, **({"hf_overrides": overrides} if overrides else {})}  # fmt: skip
 
     import tempfile
