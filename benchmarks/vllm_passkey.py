@@ -10,7 +10,8 @@ from the repository root (it uses the engine helper of the vLLM tests, tests/vll
 Beyond the model's window (``--yarn F``) every engine, stock included, runs with YaRN's RoPE stretched
 F times (:func:`sparseattn.evaluation.serving.yarn_overrides`): no training, so stock's score there is
 what YaRN gives this model, the reference a sparse method is compared with. Writes
-``benchmarks/results/vllm-passkey-<k>k-block<B>[-yarn<F>].json``: per run, (depth, answer, references, score).
+``benchmarks/results/vllm-passkey-<k>k-block<B>[-yarn<F>].json``: per run, (depth, answer, references, score),
+rewritten after each run; a rerun skips the runs already there (delete the file to measure again).
 """
 
 import argparse
@@ -68,16 +69,20 @@ def main() -> None:
     ids = [tok.encode(s.prompt) for s in samples]
     print("lengths", [len(i) for i in ids], "engine logs in", logs, flush=True)
     runs = {"stock": {}} | {f"{args.method}{b}": {"additional_config": {"sparseattn": {"method": args.method, "budget": b}}} for b in args.budgets}
-    out = {}
+    name = f"vllm-passkey-{round(args.length / 1000)}k-block{args.block_size}{f'-yarn{args.yarn:g}' if args.yarn else ''}.json"
+    path = REPO / "benchmarks" / "results" / name
+    out = json.loads(path.read_text()) if path.exists() else {}  # resumable: runs already written are kept
     for label, extra in runs.items():
+        if label in out:
+            print(label, "(from", path.name + ")", out[label], flush=True)
+            continue
         prompts = [{"prompt_token_ids": p} for p in ids]
         tokens, _ = greedy_tokens(logs / f"{label}.log", prompts, {**engine, **extra}, NEW_TOKENS, ignore_eos=True, cache_gib=str(args.kv_cache_gib))
         answers = [tok.decode(t) for t in tokens]
         out[label] = [(d, a, s.answers, string_match_all([a], [s.answers])) for d, a, s in zip(DEPTHS, answers, samples)]
         print(label, out[label], flush=True)
-    name = f"vllm-passkey-{round(args.length / 1000)}k-block{args.block_size}{f'-yarn{args.yarn:g}' if args.yarn else ''}.json"
-    (REPO / "benchmarks" / "results" / name).write_text(json.dumps(out, indent=1))
-    print("wrote", REPO / "benchmarks" / "results" / name)
+        path.write_text(json.dumps(out, indent=1))  # after every run: a run that dies keeps the others
+    print("wrote", path)
 
 
 if __name__ == "__main__":
