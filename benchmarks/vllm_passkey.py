@@ -43,6 +43,10 @@ def main() -> None:
                         help="vLLM's max_num_batched_tokens (chunked prefill); at 32k, 8192 prefills ~4x faster than 1024 on 2 cores")
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE): 3 prompts of 32k in float32 take ~4.4 GiB")
     args = parser.parse_args()
+    for option, value in (("--length", args.length), ("--block-size", args.block_size), ("--prefill-chunk", args.prefill_chunk),
+                          ("--kv-cache-gib", args.kv_cache_gib), *(("--budgets", b) for b in args.budgets)):  # fmt: skip
+        if value < 1:
+            parser.error(f"{option} must be >= 1, got {value}")
     model = str(local_model_dir())
     try:
         overrides = yarn_overrides(model, args.yarn) if args.yarn is not None else None
@@ -52,10 +56,6 @@ def main() -> None:
     max_len = positions_needed(args.length, NEW_TOKENS)
     if max_len > window:
         parser.error(f"--length {args.length} needs {max_len} positions; the model has {window} (stretch it with --yarn)")
-    if any(b < 1 for b in args.budgets):
-        parser.error(f"--budgets must be >= 1, got {args.budgets}")
-    if args.prefill_chunk < 1:
-        parser.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     engine = {"dtype": "float32", "max_model_len": max_len, "max_num_batched_tokens": args.prefill_chunk, "enable_chunked_prefill": True,
               "seed": 0, "block_size": args.block_size, **({"hf_overrides": overrides} if overrides else {})}  # fmt: skip
 
