@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from sparseattn import Dense, PooledMass, RadarAlg1, RadarPlus, RadarPlusPooled, RadarPlusTokens, Rerank
+from sparseattn.methods.rest import merged_attention_ref
+from sparseattn import Dense, PooledMass, RadarAlg1, RadarPlus, RadarPlusMerged, RadarPlusPooled, RadarPlusTokens, Rerank
 from sparseattn.backends.cpu_kernels import segment_attention_cpu
 from sparseattn.machine import cpu_model
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
@@ -186,6 +187,12 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
             ref = segment_attention_ref(
                 query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], info.layout, info.segments[:1]
             )
+        elif info.n_merged:  # the reported mask plus the merged rest of every block (float64)
+            lay, mask = info.layout, info.to_mask()[:1].view(1, KV_HEADS, group, -1)
+            ref = merged_attention_ref(
+                query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], mask.cpu(),
+                lay.sink_end, lay.segment_end, method.rest.segments * lay.segment_size, state.scale,
+            )  # fmt: skip
         else:  # tokens on top of (or instead of) segments, or segments per head: the reported mask, in float64
             mask = info.to_mask()[:1].view(1, KV_HEADS, group, -1)
             ref = attention_ref(query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], mask)
@@ -287,6 +294,8 @@ def main() -> None:
         "radar+pooled (budget 4096, aspect 16)": RadarPlus(budget=4096, aspect=16.0, allocation=PooledMass()),
         # the radar+pooled preset: aspect 16, PooledMass(cap=2) read off the shortlist, bf16 centroids.
         "radar+pooled (budget 4096)": RadarPlusPooled(budget=4096),
+        # radar+pooled plus the merged rest (torch gather path: no fused kernel yet).
+        "radar+merged (budget 4096)": RadarPlusMerged(budget=4096),
         # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.
         "radar-alg1 (k=64, torch backend)": torch_backend(RadarAlg1(top_k=64)),
         "radar-alg1 (k=64, shared, torch backend)": torch_backend(RadarAlg1(top_k=64, shared_kv_selection=True)),

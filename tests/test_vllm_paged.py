@@ -6,11 +6,14 @@ Quest with ``page_size == block_size`` (and page-aligned sinks) selects and outp
 SegmentSearchState outputs on the same tokens.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from sparseattn import registry
 from sparseattn.methods.base import LayerSpec
+from sparseattn.methods.rest import MergedRest
 from sparseattn.testing import assert_close
 from sparseattn.vllm.config import MethodRequest, parse_spec, request_from
 from sparseattn.vllm.paged import (
@@ -159,11 +162,18 @@ def test_selected_pages_are_what_the_mask_says():
 @pytest.mark.parametrize(
     "name, why",
     [("h2o", "eviction methods"), ("snapkv", "eviction methods"), ("radar+h2o", "always-kept part"), ("radar+pooled", "non-uniform budget allocation"),
-     ("oracle-tokens-pooled-layers", "per-layer budgets"), ("radar+pooled-layers", "per-layer budgets")],
+     ("oracle-tokens-pooled-layers", "per-layer budgets"), ("radar+pooled-layers", "per-layer budgets"),
+     ("radar+tokens", "token refinement"), ("radar+merged", "non-uniform budget allocation")],
 )
 def test_refused_methods_say_why(name, why):
     with pytest.raises(ValueError, match=why):
         PagedPolicy(registry.build(name), name)
+
+
+def test_a_merged_rest_is_refused_even_with_a_uniform_split():
+    method = dataclasses.replace(registry.build("radar+", budget=512), rest=MergedRest(16))
+    with pytest.raises(ValueError, match="merged rest"):
+        PagedPolicy(method, "radar+ with a merged rest")
 
 
 def test_page_layout_matches_segment_search_bounds():

@@ -61,6 +61,11 @@ class RowwiseSelection:
         """Tokens attended per query head, ``[B, H_q]``."""
         return torch.cat([row.attended for row in self.rows])
 
+    @property
+    def merged(self) -> torch.Tensor:
+        """Stand-in tokens attended per query head beyond the stored ones, ``[B, H_q]``."""
+        return torch.cat([row.merged for row in self.rows])
+
     def to_mask(self) -> torch.Tensor:
         """``[B, H_q, t]`` over the stored tokens, each row padded on the left (``False``) like :attr:`RowwiseState.keys`."""
         return _left_pad([row.to_mask() for row in self.rows], value=False)

@@ -26,12 +26,14 @@ from sparseattn.methods.presets import (
     RadarH2O,
     RadarPlus,
     RadarPlusPooled,
+    RadarPlusMerged,
     RadarPlusTokens,
     RadarRandom,
     RadarRecent,
     RadarRerank,
     SnapKVRadar,
 )
+from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.segment_search import Radar, SegmentSearch, SegmentSearchState, SegmentSelection
 from sparseattn.methods.snapkv import SnapKV
 from sparseattn.methods.streaming import StreamingLLM
@@ -70,6 +72,8 @@ __all__ = [
     "OracleTokens",
     "RadarPlus",
     "RadarPlusPooled",
+    "RadarPlusMerged",
+    "MergedRest",
     "RadarPlusTokens",
     "RadarRandom",
     "RadarRecent",

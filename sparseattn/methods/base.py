@@ -113,7 +113,14 @@ class StepInfo(Protocol):
 
     @property
     def attended(self) -> torch.Tensor:
-        """Tokens attended per query head, ``[B, H_q]`` (an integer tensor)."""
+        """Tokens attended per query head, ``[B, H_q]`` (an integer tensor): ``to_mask().sum(-1) + merged``."""
+        ...
+
+    @property
+    def merged(self) -> torch.Tensor:
+        """Stand-in tokens attended per query head beyond the stored ones, ``[B, H_q]`` (an integer tensor;
+        zeros for most methods): a merged rest (:class:`~sparseattn.methods.rest.MergedRest`) counts each of
+        its merged tokens here and in ``attended``, against the budget."""
         ...
 
     def to_mask(self) -> torch.Tensor:

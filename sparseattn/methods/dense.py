@@ -24,6 +24,10 @@ class AllTokens:
     def attended(self) -> torch.Tensor:
         return torch.full((self.batch, self.heads), self.length, dtype=torch.long, device=self.device)
 
+    @property
+    def merged(self) -> torch.Tensor:
+        return torch.zeros(self.batch, self.heads, dtype=torch.long, device=self.device)
+
     def to_mask(self) -> torch.Tensor:
         return torch.ones(self.batch, self.heads, self.length, dtype=torch.bool, device=self.device)
 

@@ -193,6 +193,12 @@ class SlotSelection:
         """Slots attended per query head, ``[B, H_q]``."""
         return self.live.sum(-1).repeat_interleave(self.group, dim=1)
 
+    @property
+    def merged(self) -> torch.Tensor:
+        """None: every attended slot is a stored token (zeros ``[B, H_q]``)."""
+        B, H, _ = self.live.shape
+        return torch.zeros(B, H * self.group, dtype=torch.long, device=self.live.device)
+
     def to_mask(self) -> torch.Tensor:
         """The attended set as a boolean mask ``[B, H_q, S]`` over the stored slots."""
         B, H, S = self.live.shape

@@ -28,6 +28,7 @@ from sparseattn.allocations.uniform import Uniform
 from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
 from sparseattn.methods.layers import FirstLayers, first_layers_options
+from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.segment_search import Radar, SegmentSearch, feature_options, segment_options
 from sparseattn.methods.snapkv import SnapKV
 from sparseattn.refine.tokens import TopTokens
@@ -269,6 +270,33 @@ def RadarPlusPooled(
         top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget,
         allocation=PooledMass(cap=cap, floor=floor), centroid_dtype=torch.bfloat16,
     )  # fmt: skip
+
+
+def RadarPlusMerged(
+    top_k: int | None = None,
+    *,
+    sinks: int = 4,
+    window: int = 0,
+    aspect: float = 16.0,
+    factor: float = 2.0,
+    cap: float = 2.0,
+    floor: float = 0.25,
+    merge: int = 16,
+    budget: int | None = None,
+) -> SegmentSearch:
+    """radar+pooled that keeps a coarse picture of what it does not attend (issue 17).
+
+    ``RadarPlusPooled(...)`` with ``rest=MergedRest(merge)``: every ``merge`` consecutive segments form
+    a block, and each block's tokens a step leaves out enter its softmax as one merged token (mean
+    key, mean value, log count; :class:`~sparseattn.methods.rest.MergedRest`), instead of being
+    dropped. Each merged token counts against ``budget`` (``ceil(S / merge)`` of them: ``sqrt(t)`` at
+    the default grid and ``merge``), the selection shrinks to keep the total. Runs the torch gather
+    path (no fused kernel yet).
+    """
+    return dataclasses.replace(
+        RadarPlusPooled(top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, cap=cap, floor=floor, budget=budget),
+        rest=MergedRest(merge),
+    )
 
 
 
@@ -583,6 +611,14 @@ for _entry in (
         "attention shares (PooledMass): diffuse heads get more, peaked heads fewer, the total per layer fixed",
         RadarPlusPooled,
         (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0)),
+    ),
+    MethodEntry(
+        "radar+merged",
+        "radar+pooled plus what a step leaves out, merged: each block of `merge` segments adds one token with the "
+        "mean key and value of its unattended tokens (weight: their count), counted against the budget",
+        RadarPlusMerged,
+        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0),
+         Option("merge", int, 16, "segments per merged token of the rest (one merged token per block)", minimum=1)),
     ),
     MethodEntry(
         "oracle-tokens-pooled-layers",

@@ -15,6 +15,7 @@ from sparseattn.backends.registry import check_backend_name, select_backend
 from sparseattn.methods.always import AlwaysKept
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
 from sparseattn.methods.eviction import Candidates, finite_evidence, observe_prompt
+from sparseattn.methods.rest import MergedRest, block_counts, block_sums, merged_attention
 from sparseattn.ops.attention import segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
@@ -112,6 +113,7 @@ class SegmentSearch(StatefulMethod):
     always: AlwaysKept | None = None
     allocation: Allocation = field(default_factory=Uniform)
     refine: TopTokens | None = None
+    rest: MergedRest | None = None
 
     def __post_init__(self) -> None:
         if self.always is not None and (isinstance(self.always, type) or not isinstance(self.always, AlwaysKept)):
@@ -132,6 +134,8 @@ class SegmentSearch(StatefulMethod):
             check_int("SegmentSearch", "budget", self.budget, 1, "or None: top_k segments")
         if self.refine is not None and (isinstance(self.refine, type) or not isinstance(self.refine, TopTokens)):
             raise ValueError(f"SegmentSearch.refine must be None or a TopTokens instance, got {self.refine!r}")
+        if self.rest is not None and (isinstance(self.rest, type) or not isinstance(self.rest, MergedRest)):
+            raise ValueError(f"SegmentSearch.rest must be None or a MergedRest instance, got {self.rest!r}")
         check_backend_name("SegmentSearch.backend", self.backend, "segment_attention", "auto", auto=True)
 
     def segments_for(self, layout: SegmentLayout) -> int:
@@ -140,7 +144,7 @@ class SegmentSearch(StatefulMethod):
             return min(self.top_k, layout.n_segments)
         if self.budget >= layout.length:  # everything fits: dense attention, whatever the always part adds
             return layout.n_segments
-        room = self.budget - layout.sink_end - layout.tail_size - self.extra_tokens
+        room = self.budget - layout.sink_end - layout.tail_size - self.extra_tokens - self.merged_tokens(layout)
         return min(layout.n_segments, max(1, room // layout.segment_size))
 
     def tokens_for(self, layout: SegmentLayout, k: int) -> int:
@@ -148,12 +152,16 @@ class SegmentSearch(StatefulMethod):
         leaves (at least 1), or the tokens of ``k`` segments without a budget."""
         if self.budget is None:
             return k * layout.segment_size
-        return max(1, self.budget - layout.sink_end - layout.tail_size - self.extra_tokens)
+        return max(1, self.budget - layout.sink_end - layout.tail_size - self.extra_tokens - self.merged_tokens(layout))
 
     @property
     def extra_tokens(self) -> int:
         """Tokens the ``always`` part may add to a step (0 without one)."""
         return 0 if self.always is None else self.always.size
+
+    def merged_tokens(self, layout: SegmentLayout) -> int:
+        """Merged tokens the ``rest`` part adds to a step that does not attend every segment (0 without one)."""
+        return 0 if self.rest is None else self.rest.blocks(layout.n_segments)
 
     @property
     def held_back(self) -> int:
@@ -162,7 +170,8 @@ class SegmentSearch(StatefulMethod):
 
     def _warn_over_budget(self, layout: SegmentLayout, k: int) -> None:
         """Warn, once per method instance, when a step attends more than ``budget`` tokens."""
-        attended = min(layout.length, layout.max_attended(k) + self.extra_tokens)
+        merged = self.merged_tokens(layout) if k < layout.n_segments else 0
+        attended = min(layout.length, layout.max_attended(k) + self.extra_tokens + merged)
         if self.budget is None or attended <= self.budget or self.__dict__.get("_warned_over_budget"):
             return
         object.__setattr__(self, "_warned_over_budget", True)  # not a field: equality and repr unchanged
@@ -171,8 +180,9 @@ class SegmentSearch(StatefulMethod):
             f"SegmentSearch budget={self.budget} is below what it can honour: a step at t={layout.length} "
             f"attends {attended} of {layout.length} tokens = {layout.sink_end} sink(s) + a {layout.tail_size}-token "
             f"tail (window {self.window}, at least the current token, plus {remainder} not yet segmented) + "
-            f"{k} segment(s) of {layout.segment_size} (at least one segment is attended). Raise the budget to "
-            f">= {layout.sink_end + layout.tail_size + layout.segment_size} or lower sinks/window.",
+            f"{k} segment(s) of {layout.segment_size} (at least one segment is attended)"
+            + (f" + {merged} merged token(s) of the rest" if merged else "")
+            + f". Raise the budget to >= {layout.sink_end + layout.tail_size + layout.segment_size + merged} or lower sinks/window.",
             stacklevel=4,
         )
 
@@ -263,6 +273,7 @@ class SegmentSelection:
     extra: torch.Tensor | None = None  #: ``[B, H_kv, n]`` positions the ``always`` part added
     extra_valid: torch.Tensor | None = None  #: ``[B, H_kv, G', n]``: which of them each selection attends
     valid: torch.Tensor | None = None  #: ``[B, H_kv, G', k]``: which listed segments are attended (None: all)
+    n_merged: int = 0  #: merged tokens of the rest every query head attends (``rest``); counted in ``attended``
 
     @property
     def per_query_head(self) -> torch.Tensor:
@@ -284,10 +295,16 @@ class SegmentSelection:
         if self.extra_valid is not None:
             B, H, sets, n = self.extra_valid.shape
             attended = attended + self.extra_valid.sum(-1).expand(B, H, self.group).reshape(B, H * self.group)
-        return attended
+        return attended + self.n_merged
+
+    @property
+    def merged(self) -> torch.Tensor:
+        """Merged tokens of the rest attended per query head, ``[B, H_q]`` (``n_merged`` each)."""
+        B, H, G, _ = self.segments.shape
+        return torch.full((B, H * self.group), self.n_merged, dtype=torch.long, device=self.segments.device)
 
     def to_mask(self) -> torch.Tensor:
-        """The attended set as a boolean mask ``[B, H_q, t]``."""
+        """The attended set as a boolean mask ``[B, H_q, t]`` (stored tokens: the ``merged`` ones are not among them)."""
         mask = segment_mask(self.layout, self.segments, self.group, self.valid)
         B, H, G, t = mask.shape
         if self.extra_valid is not None:
@@ -342,6 +359,8 @@ class SegmentSearchState(KVState):
         super().__init__(layer)
         self.method = method
         self._summaries: list[GrowableBuffer] = []
+        # ``rest``: each block's key and value sums (float64), blocks of rest.segments segments of the grid.
+        self._rest_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2), GrowableBuffer(dim=2)]
         self._grid: SegmentGrid | None = None
         self._params = _prepare_heads(method.summary, layer, self.compute_dtype)
         self._shortlisting = isinstance(method.summary, ShortlistingSummary)  # asked once: a protocol check is slow
@@ -379,10 +398,11 @@ class SegmentSearchState(KVState):
         summaries = sum(buf.view().numel() * buf.view().element_size() for buf in self._summaries if len(buf))
         params = self._params.numel() * self._params.element_size() if isinstance(self._params, torch.Tensor) else 0
         record = {"attention_record": self._record.view().numel() * self._record.view().element_size()} if self._record is not None and len(self._record) else {}
-        return {**super().nbytes(), "summaries": summaries, "projection": params, **record}
+        rest = {"rest_sums": sum(buf.view().numel() * buf.view().element_size() for buf in self._rest_sums if len(buf))} if self._rest_sums else {}
+        return {**super().nbytes(), "summaries": summaries, "projection": params, **record, **rest}
 
     def _buffers(self) -> list[GrowableBuffer]:
-        return [*super()._buffers(), *self._summaries, *([self._record] if self._record is not None else [])]
+        return [*super()._buffers(), *self._summaries, *self._rest_sums, *([self._record] if self._record is not None else [])]
 
     @property
     def attention_record(self) -> torch.Tensor | None:
@@ -429,6 +449,7 @@ class SegmentSearchState(KVState):
             self._summaries = []
             self._grid = new
             self._summarize_into(0, new.n_segments, rebuild=True)
+            self._sum_rest(0, new.n_segments)
             self._rebuilt_since_attend = True
             self.n_rebuilds += 1
         else:
@@ -437,6 +458,7 @@ class SegmentSearchState(KVState):
                 raise ValueError(f"{self.method.schedule!r} shrank the grid from {old} to {new} without a rebuild")
             self._grid = new
             self._summarize_into(old.n_segments, new.n_segments, rebuild=False)
+            self._sum_rest(old.n_segments, new.n_segments)
             self._sealed_since_attend += new.n_segments - old.n_segments
 
     def _segment_keys(self) -> torch.Tensor:
@@ -462,6 +484,25 @@ class SegmentSearchState(KVState):
             self._summaries = [GrowableBuffer(dim=2) for _ in merged]
         for buf, tensor in zip(self._summaries, merged):
             buf.append(tensor)
+
+    def _sum_rest(self, first: int, last: int) -> None:
+        """``rest``: the key and value sums of the blocks holding segments ``first..last-1`` (recomputed from
+        the first of those blocks on: a block fills as its segments are sealed)."""
+        rest = self.method.rest
+        if rest is None or last <= first:
+            return
+        per = rest.segments
+        b0 = first // per
+        lay = self.layout
+        lo, hi = lay.sink_end + b0 * per * lay.segment_size, lay.segment_end
+        shape = (self.batch, self.kv_heads, -1, lay.segment_size, self.head_dim)
+        ks, vs = block_sums(self.keys[:, :, lo:hi].reshape(shape), self.values[:, :, lo:hi].reshape(shape), per)
+        for buf, new in zip(self._rest_sums, (ks, vs)):
+            if first == 0:
+                buf.replace(new)
+            else:
+                buf.truncate(b0)
+                buf.append(new)
 
     # -- decoding ------------------------------------------------------------------------------
 
@@ -549,7 +590,7 @@ class SegmentSearchState(KVState):
                     scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
                 segments = selector.select(scores, k, self._generator)
                 _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
-        if self.method.always is not None:
+        if self.method.always is not None or (self.method.rest is not None and k < lay.n_segments):
             return self._attend_tokens(query, grouped, lay, segments, group, valid)
         if self._backend is None:
             self._backend = select_backend(
@@ -632,7 +673,8 @@ class SegmentSearchState(KVState):
             more_valid = more_valid & ~dense.gather(-1, more.unsqueeze(2).expand(B, H, group, -1))  # each token once
             extra, extra_valid = torch.cat([index, more], dim=-1), torch.cat([chosen, more_valid], dim=-1)
             listed, attended = extra, torch.cat([attended, more_valid], dim=-1)
-        return self._attend_listed(query, grouped, listed, attended, lay, segments[..., :0], group, extra, extra_valid)
+        runs = (lay.sink_end, (index.shape[-1] - lay.sink_end - lay.tail_size) // lay.segment_size, lay.segment_size)
+        return self._attend_listed(query, grouped, listed, attended, lay, segments[..., :0], group, extra, extra_valid, runs=runs)
 
     def _always_log_mass(self, grouped: torch.Tensor, lay: SegmentLayout, shared: int) -> torch.Tensor:
         """Log attention mass ``[B, H_kv, G']`` of the sinks and the tail (attended by every head), on the
@@ -672,7 +714,8 @@ class SegmentSearchState(KVState):
         """The selection (only its ``valid`` segments) plus the ``always`` part's tokens, if any, in one
         softmax over the gathered tokens (torch)."""
         B, H = self.batch, self.kv_heads
-        index, mask = segment_index(lay, segments, valid)
+        # The merged rest reads the listing twice more: list the selections' union only (see segment_index).
+        index, mask = segment_index(lay, segments, valid, compact=self.method.rest is not None)
         extra = extra_valid = None
         if self.method.always is not None:
             extra, extra_valid = self._always_tokens(lay, segments, valid)
@@ -682,21 +725,36 @@ class SegmentSearchState(KVState):
         if mask is not None or extra_valid is not None:
             main = torch.ones(B, H, sets, index.shape[-1], dtype=torch.bool, device=self.device) if mask is None else mask.expand(B, H, sets, -1)
             attended = main if extra_valid is None else torch.cat([main, extra_valid.expand(B, H, sets, -1)], dim=-1)
-        return self._attend_listed(query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid)
+        runs = (lay.sink_end, (index.shape[-1] - lay.sink_end - lay.tail_size) // lay.segment_size, lay.segment_size)
+        return self._attend_listed(query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid, runs)
 
     def _attend_listed(
-        self, query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid=None
+        self, query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid=None, runs=None
     ) -> tuple[torch.Tensor, SegmentSelection]:
-        """One softmax over the ``listed`` tokens where ``attended``; the always part's record, NaN rows, the step's info."""
+        """One softmax over the ``listed`` tokens where ``attended``; the always part's record, NaN rows, the step's info.
+
+        ``runs``: ``(first, count, length)`` when ``listed`` starts with a segment listing (sinks, then
+        ``count`` whole segments of ``length`` tokens): the merged rest sums those per segment.
+        """
         B, H, D = self.batch, self.kv_heads, self.head_dim
-        out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
+        rest = self.method.rest
+        merged = 0
+        if rest is not None and lay.n_segments and self.method.segments_for(lay) < lay.n_segments:
+            merged = rest.blocks(lay.n_segments)
+            out, probs = merged_attention(
+                grouped, self.keys, self.values, listed, attended, self._rest_sums[0].view(), self._rest_sums[1].view(),
+                block_counts(lay.n_segments, lay.segment_size, rest.segments, self.device), lay.sink_end, lay.segment_end,
+                rest.segments * lay.segment_size, self.scale, self.softcap, self._workspace, runs,
+            )  # fmt: skip
+        else:
+            out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
         if self._observation is not None and self._observation.decode:
             # Invalid entries (padding, or a token listed twice) have weight 0: adding them changes nothing.
             self._record.view().scatter_add_(-1, listed, finite_evidence(probs).sum(dim=2))
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
-            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid, valid=valid,
+            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid, valid=valid, n_merged=merged,
         )
         return out.reshape(B, H * group, D).to(query.dtype), info
 

@@ -110,6 +110,16 @@ class PagedPolicy:
                 f"sparseattn method {label!r}: a non-uniform budget allocation ({m.allocation!r}) is not supported in "
                 "vLLM yet (the page lists of one step are one length per head); it runs in the transformers engine"
             )
+        if m.refine is not None:
+            raise ValueError(
+                f"sparseattn method {label!r}: token refinement ({m.refine!r}) is not supported in vLLM yet (the paged "
+                "engine attends whole pages); it runs in the transformers engine"
+            )
+        if m.rest is not None:
+            raise ValueError(
+                f"sparseattn method {label!r}: a merged rest ({m.rest!r}) is not supported in vLLM yet (the paged engine "
+                "keeps no block sums); it runs in the transformers engine"
+            )
 
     @property
     def dense(self) -> bool:

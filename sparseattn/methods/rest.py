@@ -1,0 +1,217 @@
+"""What a step leaves out: merged into one token per block of segments instead of dropped.
+
+A segment search attends its selection and drops every other token's share of the softmax. In a
+diffuse head (layer 0 of small models is the common case) the dropped share is large and spread
+thin, and no top-k at this budget holds it. :class:`MergedRest` keeps a coarse picture of it: the
+grid's segments are grouped into blocks of ``segments`` consecutive segments, and each block's tokens
+that the step does *not* attend enter the softmax as one merged token with their mean key, their
+mean value, and the weight of their count:
+
+    logit_b = log n_b + scale * q . mean_k_b,    value_b = mean_v_b.
+
+That is exactly those tokens' share when their keys are equal, and never more than it otherwise
+(Jensen: ``n exp(q . mean k) <= sum exp(q . k)``), so a block whose keys disagree (where the mean
+value would misrepresent what attention picks in it) is down-weighted by construction. The
+measured alternative with the blocks' exact masses and the same mean values is worse
+(docs/methods.md): the under-estimate is a feature, not an approximation to remove.
+
+Each merged token counts as one attended token against ``budget`` (it is one key and one value in
+the softmax), so a step attends ``ceil(S / segments)`` merged tokens plus its selection, the
+selection shrunk to keep the total. With ``segments = 16`` on radar+pooled's grid (``16 sqrt(t)``
+segments) that is ``sqrt(t)`` merged tokens: the step stays O(sqrt t).
+
+The state keeps each block's key and value sums (float64: the step subtracts what it attends, and
+the difference of two large sums must not lose the rest); the step subtracts, per query head, the
+keys and values it attends inside the block (read anyway by the attention), so the rest is exact
+per head whatever the selection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sparseattn.ops.attention import soft_cap
+from sparseattn.ops.buffers import Workspace
+from sparseattn.ops.attention import gather_tokens
+from sparseattn.validation import check_int
+
+
+@dataclass(frozen=True)
+class MergedRest:
+    """Attend the unattended tokens of every block of ``segments`` consecutive segments as one merged token.
+
+    Args:
+        segments: segments per block (>= 1). One merged token per block counts against the budget.
+    """
+
+    segments: int = 16
+
+    def __post_init__(self) -> None:
+        check_int("MergedRest", "segments", self.segments, 1)
+
+    def blocks(self, n_segments: int) -> int:
+        """Merged tokens a step adds over a grid of ``n_segments`` segments."""
+        return -(-n_segments // self.segments)
+
+
+def block_sums(seg_keys: torch.Tensor, seg_values: torch.Tensor, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value sums ``[B, H, n_blocks, D]`` (float64) of segments ``[B, H, S, c, D]`` grouped ``per_block`` at a time.
+
+    The last block holds what is left (``S mod per_block`` segments, if any).
+    """
+    B, H, S, c, D = seg_keys.shape
+    n = -(-S // per_block)
+    pad = n * per_block - S
+    out = []
+    for x in (seg_keys, seg_values):
+        s = x.to(torch.float64).sum(3)  # [B, H, S, D]
+        if pad:
+            s = torch.cat([s, s.new_zeros(B, H, pad, D)], dim=2)
+        out.append(s.view(B, H, n, per_block, D).sum(3))
+    return out[0], out[1]
+
+
+def block_counts(n_segments: int, segment_size: int, per_block: int, device=None) -> torch.Tensor:
+    """Tokens in each block ``[n_blocks]`` (float64): ``per_block x segment_size``, the last block what is left."""
+    n = -(-n_segments // per_block)
+    segs = torch.full((n,), per_block, dtype=torch.float64, device=device)
+    if n:
+        segs[-1] = n_segments - (n - 1) * per_block
+    return segs * segment_size
+
+
+def attended_block_sums(
+    x: torch.Tensor, weight: torch.Tensor, block: torch.Tensor, n: int, runs: tuple[int, int, int] | None = None
+) -> torch.Tensor:
+    """``out[b, h, g, j] = sum_l weight[b, h, g, l] x[b, h, l]`` over the listed tokens ``l`` of block ``j``: ``[B, H, G, n, D]``, float64.
+
+    ``x: [B, H, L, D]``, ``weight: [B, H, G, L]`` (0 for tokens outside every block), ``block: [B, H, L]``
+    each token's block (any valid one where the weight is 0). ``runs = (first, count, length)``: the
+    entries ``[first, first + count x length)`` come in runs of ``length`` tokens of one block (a
+    segment search's listing: whole segments), summed per run first, so the work is ``G`` sums over
+    ``L / length`` runs instead of over ``L`` tokens; the other entries are summed one by one.
+    """
+    B, H, G, L = weight.shape
+    D = x.shape[-1]
+    out = torch.zeros(B, H, G, n, D, dtype=torch.float64, device=x.device)
+    first, count, length = runs if runs is not None else (0, 0, 1)
+    for lo, hi in ((0, first), (first + count * length, L)):  # single tokens: sinks, tail, extra tokens
+        if hi > lo:
+            contrib = (weight[..., lo:hi].unsqueeze(-1) * x[:, :, None, lo:hi].to(weight.dtype)).to(torch.float64)
+            out.scatter_add_(3, block[:, :, None, lo:hi, None].expand(B, H, G, hi - lo, D), contrib)
+    if count:
+        w = weight[..., first : first + count * length].reshape(B, H, G, count, length)
+        xs = x[:, :, first : first + count * length].reshape(B, H, count, length, D).to(weight.dtype)
+        if bool((w.amax(-1) == w.amin(-1)).all()):  # each head takes a run whole or not at all: sum it once
+            per_run = w[..., 0].unsqueeze(-1) * xs.sum(3).unsqueeze(2)  # [B, H, G, count, D]
+        else:  # a run cut by the window: token by token within the runs
+            per_run = torch.einsum("bhgrc,bhrcd->bhgrd", w, xs)
+        run_block = block[:, :, first : first + count * length : length]  # [B, H, count]
+        summed = torch.zeros(B, H, G, n, D, dtype=per_run.dtype, device=x.device)
+        summed.scatter_add_(3, run_block[:, :, None, :, None].expand(B, H, G, count, D), per_run)
+        out += summed.to(torch.float64)  # at most a block's tokens per sum: the working dtype holds it
+    return out
+
+
+def merged_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    attended: torch.Tensor | None,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    counts: torch.Tensor,
+    start: int,
+    end: int,
+    block_tokens: int,
+    scale: float,
+    softcap: float | None = None,
+    workspace: Workspace | None = None,
+    runs: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the listed tokens plus one merged token per block of what they leave out.
+
+    ``q: [B, H_kv, G, D]``; ``index: [B, H_kv, L]`` the listed token positions, ``attended: [B, H_kv,
+    1 or G, L]`` which of them each query head attends (None: all); ``block_k, block_v: [B, H_kv, n,
+    D]`` the blocks' key and value sums, ``counts: [n]`` their tokens; block ``b`` holds the positions
+    of ``[start + b x block_tokens, start + (b + 1) x block_tokens)`` before ``end``. Per query head, the attended
+    tokens inside a block are subtracted from its sums; what is left, ``m`` tokens, is one token of
+    logit ``log m + scale q . (sum k / m)`` (soft-capped as the others) and value ``sum v / m``; an
+    emptied block has weight 0. ``runs``: see :func:`attended_block_sums` (a segment search's listing
+    passes its segments' runs). Returns ``out: [B, H_kv, G, D]`` and the listed tokens' ``probs: [B, H_kv,
+    G, L]`` (0 where not attended), in float32 (float64 for float64 inputs).
+    """
+    B, H, G, D = q.shape
+    n = block_k.shape[2]
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = gather_tokens(keys, index, workspace, "token_keys").to(cd)  # [B, H, L, D]
+    v = gather_tokens(values, index, workspace, "token_values").to(cd)
+    qc = q.to(cd)
+    logits = soft_cap(torch.matmul(qc, k.transpose(-1, -2)) * scale, softcap)  # [B, H, G, L]
+    took = torch.ones_like(logits, dtype=torch.bool) if attended is None else attended.expand(B, H, G, -1)
+    logits = logits.masked_fill(~took, float("-inf"))
+    # What each head attends inside the blocks leaves the rest: subtract it from the sums (in float64).
+    inside = (index >= start) & (index < end)  # [B, H, L]: the tail after the last segment is no block's
+    block = (index - start).div(block_tokens, rounding_mode="floor").clamp(0, max(n - 1, 0))
+    weight = (took & inside.unsqueeze(2)).to(cd)  # [B, H, G, L]
+    taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device)
+    taken.scatter_add_(3, block.unsqueeze(2).expand(B, H, G, -1), weight.to(torch.float64))
+    rest_n = counts.to(torch.float64) - taken  # [B, H, G, n]
+    rest_k = block_k.unsqueeze(2) - attended_block_sums(k, weight, block, n, runs)
+    rest_v = block_v.unsqueeze(2) - attended_block_sums(v, weight, block, n, runs)
+    left = rest_n > 0.5  # counts are whole numbers: a float64 difference of them is exact
+    m = rest_n.clamp_min(1.0).unsqueeze(-1)
+    mean_k, mean_v = (rest_k / m).to(cd), (rest_v / m).to(cd)
+    merged = soft_cap((qc.unsqueeze(3) * mean_k).sum(-1) * scale, softcap) + rest_n.clamp_min(1.0).log().to(cd)
+    merged = merged.masked_fill(~left, float("-inf"))  # [B, H, G, n]
+    probs = torch.softmax(torch.cat([logits, merged], dim=-1), dim=-1)
+    L = logits.shape[-1]
+    listed = probs[..., :L]
+    return torch.matmul(listed, v) + torch.einsum("bhgn,bhgnd->bhgd", probs[..., L:], mean_v), listed
+
+
+def merged_attention_ref(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attended: torch.Tensor,
+    start: int,
+    end: int,
+    block_tokens: int,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`merged_attention`, float64, one loop per head and block.
+
+    ``attended: [B, H_kv, G, t]`` the tokens each query head attends; every block of ``block_tokens``
+    positions in ``[start, end)`` (the last one shorter) adds one token made of its unattended
+    tokens: logit ``log m + scale q . mean k`` (soft-capped), value ``mean v``.
+    """
+    B, H, G, D = q.shape
+    out = torch.zeros(B, H, G, D, dtype=torch.float64)
+    cap = (lambda x: x) if softcap is None else (lambda x: softcap * torch.tanh(x / softcap))
+    for b in range(B):
+        for h in range(H):
+            K, V = keys[b, h].double(), values[b, h].double()
+            for g in range(G):
+                qv = q[b, h, g].double()
+                logits, vals = [], []
+                chosen = attended[b, h, g]
+                logits.append(cap(K[chosen] @ qv * scale))
+                vals.append(V[chosen])
+                for a in range(start, end, block_tokens):
+                    rest = ~chosen[a : min(end, a + block_tokens)]
+                    m = int(rest.sum())
+                    if m == 0:
+                        continue
+                    mk = K[a : a + rest.numel()][rest].mean(0)
+                    mv = V[a : a + rest.numel()][rest].mean(0)
+                    logits.append((cap(mk @ qv * scale) + math.log(m)).view(1))
+                    vals.append(mv.view(1, D))
+                p = torch.softmax(torch.cat(logits), dim=0)
+                out[b, h, g] = p @ torch.cat(vals)
+    return out

@@ -1,0 +1,198 @@
+"""The rest of a step merged per block (``MergedRest``) instead of dropped.
+
+Statements checked:
+
+* a merged token's weight ``n exp(q . mean k)`` never exceeds the attention mass of the tokens it
+  stands for (Jensen), and equals it when their keys are equal (hypothesis);
+* when every block's keys are equal, attention with the merged rest is dense attention, whatever
+  the step selected (the merge loses nothing there);
+* ``merged_attention`` equals its float64 reference on random inputs, soft-capping and per-head
+  masks included; summing a listing by whole segments (runs) is summing it token by token;
+* a segment search with the rest attends its selection plus one merged token per block made of
+  exactly what it did not attend (the reference over its reported mask), counts every merged token
+  in ``attended`` and keeps ``attended <= budget``; every summary x selector, an allocation,
+  refinement, heavy hitters and a shared selection compose with it; at full budget it is dense;
+* bad options are refused with their name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parts import SELECTORS, SUMMARIES, part_id
+from sparseattn import HeavyHitters, PooledMass, Quest, SegmentSearch, SqrtSchedule, TopTokens, attention_ref
+from sparseattn.methods.presets import RadarPlus, RadarPlusPooled
+from sparseattn.methods.rest import MergedRest, attended_block_sums, block_counts, block_sums, merged_attention, merged_attention_ref
+from sparseattn.testing import assert_close
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 40), d=st.integers(1, 16), spread=st.floats(0.0, 3.0), seed=st.integers(0, 2**31 - 1))
+def test_a_merged_token_never_outweighs_the_tokens_it_stands_for(n, d, spread, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(d, generator=gen, dtype=torch.float64)
+    keys = torch.randn(1, d, generator=gen, dtype=torch.float64) + spread * torch.randn(n, d, generator=gen, dtype=torch.float64)
+    merged = math.log(n) + float(keys.mean(0) @ q)
+    exact = float(torch.logsumexp(keys @ q, 0))
+    assert merged <= exact + 1e-9
+    if spread == 0.0:
+        assert merged == pytest.approx(exact, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_equal_keys_in_every_block_make_the_merged_rest_exact(seed):
+    """Blocks of equal keys (values free): the merged rest is the dropped share, so the output is dense."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, start, block, n = 2, 2, 3, 8, 3, 5, 6
+    t = start + block * n + 4
+    keys = torch.randn(B, H, t, D, generator=gen, dtype=torch.float64)
+    keys[:, :, start : start + block * n] = keys[:, :, start : start + block * n : block].repeat_interleave(block, dim=2)
+    values = torch.randn(B, H, t, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(B, H, G, D, generator=gen, dtype=torch.float64)
+    attended = torch.rand(B, H, G, t, generator=gen) < 0.3
+    attended[..., :start] = True  # sinks and tail: always attended (they are no block's)
+    attended[..., start + block * n :] = True
+    out = merged_attention_ref(q, keys, values, attended, start, start + block * n, block, D**-0.5)
+    assert_close(out, attention_ref(q, keys, values), torch.float64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merged_attention_is_its_float64_reference(seed, softcap, per_head, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, start, c, per, S = 2, 2, 3, 16, 4, 3, 4, 21
+    end = start + c * S
+    t = end + 7
+    keys, values = torch.randn(B, H, t, D, generator=gen, dtype=dtype), torch.randn(B, H, t, D, generator=gen, dtype=dtype)
+    q = torch.randn(B, H, G, D, generator=gen, dtype=dtype)
+    L = 30
+    # Distinct positions (a token listed twice would count twice, as in every listing), the newest first.
+    index = torch.stack([torch.cat([torch.tensor([t - 1]), torch.randperm(t - 1, generator=gen)[: L - 1]]) for _ in range(B * H)]).view(B, H, L)
+    attended = torch.rand(B, H, G if per_head else 1, L, generator=gen) < 0.7
+    attended[..., 0] = True
+    seg = lambda x: x[:, :, start:end].reshape(B, H, S, c, D)
+    ks, vs = block_sums(seg(keys), seg(values), per)
+    out, probs = merged_attention(q, keys, values, index, attended, ks, vs, block_counts(S, c, per), start, end, per * c, D**-0.5, softcap)
+    mask = torch.zeros(B, H, G, t, dtype=torch.bool)
+    mask.scatter_(-1, index.unsqueeze(2).expand(B, H, G, L), attended.expand(B, H, G, L))
+    ref = merged_attention_ref(q, keys, values, mask, start, end, per * c, D**-0.5, softcap)
+    assert_close(out, ref, dtype)
+    assert bool((probs[~attended.expand(B, H, G, L)] == 0).all())
+
+
+def run_steps(method, budget, steps=4, seed=0, B=2, H=2, G=3, D=16, T=400):
+    """Decode ``steps`` tokens; each output must be the reference over the reported mask plus the merged rest."""
+    gen = torch.Generator().manual_seed(seed)
+    state = method.new_state(B, H, D)
+    keys, values = torch.randn(B, H, T + steps, D, generator=gen), torch.randn(B, H, T + steps, D, generator=gen)
+    state.prefill(keys[:, :, :T], values[:, :, :T])
+    infos = []
+    for t in range(T, T + steps):
+        q = torch.randn(B, H * G, D, generator=gen)
+        out, info = state.step(q, keys[:, :, t], values[:, :, t])
+        lay = info.layout
+        mask = info.to_mask().view(B, H, G, t + 1)
+        per = method.rest.segments * lay.segment_size
+        ref = merged_attention_ref(q.view(B, H, G, D), keys[:, :, : t + 1], values[:, :, : t + 1], mask, lay.sink_end, lay.segment_end, per, state.scale)
+        assert_close(out, ref.view(B, H * G, D).float(), torch.float32)
+        assert info.n_merged == -(-lay.n_segments // method.rest.segments)
+        assert torch.equal(info.attended, info.to_mask().sum(-1) + info.merged)
+        if budget is not None:
+            assert float(info.attended.double().mean(-1).max()) <= budget
+        infos.append(info)
+    return infos
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        RadarPlusPooled(budget=160),
+        RadarPlus(budget=160),
+        Quest(budget=160),
+        dataclasses.replace(RadarPlus(budget=160), shared_kv_selection=True),
+        dataclasses.replace(RadarPlus(budget=160), always=HeavyHitters(8)),
+        dataclasses.replace(RadarPlus(budget=160, aspect=2.0), refine=TopTokens(2)),
+    ],
+    ids=["radar+pooled", "radar+", "quest", "shared", "heavy-hitters", "refine"],
+)
+def test_a_step_attends_its_selection_plus_exactly_what_it_left_out_merged(method):
+    infos = run_steps(dataclasses.replace(method, rest=MergedRest(4)), 160)
+    assert all(0 < i.n_merged for i in infos)
+
+
+@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
+@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def test_every_summary_and_selector_composes_with_the_merged_rest(summary, selector):
+    method = SegmentSearch(summary, selector, SqrtSchedule(aspect=2.0), sinks=2, budget=80, allocation=PooledMass(cap=3.0), rest=MergedRest(3))
+    run_steps(method, 80, steps=3, T=300)
+
+
+def test_the_rest_costs_budget_one_token_per_block():
+    plain, merged = RadarPlusPooled(budget=512), dataclasses.replace(RadarPlusPooled(budget=512), rest=MergedRest(16))
+    s1, s2 = plain.new_state(1, 1, 16), merged.new_state(1, 1, 16)
+    for s in (s1, s2):
+        s.prefill(torch.randn(1, 1, 4096, 16), torch.randn(1, 1, 4096, 16))
+    lay = s2.layout
+    assert merged.merged_tokens(lay) == -(-lay.n_segments // 16)
+    room = 512 - lay.sink_end - lay.tail_size
+    assert plain.segments_for(lay) == room // lay.segment_size
+    assert merged.segments_for(lay) == (room - merged.merged_tokens(lay)) // lay.segment_size
+
+
+def test_at_full_budget_the_rest_changes_nothing():
+    B, H, G, D, T = 1, 2, 3, 8, 90
+    method = dataclasses.replace(RadarPlus(budget=10**6), rest=MergedRest(2))
+    state = method.new_state(B, H, D)
+    keys, values = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    state.prefill(keys[:, :, :-1], values[:, :, :-1])
+    q = torch.randn(B, H * G, D)
+    out, info = state.step(q, keys[:, :, -1], values[:, :, -1])
+    assert_close(out, attention_ref(q.view(B, H, G, D), keys, values).view(B, H * G, D), torch.float32)
+    assert info.n_merged == 0 and torch.equal(info.attended, torch.full((B, H * G), T))
+
+
+def test_beam_reordering_keeps_each_rows_block_sums():
+    method = dataclasses.replace(RadarPlus(budget=64), rest=MergedRest(4))
+    state = method.new_state(2, 1, 8)
+    state.prefill(torch.randn(2, 1, 300, 8), torch.randn(2, 1, 300, 8))
+    before = [buf.view().clone() for buf in state._rest_sums]
+    state.select_batch(torch.tensor([1, 1, 0]))
+    for old, buf in zip(before, state._rest_sums):
+        assert torch.equal(buf.view(), old[[1, 1, 0]])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "4"])
+def test_bad_rest_options_are_refused_with_their_name(bad):
+    with pytest.raises(ValueError, match="MergedRest.segments"):
+        MergedRest(bad)
+
+
+def test_a_rest_class_instead_of_an_instance_is_refused():
+    with pytest.raises(ValueError, match="SegmentSearch.rest"):
+        SegmentSearch(rest=MergedRest)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_summing_a_listing_by_whole_segments_is_summing_it_token_by_token(seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, n, first, count, length, after = 2, 2, 3, 8, 5, 3, 6, 4, 5
+    L = first + count * length + after
+    x = torch.randn(B, H, L, D, generator=gen)
+    weight = (torch.rand(B, H, G, L, generator=gen) < 0.6).float()
+    block = torch.randint(0, n, (B, H, L), generator=gen)
+    block[:, :, first : first + count * length] = torch.randint(0, n, (B, H, count), generator=gen).repeat_interleave(length, -1)
+    by_runs = attended_block_sums(x, weight, block, n, (first, count, length))
+    by_token = attended_block_sums(x, weight, block, n)
+    ref = torch.zeros(B, H, G, n, D, dtype=torch.float64)
+    for b, h, g, l in ((b, h, g, l) for b in range(B) for h in range(H) for g in range(G) for l in range(L)):
+        ref[b, h, g, block[b, h, l]] += weight[b, h, g, l].double() * x[b, h, l].double()
+    assert_close(by_runs, ref, torch.float32)
+    assert_close(by_token, ref, torch.float32)
