@@ -113,14 +113,10 @@ class StepInfo(Protocol):
 
     @property
     def attended(self) -> torch.Tensor:
-        """Tokens attended per query head, ``[B, H_q]`` (an integer tensor): ``to_mask().sum(-1) + merged``."""
-        ...
-
-    @property
-    def merged(self) -> torch.Tensor:
-        """Stand-in tokens attended per query head beyond the stored ones, ``[B, H_q]`` (an integer tensor;
-        zeros for most methods): a merged rest (:class:`~sparseattn.methods.rest.MergedRest`) counts each of
-        its merged tokens here and in ``attended``, against the budget."""
+        """Tokens attended per query head, ``[B, H_q]`` (an integer tensor): the stored tokens of ``to_mask()``,
+        plus any stand-in tokens a state attends instead of stored ones (a merged rest,
+        :class:`~sparseattn.methods.rest.MergedRest`, counts each merged token against the budget;
+        the toolkit's infos report them as ``merged``, ``[B, H_q]``, zeros for most methods)."""
         ...
 
     def to_mask(self) -> torch.Tensor:

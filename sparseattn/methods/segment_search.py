@@ -714,8 +714,7 @@ class SegmentSearchState(KVState):
         """The selection (only its ``valid`` segments) plus the ``always`` part's tokens, if any, in one
         softmax over the gathered tokens (torch)."""
         B, H = self.batch, self.kv_heads
-        # The merged rest reads the listing twice more: list the selections' union only (see segment_index).
-        index, mask = segment_index(lay, segments, valid, compact=self.method.rest is not None)
+        index, mask = segment_index(lay, segments, valid)
         extra = extra_valid = None
         if self.method.always is not None:
             extra, extra_valid = self._always_tokens(lay, segments, valid)

@@ -20,7 +20,7 @@ from sparseattn.ops.layout import SegmentLayout
 
 
 def segment_index(
-    layout: SegmentLayout, segments: torch.Tensor, valid: torch.Tensor | None = None, compact: bool = False
+    layout: SegmentLayout, segments: torch.Tensor, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens a segment selection attends, as a token list and a per-head mask.
 
@@ -30,9 +30,6 @@ def segment_index(
     segment reaching into the tail attends only its tokens before ``tail_start`` (the tail has them).
     ``valid: [B, H_kv, G', k]`` (optional) marks the listed segments that are attended; the others
     are listed but masked out (a budget allocation gives heads different numbers of segments).
-    ``compact``: list only as many segments as the largest union of the batch holds (one device sync),
-    instead of a width fixed by the shapes (``G' k``): far fewer tokens when the heads' selections
-    overlap (a per-group shortlist), at the price of a width that depends on every row's selection.
 
     Example:
         >>> lay = SegmentLayout(length=12, sinks=1, segment_size=3, n_segments=3, window=2)
@@ -52,8 +49,6 @@ def segment_index(
         # arithmetic of another (and no device sync). Selected segments first (True sorts above False);
         # the rest pads with unselected ones, masked out.
         width = min(layout.n_segments, sets * k)
-        if compact:
-            width = min(width, max(1, int(union.sum(-1).max())))
         picked = union.to(torch.int8).topk(width, dim=-1, sorted=False).indices  # [B, H, U]
         positions = (layout.sink_end + picked.unsqueeze(-1) * c + torch.arange(c, device=device)).reshape(B, H, width * c)
         parts.append(positions)
