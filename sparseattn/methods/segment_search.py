@@ -300,7 +300,7 @@ class SegmentSelection:
     @property
     def merged(self) -> torch.Tensor:
         """Merged tokens of the rest attended per query head, ``[B, H_q]`` (``n_merged`` each)."""
-        B, H, G, _ = self.segments.shape
+        B, H = self.segments.shape[:2]
         return torch.full((B, H * self.group), self.n_merged, dtype=torch.long, device=self.segments.device)
 
     def to_mask(self) -> torch.Tensor:
