@@ -93,7 +93,7 @@ def variant(spec: str) -> RestVariant:
     """``ESTIMATOR:BLOCK:BUDGET``: the selection's budget is what is left after the merged tokens."""
     parts = spec.split(":")
     if len(parts) != 3 or parts[0] not in ESTIMATORS or not all(p.isdigit() and int(p) >= 1 for p in parts[1:]):
-        raise SystemExit(f"--variants {spec!r}: expected ESTIMATOR:BLOCK:BUDGET with ESTIMATOR one of {', '.join(ESTIMATORS)}, BLOCK and BUDGET >= 1")
+        raise ValueError(f"--variants {spec!r}: expected ESTIMATOR:BLOCK:BUDGET with ESTIMATOR one of {', '.join(ESTIMATORS)}, BLOCK and BUDGET >= 1")
     base = RadarPlusPooled(budget=int(parts[2]))
     return RestVariant(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, block=int(parts[1]), estimator=parts[0])
 
@@ -117,11 +117,14 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.steps <= args.reference_steps:
         parser.error(f"--steps: {args.steps} is out of range; allowed: 1 to --reference-steps ({args.reference_steps})")
+    try:
+        methods = {spec: variant(spec) for spec in args.variants}
+    except ValueError as error:
+        parser.error(str(error))
     reference = RUNS / f"{'+'.join(args.texts)}-p{args.prefill}-s{args.reference_steps}"
     for name in ("dense", f"streamingllm-b{args.budget}"):
         if not (reference / name / "tokens.jsonl").exists():
             parser.error(f"no {name} run in {reference}: run benchmarks/quality.py on these texts first")
-    methods = {spec: variant(spec) for spec in args.variants}
 
     from sparseattn.data.sources import load_text
     from sparseattn.evaluation.ppl import run_ppl_together, tokenize

@@ -272,35 +272,6 @@ def RadarPlusPooled(
     )  # fmt: skip
 
 
-def RadarPlusMerged(
-    top_k: int | None = None,
-    *,
-    sinks: int = 4,
-    window: int = 0,
-    aspect: float = 16.0,
-    factor: float = 2.0,
-    cap: float = 2.0,
-    floor: float = 0.25,
-    merge: int = 16,
-    budget: int | None = None,
-) -> SegmentSearch:
-    """radar+pooled that keeps a coarse picture of what it does not attend (issue 17).
-
-    ``RadarPlusPooled(...)`` with ``rest=MergedRest(merge)``: every ``merge`` consecutive segments form
-    a block, and each block's tokens a step leaves out enter its softmax as one merged token (mean
-    key, mean value, log count; :class:`~sparseattn.methods.rest.MergedRest`), instead of being
-    dropped. Each merged token counts against ``budget`` (``ceil(S / merge)`` of them: ``sqrt(t)`` at
-    the default grid and ``merge``), the selection shrinks to keep the total. Runs the torch gather
-    path (no fused kernel yet).
-    """
-    return dataclasses.replace(
-        RadarPlusPooled(top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, cap=cap, floor=floor, budget=budget),
-        rest=MergedRest(merge),
-    )
-
-
-
-
 def OracleTokens(
     top_k: int = 1024,
     *,
@@ -490,6 +461,26 @@ def _first_layers(build):
 
 OracleTokensPooledFirstLayers = _first_layers(OracleTokensPooled)
 RadarPlusPooledFirstLayers = _first_layers(RadarPlusPooled)
+
+
+def _merged(build):
+    """``build`` with what a step leaves out merged per block (:class:`~sparseattn.methods.rest.MergedRest`, ``merge``)."""
+
+    def merged(*args, merge: int = 16, **options) -> SegmentSearch:
+        return dataclasses.replace(build(*args, **options), rest=MergedRest(merge))
+
+    merged.__name__ = merged.__qualname__ = build.__name__.replace("Pooled", "Merged")
+    merged.__doc__ = (
+        f"{build.__name__} that keeps a coarse picture of what it does not attend (issue 17): every ``merge`` "
+        "consecutive segments form a block, and each block's tokens a step leaves out enter its softmax as one "
+        "merged token (mean key, mean value, log count; :class:`~sparseattn.methods.rest.MergedRest`) instead of "
+        "being dropped. Each merged token counts against ``budget`` (``ceil(S / merge)``: ``sqrt(t)`` at the "
+        "default grid), the selection shrinks to keep the total. Runs the torch gather path (no fused kernel yet)."
+    )
+    return _signed(merged, build, (), {"merge": 16})
+
+
+RadarPlusMerged = _merged(RadarPlusPooled)
 
 
 def _factor_option(default: float) -> Option:
