@@ -1,9 +1,12 @@
-"""The vLLM plugin end to end on the default model (needs vLLM: see docs/serving.md for the venv).
+"""The vLLM plugin end to end on the default model, in bfloat16 (needs vLLM: ``bash scripts/vllm-venv.sh``).
 
 One engine per configuration (stock vLLM, the plugin's dense path, quest at a budget covering the
-context), each generating once for every test; float32, so that greedy tokens are compared without
-bfloat16 near-ties (docs/serving.md has the bfloat16 result). ``max_num_batched_tokens=256`` makes the
-long prompts prefill in chunks while the short one decodes: the batches mix prefill and decode.
+context), each generating once for every test; eager (an eager engine starts in ~20 s, a compiled one
+compiles for a minute). In bfloat16 two kernels that sum in another order flip near-tied greedy tokens, so
+the outputs are compared as vLLM's own tests compare them: equal up to each sequence's first difference,
+and there each engine's token among the other's 5 most likely (exact float32 equality is in
+test_vllm_e2e.py). ``max_num_batched_tokens=256`` makes the long prompts prefill in chunks while the short
+one decodes: the batches mix prefill and decode.
 """
 
 import os
@@ -15,13 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed: install sparseattn[vllm] in its own venv, see docs/serving.md")
+from vllm_engine import skip_unless_vllm_cpu  # noqa: E402
 
-from vllm_engine import greedy_tokens
+skip_unless_vllm_cpu()
+
+from vllm_engine import first_divergences_are_near_ties, greedy_outputs
 
 REPO = Path(__file__).resolve().parents[1]
-NEW_TOKENS = 24
-ENGINE = {"dtype": "float32", "max_model_len": 4096, "max_num_batched_tokens": 256, "enable_chunked_prefill": True, "seed": 0}
+NEW_TOKENS = 16
+TOP = 5
+ENGINE = {"dtype": "bfloat16", "max_model_len": 4096, "max_num_batched_tokens": 256, "enable_chunked_prefill": True,
+          "seed": 0, "enforce_eager": True}  # fmt: skip
 
 
 def prompts() -> list[str]:
@@ -29,9 +36,9 @@ def prompts() -> list[str]:
     return ["The capital of France is", text[:2500] + "\nIn short,", text[:6000] + "\nThe main idea is"]
 
 
-def generate(tmp: Path, label: str, **extra) -> tuple[list[list[int]], str]:
-    """Greedy tokens of every prompt from a fresh engine, and its log; the engine is shut down after."""
-    return greedy_tokens(tmp / f"{label}.log", prompts(), {**ENGINE, **extra}, NEW_TOKENS)
+def generate(tmp: Path, label: str, **extra) -> tuple[list, str]:
+    """Greedy outputs (tokens, top-5 ids per position) of every prompt from a fresh engine, and its log."""
+    return greedy_outputs(tmp / f"{label}.log", prompts(), {**ENGINE, **extra}, NEW_TOKENS, top=TOP, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +62,22 @@ def quest_full(tmp):
 
 
 def test_stock_engine_does_not_use_the_paged_engine(stock):
-    tokens, log = stock
-    assert all(len(t) == NEW_TOKENS for t in tokens)
+    outputs, log = stock
+    assert all(len(tokens) == NEW_TOKENS and len(top) == NEW_TOKENS for tokens, top in outputs)
     assert "sparseattn:" not in log
 
 
-def test_plugin_dense_equals_stock(stock, dense):
-    tokens, log = dense
+def test_plugin_dense_equals_stock_up_to_bfloat16_near_ties(stock, dense):
+    outputs, log = dense
     assert "first decode step answered by the paged engine (dense)" in log, log[-3000:]
-    assert tokens == stock[0]
+    assert first_divergences_are_near_ties(outputs, stock[0]) == []
 
 
-def test_quest_at_full_budget_equals_stock(stock, quest_full):
-    tokens, log = quest_full
+@pytest.mark.slow  # a third engine (~40 s) CI cannot spare; radar+ at a full budget is compared in float32 (test_vllm_e2e.py)
+def test_quest_at_full_budget_equals_stock_up_to_bfloat16_near_ties(stock, quest_full):
+    outputs, log = quest_full
     assert "first decode step answered by the paged engine (quest:budget=4096)" in log, log[-3000:]
-    assert tokens == stock[0]
+    assert first_divergences_are_near_ties(outputs, stock[0]) == []
 
 
 START = textwrap.dedent(
