@@ -5,7 +5,7 @@ radar+ at budget 512 is asked of the real server, in test_vllm_server.py.
 
 Greedy tokens are compared in float32 (bfloat16 near-ties flip tokens between any two kernels: the bfloat16
 comparison, with vLLM's logprobs, is in test_vllm_plugin.py). Four engines, eager (a compiled engine spends
-a minute compiling, an eager one starts in ~20 s; the compiled path is what test_vllm_server.py serves);
+a minute compiling, an eager one starts in ~20 s; the compiled path is the benchmarks');
 about four minutes on 2 cores, most of it float32 prefill. The prompts are token ids cut from this
 repository's docs, so their lengths are exact.
 """
@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_engine import skip_unless_vllm_cpu  # noqa: E402
+from vllm_engine import fd_log, greedy_tokens, skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
 
-from sparseattn.hf.models import local_model_dir
-from vllm_engine import fd_log, greedy_tokens
+from sparseattn.hf.models import local_model_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 64

@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_engine import skip_unless_vllm_cpu  # noqa: E402
+from vllm_engine import first_divergences_are_near_ties, greedy_outputs, skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
-
-from vllm_engine import first_divergences_are_near_ties, greedy_outputs
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16

