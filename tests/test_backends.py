@@ -274,6 +274,41 @@ def test_cpu_kernel_with_a_mask_attends_each_selections_flagged_segments(case, d
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES + SPLIT_CASES if c.k != "0"], ids=lambda c: c.id)
+def test_cpu_kernel_returns_each_heads_log_sum_exp_of_what_it_attends(case, dtype, softcap, threads):
+    """``segment_attention_lse``: the masked output and ``log sum exp(logit)`` over each head's attended
+    tokens (float64 reference), whatever the split of a row into parts (the thread count)."""
+    from sparseattn.ops.attention import attention_ref
+
+    q, keys, values, segments, _, _ = make_inputs(case, dtype, seed=threads, poison=False)
+    gen = torch.Generator().manual_seed(7 + threads)
+    valid = torch.rand(segments.shape, generator=gen) < 0.7
+    mask = segment_mask(case.layout, segments, case.G, valid)
+    if not bool(mask.any(-1).all()):
+        valid[..., 0] = True  # every head attends something here (an empty head is refused: tested above)
+        mask = segment_mask(case.layout, segments, case.G, valid)
+    if not bool(mask.any(-1).all()):
+        pytest.skip("a head of this case attends nothing whatever is flagged")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out, lse = CpuBackend().segment_attention_lse(q, keys, values, case.layout, segments, valid, None, softcap)
+    finally:
+        torch.set_num_threads(before)
+    D = q.shape[-1]
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys[:, :, : mask.shape[-1]].double()) * D**-0.5
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    ref_lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-4)
+    assert_close(out, attention_ref(q, keys, values, mask, softcap=softcap), dtype)
+
+
+@needs_cpu_kernel
 def test_cpu_kernel_skips_unflagged_indices_and_refuses_a_flagged_bad_one():
     call = small_call()
     values = torch.randn_like(call["keys"])

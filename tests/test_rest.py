@@ -26,10 +26,36 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parts import SELECTORS, SUMMARIES, part_id
-from sparseattn import HeavyHitters, PooledMass, Quest, SegmentSearch, SqrtSchedule, TopTokens, attention_ref
+from sparseattn import (
+    Centroid,
+    DoublingSchedule,
+    FixedSchedule,
+    HeavyHitters,
+    PooledMass,
+    Quest,
+    SegmentSearch,
+    SqrtSchedule,
+    TopK,
+    TopTokens,
+    attention_ref,
+)
 from sparseattn.methods.presets import RadarPlus, RadarPlusPooled
-from sparseattn.methods.rest import MergedRest, attended_block_sums, block_counts, block_sums, merged_attention, merged_attention_ref
+from sparseattn.methods.rest import (
+    MergedRest,
+    add_merged_rest,
+    attended_block_sums,
+    block_counts,
+    block_sums,
+    merged_attention,
+    merged_attention_ref,
+    segment_sums,
+)
+from sparseattn.ops.attention import segment_mask, soft_cap
+from sparseattn.ops.layout import SegmentLayout
+from sparseattn.backends.cpu_kernels import cpu_kernel_refusal
 from sparseattn.testing import assert_close
+
+CPU_KERNEL = cpu_kernel_refusal()  # None when the C kernel built and loaded here
 
 
 @settings(max_examples=80, deadline=None)
@@ -88,6 +114,41 @@ def test_merged_attention_is_its_float64_reference(seed, softcap, per_head, dtyp
     assert bool((probs[~attended.expand(B, H, G, L)] == 0).all())
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shared=st.booleans(),
+    per_block=st.integers(1, 6),
+    window=st.integers(0, 20),
+    extra=st.integers(0, 4),
+    softcap=st.sampled_from([None, 3.0]),
+)
+def test_the_rest_from_segment_sums_is_the_float64_reference(seed, shared, per_block, window, extra, softcap):
+    """``add_merged_rest`` (the kernel path: no token gathered) on the attended part's output and log-sum-exp
+    is ``merged_attention_ref``, the window reaching into segments included (a segment it
+    reaches is attended whole if selected, else only its tail tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, c, S, sinks = 2, 2, 3, 8, 3, 12, 2
+    lay = SegmentLayout(length=sinks + S * c + extra, sinks=sinks, segment_size=c, n_segments=S, window=window)
+    keys, values = torch.randn(B, H, lay.length, D, generator=gen), torch.randn(B, H, lay.length, D, generator=gen)
+    q = torch.randn(B, H, G, D, generator=gen)
+    sets = 1 if shared else G
+    segments = torch.stack([torch.randperm(S, generator=gen)[:5] for _ in range(B * H * sets)]).view(B, H, sets, 5)
+    valid = torch.rand(segments.shape, generator=gen) < 0.6
+    grid = lambda x: x[:, :, sinks : lay.segment_end].reshape(B, H, S, c, D)  # noqa: E731
+    seg_k, seg_v = segment_sums(grid(keys), grid(values))
+    block_k, block_v = block_sums(grid(keys), grid(values), per_block)
+    scale = D**-0.5
+    mask = segment_mask(lay, segments, G, valid)
+    attended = soft_cap(torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale, softcap)
+    lse = torch.logsumexp(attended.masked_fill(~mask, float("-inf")), dim=-1).float()
+    selection = attention_ref(q, keys, values, mask, softcap=softcap).float()
+    out = add_merged_rest(selection, lse, q, keys, values, lay, segments, valid, seg_k, seg_v, block_k, block_v, per_block, scale, softcap)
+    ref = merged_attention_ref(q, keys, values, mask, sinks, lay.segment_end, per_block * c, scale, softcap)
+    assert out.dtype == torch.float32
+    assert_close(out, ref.float(), torch.float32)
+
+
 def run_steps(method, budget, steps=4, seed=0, B=2, H=2, G=3, D=16, T=400):
     """Decode ``steps`` tokens; each output must be the reference over the reported mask plus the merged rest."""
     gen = torch.Generator().manual_seed(seed)
@@ -100,10 +161,10 @@ def run_steps(method, budget, steps=4, seed=0, B=2, H=2, G=3, D=16, T=400):
         out, info = state.step(q, keys[:, :, t], values[:, :, t])
         lay = info.layout
         mask = info.to_mask().view(B, H, G, t + 1)
-        per = method.rest.segments * lay.segment_size
+        per = min(method.rest.per_block, lay.n_segments) * lay.segment_size
         ref = merged_attention_ref(q.view(B, H, G, D), keys[:, :, : t + 1], values[:, :, : t + 1], mask, lay.sink_end, lay.segment_end, per, state.scale)
         assert_close(out, ref.view(B, H * G, D).float(), torch.float32)
-        assert info.n_merged == -(-lay.n_segments // method.rest.segments)
+        assert info.n_merged == method.rest.blocks(lay.n_segments)
         assert torch.equal(info.attended, info.to_mask().sum(-1) + info.merged)
         if budget is not None:
             assert float(info.attended.double().mean(-1).max()) <= budget
@@ -123,8 +184,14 @@ def run_steps(method, budget, steps=4, seed=0, B=2, H=2, G=3, D=16, T=400):
     ],
     ids=["radar+pooled", "radar+", "quest", "shared", "heavy-hitters", "refine"],
 )
-def test_a_step_attends_its_selection_plus_exactly_what_it_left_out_merged(method):
-    infos = run_steps(dataclasses.replace(method, rest=MergedRest(4)), 160)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("per_block", [4, None])
+def test_a_step_attends_its_selection_plus_exactly_what_it_left_out_merged(method, backend, per_block):
+    """Both paths: the torch one gathers the attended tokens and sums them; the C kernel's returns each head's
+    log-sum-exp and the rest comes from segment sums (``add_merged_rest``). One block: one merged token."""
+    if backend == "cpu" and CPU_KERNEL is not None:
+        pytest.skip(f"the C kernel is unavailable here: {CPU_KERNEL}")
+    infos = run_steps(dataclasses.replace(method, rest=MergedRest(per_block), backend=backend), 160)
     assert all(0 < i.n_merged for i in infos)
 
 
@@ -167,6 +234,30 @@ def test_beam_reordering_keeps_each_rows_block_sums():
     state.select_batch(torch.tensor([1, 1, 0]))
     for old, buf in zip(before, state._rest_sums):
         assert torch.equal(buf.view(), old[[1, 1, 0]])
+
+
+@pytest.mark.parametrize("schedule", [FixedSchedule(4), DoublingSchedule(aspect=2.0)], ids=part_id)
+@pytest.mark.parametrize("per_block", [1, 3, None])
+def test_block_and_segment_sums_kept_while_decoding_are_the_sums_of_the_grid(per_block, schedule):
+    """Sealing adds each new segment to its block (no block is summed again) and a rebuild starts over:
+    after every step the kept sums are those of the current grid, summed afresh."""
+    method = SegmentSearch(Centroid(), TopK(), schedule, sinks=2, budget=96, allocation=PooledMass(cap=3.0), rest=MergedRest(per_block))
+    B, H, D, T, steps = 1, 2, 8, 150, 120
+    gen = torch.Generator().manual_seed(per_block or 0)
+    keys, values = torch.randn(B, H, T + steps, D, generator=gen), torch.randn(B, H, T + steps, D, generator=gen)
+    state = method.new_state(B, H, D)
+    state.prefill(keys[:, :, :T], values[:, :, :T])
+    grids = set()
+    for t in range(T, T + steps):
+        state.step(torch.randn(B, H * 3, D, generator=gen), keys[:, :, t], values[:, :, t])
+        lay = state.layout
+        grids.add((lay.segment_size, lay.n_segments))
+        grid = lambda x: x[:, :, lay.sink_end : lay.segment_end].reshape(B, H, lay.n_segments, lay.segment_size, D)  # noqa: E731
+        for kept, fresh in zip(state._rest_sums, block_sums(grid(keys), grid(values), MergedRest(per_block).per_block)):
+            torch.testing.assert_close(kept.view(), fresh)
+        for kept, fresh in zip(state._segment_sums, segment_sums(grid(keys), grid(values))):
+            torch.testing.assert_close(kept.view(), fresh)
+    assert len(grids) > 3  # segments were sealed (fixed) or the grid rebuilt (doubling)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "4"])

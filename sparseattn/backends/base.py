@@ -157,6 +157,31 @@ class MaskedSegmentAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class SegmentAttentionLSE(Protocol):
+    """Optional capability: masked segment attention that also returns each query head's normaliser.
+
+    ``lse: [B, H_kv, G]`` float32 is ``log sum_j exp(logit_j)`` over the tokens the query head attends
+    (soft-capped logits, as the output's softmax), so a caller can add more tokens to the softmax by
+    log-sum-exp without reading the attended ones again (a merged rest,
+    :class:`~sparseattn.methods.rest.MergedRest`). ``valid`` as :class:`MaskedSegmentAttention` (None:
+    every listed segment). The float64 reference: ``torch.logsumexp`` of the logits under
+    :func:`~sparseattn.ops.attention.segment_mask`.
+    """
+
+    def segment_attention_lse(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def describe(x: torch.Tensor) -> str:
     """``[2, 2, 3, 64] torch.float16 on cpu``: how an error message shows a tensor."""
     return f"{list(x.shape)} {x.dtype} on {x.device.type}"

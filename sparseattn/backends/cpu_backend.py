@@ -100,6 +100,21 @@ class CpuBackend(BackendBase):
         accept these inputs; a flagged index outside ``[0, n_segments)`` is refused by the kernel."""
         return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid)
 
+    def segment_attention_lse(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the same kernel, also writing each query
+        head's log-sum-exp. Unchecked, as :meth:`segment_attention_masked`."""
+        return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid, lse=True)
+
     def dense(
         self,
         q: torch.Tensor,

@@ -203,12 +203,14 @@ static int64_t row_spans(const int64_t *sel, const uint8_t *valid, int64_t sets,
  * layout:   sinks [0, sink_end), segment i = [sink_end + i * seg_size, + seg_size) clipped at tail_start,
  *           tail [tail_start, length).
  * softcap:  <= 0 for none. out: [B, H, G, D] float32, contiguous.
+ * lse:      NULL, or [B, H, G] float32: each query head's log sum of exp(logit) over its attended tokens
+ *           (the output's normaliser, so a caller can merge it with more tokens by log-sum-exp).
  */
 int sa_segment_attention(const float *q, const void *keys, const void *values, int dtype, int64_t ksb, int64_t ksh,
                          int64_t kst, int64_t vsb, int64_t vsh, int64_t vst, int64_t B, int64_t H, int64_t G,
                          int64_t D, const int64_t *segments, const uint8_t *valid, int64_t sets, int64_t k,
                          int64_t sink_end, int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length,
-                         float scale, float softcap, float *out, int threads) {
+                         float scale, float softcap, float *out, float *lse, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && !(dtype == SA_F16 && sa_float16_supported())) return SA_BAD_DTYPE;
     if (G > SA_MAX_ROWS) return SA_TOO_MANY_ROWS;
     const int64_t rows = B * H, max_spans = n_segments + 2;
@@ -343,6 +345,7 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
                 }
                 float inv = 1.f / norm;
                 for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+                if (lse) lse[r * G + g] = top + logf(norm);
             }
         }
     }

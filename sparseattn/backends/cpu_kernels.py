@@ -236,7 +236,7 @@ def load_library() -> ctypes.CDLL:
     lib.sa_segment_attention.restype = ctypes.c_int
     lib.sa_segment_attention.argtypes = [
         ptr, ptr, ptr, ctypes.c_int, *[i64] * 6, *[i64] * 4, ptr, ptr, i64, i64, *[i64] * 5,
-        ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int,
+        ctypes.c_float, ctypes.c_float, ptr, ptr, ctypes.c_int,
     ]  # fmt: skip
     lib.sa_segment_log_mass.restype = ctypes.c_int
     lib.sa_segment_log_mass.argtypes = [
@@ -273,7 +273,8 @@ def segment_attention_cpu(
     scale: float | None = None,
     softcap: float | None = None,
     valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+    lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`~sparseattn.ops.attention.segment_attention` by the C kernel, reading the cache in place.
 
     ``q: [B, H_kv, G, D]`` (any float dtype; converted to float32, it is small), ``keys, values:
@@ -281,7 +282,8 @@ def segment_attention_cpu(
     (views of a capacity buffer are fine), ``segments: [B, H_kv, G', k]`` integer indices with
     ``G'`` in ``{1, G}``. The caller checks shapes (the backend does, or the decode state guarantees
     them). ``valid: [B, H_kv, G', k]`` bool (optional): each selection attends only its listed segments
-    flagged True (a budget allocation's split); the others are not read. Returns ``[B, H_kv, G, D]`` float32.
+    flagged True (a budget allocation's split); the others are not read. Returns ``[B, H_kv, G, D]`` float32,
+    and with ``lse`` also each query head's log-sum-exp of its attended logits ``[B, H_kv, G]`` float32.
     """
     lib = load_library()
     B, H, G, D = q.shape
@@ -290,17 +292,19 @@ def segment_attention_cpu(
     seg = segments.to(torch.int64).contiguous()
     flags = None if valid is None else valid.to(torch.uint8).contiguous()
     out = torch.empty(B, H, G, D, dtype=torch.float32)
+    norm = torch.empty(B, H, G, dtype=torch.float32) if lse else None
     ks, vs = keys.stride(), values.stride()
     status = lib.sa_segment_attention(
         qf.data_ptr(), keys.data_ptr(), values.data_ptr(), DTYPE_CODES[keys.dtype],
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], B, H, G, D,
         seg.data_ptr(), None if flags is None else flags.data_ptr(), seg.shape[2], seg.shape[3],
         layout.sink_end, layout.segment_size, layout.n_segments, layout.tail_start, layout.length,
-        float(scale), float(softcap or 0.0), out.data_ptr(), torch.get_num_threads(),
+        float(scale), float(softcap or 0.0), out.data_ptr(), None if norm is None else norm.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise ValueError(f"cpu segment attention failed: {_ERRORS.get(status, f'status {status}')}")
-    return out
+    return (out, norm) if lse else out
 
 
 def segment_log_mass_cpu(queries: torch.Tensor, segment_keys: torch.Tensor, factor: float, index: torch.Tensor) -> torch.Tensor:

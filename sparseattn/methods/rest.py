@@ -44,17 +44,28 @@ class MergedRest:
     """Attend the unattended tokens of every block of ``segments`` consecutive segments as one merged token.
 
     Args:
-        segments: segments per block (>= 1). One merged token per block counts against the budget.
+        segments: segments per block (>= 1), or None: one block, the whole rest as one merged token per
+            step and query head. One merged token per block counts against the budget.
     """
 
-    segments: int = 16
+    segments: int | None = 16
 
     def __post_init__(self) -> None:
-        check_int("MergedRest", "segments", self.segments, 1)
+        if self.segments is not None:
+            check_int("MergedRest", "segments", self.segments, 1, "or None for one block")
+
+    @property
+    def per_block(self) -> int:
+        """Segments per block (one block holds any grid when ``segments`` is None)."""
+        return _ONE_BLOCK if self.segments is None else self.segments
 
     def blocks(self, n_segments: int) -> int:
         """Merged tokens a step adds over a grid of ``n_segments`` segments."""
-        return -(-n_segments // self.segments)
+        return -(-n_segments // self.per_block)
+
+
+#: Segments per block of ``MergedRest(None)``: more than any grid has.
+_ONE_BLOCK = 2**62
 
 
 def block_sums(seg_keys: torch.Tensor, seg_values: torch.Tensor, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +74,7 @@ def block_sums(seg_keys: torch.Tensor, seg_values: torch.Tensor, per_block: int)
     The last block holds what is left (``S mod per_block`` segments, if any).
     """
     B, H, S, c, D = seg_keys.shape
+    per_block = min(per_block, max(S, 1))  # one block of every segment (MergedRest(None)): no padding to it
     n = -(-S // per_block)
     pad = n * per_block - S
     out = []
@@ -172,6 +184,101 @@ def merged_attention(
     L = logits.shape[-1]
     listed = probs[..., :L]
     return torch.matmul(listed, v) + torch.einsum("bhgn,bhgnd->bhgd", probs[..., L:], mean_v), listed
+
+
+def segment_sums(
+    seg_keys: torch.Tensor, seg_values: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value sums ``[B, H, S, D]`` of segments ``[B, H, S, c, D]``, in ``dtype``: what a step subtracts
+    from its blocks' sums for every segment it attends, without reading the segment's tokens again."""
+    return seg_keys.to(dtype).sum(3), seg_values.to(dtype).sum(3)
+
+
+def add_merged_rest(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout,
+    segments: torch.Tensor,
+    valid: torch.Tensor | None,
+    seg_k: torch.Tensor,
+    seg_v: torch.Tensor,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    per_block: int,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention over a segment selection, ``out [B, H_kv, G, D]`` with log-sum-exp ``lse [B, H_kv, G]`` (the
+    kernel's), with the merged tokens of what it leaves out added to its softmax: no token is gathered.
+
+    ``segments: [B, H_kv, G', w]`` each selection's listed segments, ``valid`` (same shape, None: all)
+    which it attends (``G'`` in ``{1, G}``); ``seg_k, seg_v: [B, H_kv, S, D]`` the segments' sums
+    (:func:`segment_sums`), ``block_k, block_v: [B, H_kv, n, D]`` (float64) the blocks'
+    (:func:`block_sums`, ``per_block`` segments each). The attended set is the layout's: sinks, the
+    attended segments below ``tail_start``, and the tail; a segment the window reaches into is
+    attended whole if selected, else only its tokens in the tail (summed here from the cache: at most
+    ``window`` tokens). The merged token of block ``b``, as :func:`merged_attention` defines it, has
+    ``logit = log m + scale q . (K_b - A_b) / m`` and value ``(V_b - W_b) / m`` (``A_b, W_b``: what
+    the head attends in the block). Neither ``A_b`` nor ``W_b`` is formed per block: the step needs only
+    ``q . A_b`` (the listed segments' ``q . sum k`` added per block) and ``sum_b p_b W_b / m_b`` (the
+    listed segments' value sums weighted by their block's ``p_b / m_b``), so the work is ``G w D`` for
+    the listing plus ``G n D`` for the blocks. Returns ``[B, H_kv, G, D]`` float32 (float64 for float64
+    ``q``). Reference: :func:`merged_attention_ref`.
+    """
+    B, H, G, D = q.shape
+    S, c = layout.n_segments, layout.segment_size
+    n = block_k.shape[2]
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    sets, w = segments.shape[2], segments.shape[3]
+    rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1) + segments.reshape(B, H, sets * w)
+    listed_k = seg_k.reshape(-1, D).index_select(0, rows.view(-1)).view(B, H, sets, w, D)  # row copies
+    listed_v = seg_v.reshape(-1, D).index_select(0, rows.view(-1)).view(B, H, sets, w, D)
+    weight = torch.ones(segments.shape, dtype=cd, device=q.device) if valid is None else valid.to(cd)
+    count = weight * c
+    block = segments.div(per_block, rounding_mode="floor")  # [B, H, G', w]
+    tail_start, seg_end = layout.tail_start, layout.segment_end
+    if tail_start < seg_end and S:  # the window reaches into segments: their tail tokens are attended anyway
+        first = (tail_start - layout.sink_end) // c
+        reach = torch.arange(first, S, device=q.device)  # [O]
+        chosen = (segments.unsqueeze(-1) == reach) & (valid.unsqueeze(-1) if valid is not None else True)
+        unchosen = (~chosen.any(-2)).to(cd)  # [B, H, G', O]: these attend only the segment's tail part
+        owner = (torch.arange(tail_start, seg_end, device=q.device) - layout.sink_end).div(c, rounding_mode="floor") - first
+        tail_n = torch.zeros(len(reach), dtype=cd, device=q.device).index_add_(0, owner, torch.ones(len(owner), dtype=cd, device=q.device))
+        parts = [torch.zeros(B, H, len(reach), D, dtype=listed_k.dtype, device=q.device).index_add_(
+            2, owner, x[:, :, tail_start:seg_end].to(listed_k.dtype)).unsqueeze(2).expand(B, H, sets, -1, D)
+            for x in (keys, values)]  # fmt: skip
+        listed_k, listed_v = torch.cat([listed_k, parts[0]], dim=3), torch.cat([listed_v, parts[1]], dim=3)
+        weight = torch.cat([weight, unchosen], dim=3)
+        count = torch.cat([count, unchosen * tail_n], dim=3)
+        block = torch.cat([block, reach.div(per_block, rounding_mode="floor").expand(B, H, sets, -1)], dim=3)
+    qc = q.to(listed_k.dtype)
+    if sets == 1:
+        q_listed = torch.einsum("bhgd,bhwd->bhgw", qc, listed_k[:, :, 0])
+    else:
+        q_listed = torch.einsum("bhgd,bhgwd->bhgw", qc, listed_k)
+    blocks = block.expand(B, H, G, -1)
+    q_taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, blocks, (q_listed * weight).double())
+    taken = torch.zeros(B, H, sets, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, count.double())
+    rest_n = (block_counts(S, c, per_block, q.device) - taken).expand(B, H, G, n)
+    left = rest_n > 0.5  # whole numbers: the float64 difference is exact
+    m = rest_n.clamp_min(1.0)
+    q_rest = torch.einsum("bhgd,bhnd->bhgn", q.double(), block_k) - q_taken  # q . (K_b - A_b), float64
+    logits = (soft_cap((q_rest / m).to(cd) * scale, softcap) + m.log().to(cd)).masked_fill(~left, float("-inf"))
+    top = torch.maximum(lse.to(cd), logits.amax(-1))  # [B, H, G]
+    first_w = torch.exp(lse.to(cd) - top)
+    more = torch.exp(logits - top.unsqueeze(-1))  # [B, H, G, n]
+    per_token = (more / m.to(cd)).double()  # p_b / m_b, up to the common normaliser
+    rest_v = torch.einsum("bhgn,bhnd->bhgd", per_token, block_v)
+    listed_coef = (per_token.gather(3, blocks) * weight.double()).to(listed_v.dtype)  # [B, H, G, w]
+    if sets == 1:
+        rest_v = rest_v - torch.einsum("bhgw,bhwd->bhgd", listed_coef, listed_v[:, :, 0]).double()
+    else:
+        rest_v = rest_v - torch.einsum("bhgw,bhgwd->bhgd", listed_coef, listed_v).double()
+    num = first_w.unsqueeze(-1) * out.to(cd) + rest_v.to(cd)
+    return num / (first_w + more.sum(-1)).unsqueeze(-1)
 
 
 def merged_attention_ref(

@@ -10,12 +10,19 @@ import torch
 
 from sparseattn.allocations.base import Allocation, log_total_mass
 from sparseattn.allocations.uniform import Uniform
-from sparseattn.backends.base import MaskedSegmentAttention
+from sparseattn.backends.base import MaskedSegmentAttention, SegmentAttentionLSE
 from sparseattn.backends.registry import check_backend_name, select_backend
 from sparseattn.methods.always import AlwaysKept
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
 from sparseattn.methods.eviction import Candidates, finite_evidence, observe_prompt
-from sparseattn.methods.rest import MergedRest, block_counts, block_sums, merged_attention
+from sparseattn.methods.rest import (
+    MergedRest,
+    add_merged_rest,
+    block_counts,
+    block_sums,
+    merged_attention,
+    segment_sums,
+)
 from sparseattn.ops.attention import segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
@@ -361,6 +368,8 @@ class SegmentSearchState(KVState):
         self._summaries: list[GrowableBuffer] = []
         # ``rest``: each block's key and value sums (float64), blocks of rest.segments segments of the grid.
         self._rest_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2), GrowableBuffer(dim=2)]
+        # ... and each segment's (float32): a kernel step subtracts the attended segments' sums from them.
+        self._segment_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2), GrowableBuffer(dim=2)]
         self._grid: SegmentGrid | None = None
         self._params = _prepare_heads(method.summary, layer, self.compute_dtype)
         self._shortlisting = isinstance(method.summary, ShortlistingSummary)  # asked once: a protocol check is slow
@@ -398,11 +407,11 @@ class SegmentSearchState(KVState):
         summaries = sum(buf.view().numel() * buf.view().element_size() for buf in self._summaries if len(buf))
         params = self._params.numel() * self._params.element_size() if isinstance(self._params, torch.Tensor) else 0
         record = {"attention_record": self._record.view().numel() * self._record.view().element_size()} if self._record is not None and len(self._record) else {}
-        rest = {"rest_sums": sum(buf.view().numel() * buf.view().element_size() for buf in self._rest_sums if len(buf))} if self._rest_sums else {}
+        rest = {"rest_sums": sum(buf.view().numel() * buf.view().element_size() for buf in [*self._rest_sums, *self._segment_sums] if len(buf))} if self._rest_sums else {}
         return {**super().nbytes(), "summaries": summaries, "projection": params, **record, **rest}
 
     def _buffers(self) -> list[GrowableBuffer]:
-        return [*super()._buffers(), *self._summaries, *self._rest_sums, *([self._record] if self._record is not None else [])]
+        return [*super()._buffers(), *self._summaries, *self._rest_sums, *self._segment_sums, *([self._record] if self._record is not None else [])]
 
     @property
     def attention_record(self) -> torch.Tensor | None:
@@ -486,23 +495,39 @@ class SegmentSearchState(KVState):
             buf.append(tensor)
 
     def _sum_rest(self, first: int, last: int) -> None:
-        """``rest``: the key and value sums of the blocks holding segments ``first..last-1`` (recomputed from
-        the first of those blocks on: a block fills as its segments are sealed)."""
+        """``rest``: the key and value sums of segments ``first..last-1`` (float32, kept per segment) added
+        to their blocks' (float64): the block ``first`` falls in gets the new segments' sums added, whole
+        new blocks are appended. O(new tokens): a block of any size is never summed again."""
         rest = self.method.rest
         if rest is None or last <= first:
             return
-        per = rest.segments
-        b0 = first // per
+        per = rest.per_block
         lay = self.layout
-        lo, hi = lay.sink_end + b0 * per * lay.segment_size, lay.segment_end
+        lo, hi = lay.sink_end + first * lay.segment_size, lay.segment_end
         shape = (self.batch, self.kv_heads, -1, lay.segment_size, self.head_dim)
-        ks, vs = block_sums(self.keys[:, :, lo:hi].reshape(shape), self.values[:, :, lo:hi].reshape(shape), per)
-        for buf, new in zip(self._rest_sums, (ks, vs)):
+        new = segment_sums(self.keys[:, :, lo:hi].reshape(shape), self.values[:, :, lo:hi].reshape(shape), torch.float64)
+        b0 = first // per
+        split = min(last, (b0 + 1) * per) - first  # new segments in the block of `first`
+        for block_buf, seg_buf, sums in zip(self._rest_sums, self._segment_sums, new):
+            head = sums[:, :, :split].sum(2, keepdim=True)  # [B, H, 1, D]
+            if first % per:  # the block already holds earlier segments
+                head = head + block_buf.view()[:, :, b0 : b0 + 1]
+            tail = sums[:, :, split:]
+            if tail.shape[2]:
+                pad = -tail.shape[2] % per
+                if pad:
+                    tail = torch.cat([tail, tail.new_zeros(*tail.shape[:2], pad, tail.shape[3])], dim=2)
+                tail = tail.view(*tail.shape[:2], -1, per, tail.shape[3]).sum(3)
+            blocks = torch.cat([head, tail], dim=2)
+            seg = sums.to(torch.float32)
             if first == 0:
-                buf.replace(new)
+                block_buf.replace(blocks)
+                seg_buf.replace(seg)
             else:
-                buf.truncate(b0)
-                buf.append(new)
+                block_buf.truncate(b0)
+                block_buf.append(blocks)
+                seg_buf.truncate(first)
+                seg_buf.append(seg)
 
     # -- decoding ------------------------------------------------------------------------------
 
@@ -590,12 +615,17 @@ class SegmentSearchState(KVState):
                     scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
                 segments = selector.select(scores, k, self._generator)
                 _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
-        if self.method.always is not None or (self.method.rest is not None and k < lay.n_segments):
+        merging = self.method.rest is not None and k < lay.n_segments
+        if self.method.always is not None:
             return self._attend_tokens(query, grouped, lay, segments, group, valid)
         if self._backend is None:
             self._backend = select_backend(
                 self.method.backend, "segment_attention", q=grouped, keys=self.keys, softcap=self.softcap
             )
+        if merging:
+            if not isinstance(self._backend, SegmentAttentionLSE):
+                return self._attend_tokens(query, grouped, lay, segments, group, valid)
+            return self._attend_merged(query, grouped, lay, segments, group, valid)
         if valid is not None:  # an allocation's split: heads attend different numbers of the listed segments
             if not isinstance(self._backend, MaskedSegmentAttention):
                 return self._attend_tokens(query, grouped, lay, segments, group, valid)
@@ -613,6 +643,24 @@ class SegmentSearchState(KVState):
             sealed=self._sealed_since_attend, valid=valid,
         )
         return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info
+
+    def _attend_merged(self, query, grouped, lay, segments, group, valid) -> tuple[torch.Tensor, SegmentSelection]:
+        """The selection by the backend's kernel (which also returns each head's log-sum-exp), plus the merged
+        rest from the segments' and blocks' sums: no token is gathered (:func:`add_merged_rest`)."""
+        B, H, D = self.batch, self.kv_heads, self.head_dim
+        rest = self.method.rest
+        out, lse = self._backend.segment_attention_lse(grouped, self.keys, self.values, lay, segments, valid, self.scale, self.softcap)
+        out = add_merged_rest(
+            out, lse, grouped, self.keys, self.values, lay, segments, valid, self._segment_sums[0].view(),
+            self._segment_sums[1].view(), self._rest_sums[0].view(), self._rest_sums[1].view(), rest.per_block,
+            self.scale, self.softcap,
+        ).to(out.dtype)  # fmt: skip
+        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
+        info = SegmentSelection(
+            layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
+            sealed=self._sealed_since_attend, valid=valid, n_merged=rest.blocks(lay.n_segments),
+        )
+        return out.reshape(B, H * group, D).to(query.dtype), info
 
     def _allocate(self, grouped: torch.Tensor, lay: SegmentLayout, k: int, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The allocation's split: ``segments [B, H_kv, G', w]`` listed per selection and which are attended.
@@ -742,8 +790,8 @@ class SegmentSearchState(KVState):
             merged = rest.blocks(lay.n_segments)
             out, probs = merged_attention(
                 grouped, self.keys, self.values, listed, attended, self._rest_sums[0].view(), self._rest_sums[1].view(),
-                block_counts(lay.n_segments, lay.segment_size, rest.segments, self.device), lay.sink_end, lay.segment_end,
-                rest.segments * lay.segment_size, self.scale, self.softcap, self._workspace, runs,
+                block_counts(lay.n_segments, lay.segment_size, rest.per_block, self.device), lay.sink_end, lay.segment_end,
+                min(rest.per_block, lay.n_segments) * lay.segment_size, self.scale, self.softcap, self._workspace, runs,
             )  # fmt: skip
         else:
             out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
