@@ -191,7 +191,7 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
             lay, mask = info.layout, info.to_mask()[:1].view(1, KV_HEADS, group, -1)
             ref = merged_attention_ref(
                 query.view(batch, KV_HEADS, group, HEAD_DIM)[:1], state.keys[:1], state.values[:1], mask.cpu(),
-                lay.sink_end, lay.segment_end, method.rest.segments * lay.segment_size, state.scale,
+                lay.sink_end, lay.segment_end, min(method.rest.per_block, lay.n_segments) * lay.segment_size, state.scale,
             )  # fmt: skip
         else:  # tokens on top of (or instead of) segments, or segments per head: the reported mask, in float64
             mask = info.to_mask()[:1].view(1, KV_HEADS, group, -1)
@@ -294,8 +294,11 @@ def main() -> None:
         "radar+pooled (budget 4096, aspect 16)": RadarPlus(budget=4096, aspect=16.0, allocation=PooledMass()),
         # the radar+pooled preset: aspect 16, PooledMass(cap=2) read off the shortlist, bf16 centroids.
         "radar+pooled (budget 4096)": RadarPlusPooled(budget=4096),
-        # radar+pooled plus the merged rest (torch gather path: no fused kernel yet).
+        # radar+pooled plus the merged rest: the C kernel's selection and log-sum-exp, the rest from kept sums.
         "radar+merged (budget 4096)": RadarPlusMerged(budget=4096),
+        "radar+merged (budget 4096, one merged token)": RadarPlusMerged(budget=4096, merge=0),
+        # the same through the torch gather path (what the kernel path replaces).
+        "radar+merged (budget 4096, torch backend)": torch_backend(RadarPlusMerged(budget=4096)),
         # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.
         "radar-alg1 (k=64, torch backend)": torch_backend(RadarAlg1(top_k=64)),
         "radar-alg1 (k=64, shared, torch backend)": torch_backend(RadarAlg1(top_k=64, shared_kv_selection=True)),

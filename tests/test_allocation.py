@@ -37,6 +37,7 @@ from sparseattn import (
     OracleTokens,
     PooledMass,
     RadarPlus,
+    RadarPlusMerged,
     RadarPlusTokens,
     Rerank,
     SegmentSearch,
@@ -48,7 +49,7 @@ from sparseattn import (
 )
 from sparseattn.allocations import listed_estimates, pooled_counts_ref
 from sparseattn.hf import apply
-from sparseattn.methods.layers import FirstLayers, layer_budgets
+from sparseattn.methods.layers import FirstLayers, SplitLayers, layer_budgets
 from sparseattn.testing import assert_close
 
 
@@ -243,6 +244,32 @@ def test_transformers_tells_each_layer_how_many_layers_there_are():
         hf_models.greedy(model, ids, torch.ones_like(ids), cache, 4)
     assert [layer.state.method.budget for layer in cache.sparse_layers] == [30, 10]
     assert cache.mean_attended() == pytest.approx(20)
+
+
+def test_split_layers_runs_the_first_method_in_the_first_layers_and_the_other_after():
+    model = tiny_model("llama")  # 2 layers
+    ids = prompts(1, [120])[0]
+    method = SplitLayers(RadarPlusMerged(budget=40, merge=4), RadarPlus(budget=40), layers=1)
+    with apply(model, method) as sparse:
+        cache = sparse.new_cache()
+        hf_models.greedy(model, ids, torch.ones_like(ids), cache, 4)
+    assert [layer.state.method for layer in cache.sparse_layers] == [method.first, method.others]
+    assert method.budget == 40 and method.method_of(0) is method.first and method.method_of(7) is method.others
+    assert SplitLayers(method.first, method.others, layers=0).new_state(1, 2, 8).method == method.others
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: SplitLayers(RadarPlus, RadarPlus(budget=8)), "SplitLayers.first must be a method instance"),
+        (lambda: SplitLayers(RadarPlus(budget=8), "radar+"), "SplitLayers.others must be a method instance"),
+        (lambda: SplitLayers(RadarPlus(budget=8), RadarPlus(budget=16)), "budget 8 and SplitLayers.others budget 16"),
+        (lambda: SplitLayers(RadarPlus(budget=8), RadarPlus(budget=8), layers=-1), "SplitLayers.layers"),
+    ],
+)
+def test_bad_split_layers_are_refused_before_any_state(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,6 +18,7 @@ import torch
 
 from sparseattn import H2O, PrefillEviction, SnapKV, StreamingLLM, SubGen, registry
 from sparseattn.ops.buffers import GrowableBuffer
+from sparseattn.methods.layers import SplitLayers
 
 B, H, G, D = 2, 2, 3, 8  # two batch rows, two KV heads, three query heads per KV head
 PROMPT = 100
@@ -124,9 +125,9 @@ POISONS = ["nan key in the prompt", "nan key", "inf key", "nan value", "nan quer
 def shares_budget_between_heads(name: str) -> bool:
     """Whether the method splits a row's budget between its heads (a non-uniform allocation)."""
     method = build(name)
-    method = getattr(method, "method", method)  # FirstLayers wraps one
-    allocation = getattr(method, "allocation", None)
-    return allocation is not None and not allocation.uniform
+    parts = (method.first, method.others) if isinstance(method, SplitLayers) else (getattr(method, "method", method),)  # FirstLayers wraps one
+    allocations = [getattr(part, "allocation", None) for part in parts]
+    return any(allocation is not None and not allocation.uniform for allocation in allocations)
 
 
 @pytest.mark.parametrize("poison", POISONS)

@@ -1,4 +1,5 @@
-"""Per-layer budgets: the model's tokens per step split unevenly between its layers, the total fixed."""
+"""Per-layer choices: the model's tokens per step split unevenly between its layers (the total fixed), or
+one method in the first layers and another in the rest."""
 
 from __future__ import annotations
 
@@ -65,6 +66,52 @@ class FirstLayers:
         return dataclasses.replace(self.method, budget=budget).new_state(layer)
 
 
+@dataclass(frozen=True)
+class SplitLayers:
+    """Run ``first`` in the first ``layers`` layers and ``others`` in every later layer.
+
+    Layers differ in how their attention is spread (layer 0 of small models is diffuse, later layers
+    mostly peaked), so a part that helps one kind of layer can hurt the other: e.g. a merged rest
+    (:class:`~sparseattn.methods.rest.MergedRest`) where attention is diffuse and plain selection
+    where it is not. Both methods must have the same ``budget``, so ``--budget`` keeps one meaning.
+
+    Args:
+        first: the method of layers ``0 .. layers - 1``.
+        others: the method of every later layer.
+        layers: how many first layers run ``first`` (0: every layer runs ``others``).
+    """
+
+    first: object
+    others: object
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("first", "others"):
+            method = getattr(self, name)
+            if isinstance(method, type) or not callable(getattr(method, "new_state", None)):
+                raise ValueError(f"SplitLayers.{name} must be a method instance (e.g. RadarPlus(budget=512)), got {method!r}")
+        check_int("SplitLayers", "layers", self.layers, 0)
+        first, others = getattr(self.first, "budget", None), getattr(self.others, "budget", None)
+        if first != others:
+            raise ValueError(
+                f"SplitLayers.first has budget {first!r} and SplitLayers.others budget {others!r}: they must be "
+                "equal, so that the budget means the same in every layer"
+            )
+
+    @property
+    def budget(self) -> int | None:
+        """Both methods' budget: what ``--budget`` means for this method."""
+        return getattr(self.others, "budget", None)
+
+    def method_of(self, layer_idx: int) -> object:
+        """The method layer ``layer_idx`` runs."""
+        return self.first if layer_idx < self.layers else self.others
+
+    def new_state(self, *args, **kwargs) -> DecodeState:
+        layer = layer_spec(*args, **kwargs)
+        return self.method_of(layer.layer_idx).new_state(layer)
+
+
 def layer_budgets(method: FirstLayers, n_layers: int) -> list[int]:
     """Every layer's budget (their mean is at most the method's budget)."""
     return [method.budget_of(i, n_layers) for i in range(n_layers)]
@@ -78,4 +125,4 @@ def first_layers_options() -> tuple[Option, ...]:
     )
 
 
-__all__ = ["FirstLayers", "first_layers_options", "layer_budgets"]
+__all__ = ["FirstLayers", "SplitLayers", "first_layers_options", "layer_budgets"]

@@ -27,7 +27,7 @@ from sparseattn.allocations.pooled import PooledMass
 from sparseattn.allocations.uniform import Uniform
 from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
-from sparseattn.methods.layers import FirstLayers, first_layers_options
+from sparseattn.methods.layers import FirstLayers, SplitLayers, first_layers_options
 from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.segment_search import Radar, SegmentSearch, feature_options, segment_options
 from sparseattn.methods.snapkv import SnapKV
@@ -467,20 +467,41 @@ def _merged(build):
     """``build`` with what a step leaves out merged per block (:class:`~sparseattn.methods.rest.MergedRest`, ``merge``)."""
 
     def merged(*args, merge: int = 16, **options) -> SegmentSearch:
-        return dataclasses.replace(build(*args, **options), rest=MergedRest(merge))
+        return dataclasses.replace(build(*args, **options), rest=MergedRest(merge or None))  # 0: one block
 
     merged.__name__ = merged.__qualname__ = build.__name__.replace("Pooled", "Merged")
     merged.__doc__ = (
         f"{build.__name__} that keeps a coarse picture of what it does not attend (issue 17): every ``merge`` "
         "consecutive segments form a block, and each block's tokens a step leaves out enter its softmax as one "
         "merged token (mean key, mean value, log count; :class:`~sparseattn.methods.rest.MergedRest`) instead of "
-        "being dropped. Each merged token counts against ``budget`` (``ceil(S / merge)``: ``sqrt(t)`` at the "
-        "default grid), the selection shrinks to keep the total. Runs the torch gather path (no fused kernel yet)."
+        "being dropped; ``merge=0``: one block, the whole rest as one merged token. Each merged token counts "
+        "against ``budget`` (``ceil(S / merge)``: ``sqrt(t)`` at the default grid), the selection shrinks to keep "
+        "the total. On the CPU the C kernel attends the selection and returns its log-sum-exp; the merged tokens "
+        "come from kept segment and block sums (no token is gathered)."
     )
     return _signed(merged, build, (), {"merge": 16})
 
 
 RadarPlusMerged = _merged(RadarPlusPooled)
+
+
+def _merged_first_layers(merged_build, plain_build):
+    """The merged rest in the first ``merged_layers`` layers only (:class:`SplitLayers`), ``plain_build`` in the rest."""
+
+    def split(*args, merge: int = 0, merged_layers: int = 1, **options) -> SplitLayers:
+        return SplitLayers(merged_build(*args, merge=merge, **options), plain_build(*args, **options), layers=merged_layers)
+
+    split.__name__ = split.__qualname__ = f"{merged_build.__name__}FirstLayers"
+    split.__doc__ = (
+        f"{merged_build.__name__} in the first ``merged_layers`` layers (default 1), {plain_build.__name__} in the "
+        "others (:class:`~sparseattn.methods.layers.SplitLayers`): the rest is merged where attention is diffuse "
+        "(layer 0 of small models) and dropped where it is peaked. ``merge=0`` (the default): the whole rest of "
+        "a step is one merged token."
+    )
+    return _signed(split, merged_build, ("merge",), {"merge": 0, "merged_layers": 1})
+
+
+RadarPlusMergedFirstLayers = _merged_first_layers(RadarPlusMerged, RadarPlusPooled)
 
 
 def _factor_option(default: float) -> Option:
@@ -609,7 +630,16 @@ for _entry in (
         "mean key and value of its unattended tokens (weight: their count), counted against the budget",
         RadarPlusMerged,
         (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0),
-         Option("merge", int, 16, "segments per merged token of the rest (one merged token per block)", minimum=1)),
+         Option("merge", int, 16, "segments per merged token of the rest (one merged token per block; 0: one block)", minimum=0)),
+    ),
+    MethodEntry(
+        "radar+merged-first",
+        "radar+merged in the first `merged_layers` layers (default 1; attention there is diffuse), radar+pooled in "
+        "the others; `merge=0` (default): the whole rest of a step as one merged token",
+        RadarPlusMergedFirstLayers,
+        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0),
+         Option("merge", int, 0, "segments per merged token of the rest (0: one block, the whole rest)", minimum=0),
+         Option("merged_layers", int, 1, "first layers that merge the rest (the others drop it)", minimum=0)),
     ),
     MethodEntry(
         "oracle-tokens-pooled-layers",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from sparseattn.methods.layers import FirstLayers
+from sparseattn.methods.layers import FirstLayers, SplitLayers
 from sparseattn.methods.dense import Dense
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.methods.streaming import StreamingLLM
@@ -92,9 +92,9 @@ class PagedPolicy:
         m, label = self.method, self.name or type(self.method).__name__
         if isinstance(m, (Dense, StreamingLLM)):
             return
-        if isinstance(m, FirstLayers):
+        if isinstance(m, (FirstLayers, SplitLayers)):
             raise ValueError(
-                f"sparseattn method {label!r}: per-layer budgets ({type(m).__name__}) are not supported in vLLM yet (the "
+                f"sparseattn method {label!r}: per-layer budgets or methods ({type(m).__name__}) are not supported in vLLM yet (the "
                 "backend holds one policy for every layer); they run in the transformers engine"
             )
         if not isinstance(m, SegmentSearch):
