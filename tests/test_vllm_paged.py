@@ -164,7 +164,7 @@ def test_selected_pages_are_what_the_mask_says():
     [("h2o", "eviction methods"), ("snapkv", "eviction methods"), ("radar+h2o", "always-kept part"), ("radar+pooled", "non-uniform budget allocation"),
      ("oracle-tokens-pooled-layers", "per-layer budgets"), ("radar+pooled-layers", "per-layer budgets"),
      ("radar+tokens", "token refinement"), ("radar+merged", "non-uniform budget allocation"),
-     ("radar+merged-first", "per-layer budgets or methods")],
+     ("radar+merged-after", "per-layer budgets or methods")],
 )
 def test_refused_methods_say_why(name, why):
     with pytest.raises(ValueError, match=why):
