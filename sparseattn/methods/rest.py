@@ -210,6 +210,7 @@ def add_merged_rest(
     per_block: int,
     scale: float,
     softcap: float | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Attention over a segment selection, ``out [B, H_kv, G, D]`` with log-sum-exp ``lse [B, H_kv, G]`` (the
     kernel's), with the merged tokens of what it leaves out added to its softmax: no token is gathered.
@@ -223,46 +224,50 @@ def add_merged_rest(
     ``window`` tokens). The merged token of block ``b``, as :func:`merged_attention` defines it, has
     ``logit = log m + scale q . (K_b - A_b) / m`` and value ``(V_b - W_b) / m`` (``A_b, W_b``: what
     the head attends in the block). Neither ``A_b`` nor ``W_b`` is formed per block: the step needs only
-    ``q . A_b`` (the listed segments' ``q . sum k`` added per block) and ``sum_b p_b W_b / m_b`` (the
-    listed segments' value sums weighted by their block's ``p_b / m_b``), so the work is ``G w D`` for
-    the listing plus ``G n D`` for the blocks. Returns ``[B, H_kv, G, D]`` float32 (float64 for float64
-    ``q``). Reference: :func:`merged_attention_ref`.
+    ``q . A_b`` (each attended segment's ``q . sum k``, added per block) and ``sum_b p_b W_b / m_b`` (the
+    attended segments' value sums weighted by their block's ``p_b / m_b``), so the work is two
+    ``D``-vectors per attended segment and per block: O(budget / c + n) per query head. Returns ``[B, H_kv, G, D]`` float32 (float64 for float64
+    ``q``). ``workspace``: where the per-segment rows are copied (a fresh multi-megabyte tensor per step
+    costs page faults, see :class:`~sparseattn.ops.buffers.Workspace`). Reference: :func:`merged_attention_ref`.
     """
     B, H, G, D = q.shape
     S, c = layout.n_segments, layout.segment_size
-    n = block_k.shape[2]
+    ws = workspace or Workspace()
+    n, w = block_k.shape[2], segments.shape[3]
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    sets, w = segments.shape[2], segments.shape[3]
-    rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1) + segments.reshape(B, H, sets * w)
-    listed_k = seg_k.reshape(-1, D).index_select(0, rows.view(-1)).view(B, H, sets, w, D)  # row copies
-    listed_v = seg_v.reshape(-1, D).index_select(0, rows.view(-1)).view(B, H, sets, w, D)
-    weight = torch.ones(segments.shape, dtype=cd, device=q.device) if valid is None else valid.to(cd)
-    count = weight * c
-    block = segments.div(per_block, rounding_mode="floor")  # [B, H, G', w]
+    sd = seg_k.dtype
+    # One entry per (query head, attended listed segment): only what is attended is read (a pooled split
+    # lists twice what it attends). `head` is the flat query head, `cell` its (head, block) cell.
+    attended = torch.ones(B, H, G, w, dtype=torch.bool, device=q.device) if valid is None else valid.expand(B, H, G, w)
+    head = torch.arange(B * H * G, device=q.device).view(B, H, G, 1).expand(B, H, G, w)[attended]  # [E]
+    seg = segments.expand(B, H, G, w)[attended]
+    rows = head.div(G, rounding_mode="floor") * S + seg  # the (b, h) row of the segment sums
+    cell = head * n + seg.div(per_block, rounding_mode="floor")
+    E = len(rows)
+    listed_k = torch.index_select(seg_k.reshape(-1, D), 0, rows, out=ws.get("rest_keys", (E, D), sd, q.device))
+    listed_q = torch.index_select(q.reshape(B * H * G, D).to(sd), 0, head, out=ws.get("rest_queries", (E, D), sd, q.device))
+    q_listed = listed_q.mul_(listed_k).sum(-1)  # q . (sum of the segment's keys), [E]
+    q_taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(0, cell, q_listed.double())
+    taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(
+        0, cell, torch.full((len(cell),), float(c), dtype=torch.float64, device=q.device))  # fmt: skip
+    q_taken, taken = q_taken.view(B, H, G, n), taken.view(B, H, G, n)
+    extra = None
     tail_start, seg_end = layout.tail_start, layout.segment_end
     if tail_start < seg_end and S:  # the window reaches into segments: their tail tokens are attended anyway
         first = (tail_start - layout.sink_end) // c
         reach = torch.arange(first, S, device=q.device)  # [O]
-        chosen = (segments.unsqueeze(-1) == reach) & (valid.unsqueeze(-1) if valid is not None else True)
-        unchosen = (~chosen.any(-2)).to(cd)  # [B, H, G', O]: these attend only the segment's tail part
+        chosen = ((segments.unsqueeze(-1) == reach) & attended.narrow(2, 0, segments.shape[2]).unsqueeze(-1)).any(-2)
+        unchosen = (~chosen).expand(B, H, G, -1).to(torch.float64)  # [B, H, G, O]: these attend only the tail part
         owner = (torch.arange(tail_start, seg_end, device=q.device) - layout.sink_end).div(c, rounding_mode="floor") - first
-        tail_n = torch.zeros(len(reach), dtype=cd, device=q.device).index_add_(0, owner, torch.ones(len(owner), dtype=cd, device=q.device))
-        parts = [torch.zeros(B, H, len(reach), D, dtype=listed_k.dtype, device=q.device).index_add_(
-            2, owner, x[:, :, tail_start:seg_end].to(listed_k.dtype)).unsqueeze(2).expand(B, H, sets, -1, D)
-            for x in (keys, values)]  # fmt: skip
-        listed_k, listed_v = torch.cat([listed_k, parts[0]], dim=3), torch.cat([listed_v, parts[1]], dim=3)
-        weight = torch.cat([weight, unchosen], dim=3)
-        count = torch.cat([count, unchosen * tail_n], dim=3)
-        block = torch.cat([block, reach.div(per_block, rounding_mode="floor").expand(B, H, sets, -1)], dim=3)
-    qc = q.to(listed_k.dtype)
-    if sets == 1:
-        q_listed = torch.einsum("bhgd,bhwd->bhgw", qc, listed_k[:, :, 0])
-    else:
-        q_listed = torch.einsum("bhgd,bhgwd->bhgw", qc, listed_k)
-    blocks = block.expand(B, H, G, -1)
-    q_taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, blocks, (q_listed * weight).double())
-    taken = torch.zeros(B, H, sets, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, count.double())
-    rest_n = (block_counts(S, c, per_block, q.device) - taken).expand(B, H, G, n)
+        tail_n = torch.zeros(len(reach), dtype=torch.float64, device=q.device).index_add_(
+            0, owner, torch.ones(len(owner), dtype=torch.float64, device=q.device))  # fmt: skip
+        part_k, part_v = (torch.zeros(B, H, len(reach), D, dtype=torch.float64, device=q.device).index_add_(
+            2, owner, x[:, :, tail_start:seg_end].to(torch.float64)) for x in (keys, values))  # fmt: skip
+        reach_block = reach.div(per_block, rounding_mode="floor").expand(B, H, G, -1)
+        q_taken.scatter_add_(3, reach_block, unchosen * torch.einsum("bhgd,bhod->bhgo", q.double(), part_k))
+        taken.scatter_add_(3, reach_block, unchosen * tail_n)
+        extra = (reach_block, unchosen, part_v)
+    rest_n = block_counts(S, c, per_block, q.device) - taken  # [B, H, G, n]
     left = rest_n > 0.5  # whole numbers: the float64 difference is exact
     m = rest_n.clamp_min(1.0)
     q_rest = torch.einsum("bhgd,bhnd->bhgn", q.double(), block_k) - q_taken  # q . (K_b - A_b), float64
@@ -272,11 +277,13 @@ def add_merged_rest(
     more = torch.exp(logits - top.unsqueeze(-1))  # [B, H, G, n]
     per_token = (more / m.to(cd)).double()  # p_b / m_b, up to the common normaliser
     rest_v = torch.einsum("bhgn,bhnd->bhgd", per_token, block_v)
-    listed_coef = (per_token.gather(3, blocks) * weight.double()).to(listed_v.dtype)  # [B, H, G, w]
-    if sets == 1:
-        rest_v = rest_v - torch.einsum("bhgw,bhwd->bhgd", listed_coef, listed_v[:, :, 0]).double()
-    else:
-        rest_v = rest_v - torch.einsum("bhgw,bhgwd->bhgd", listed_coef, listed_v).double()
+    coef = per_token.view(-1).index_select(0, cell).to(sd)  # [E]
+    listed_v = torch.index_select(seg_v.reshape(-1, D), 0, rows, out=ws.get("rest_keys", (E, D), sd, q.device))
+    attended_v = torch.zeros(B * H * G, D, dtype=sd, device=q.device).index_add_(0, head, listed_v.mul_(coef.unsqueeze(-1)))
+    rest_v = rest_v - attended_v.view(B, H, G, D).double()
+    if extra is not None:
+        reach_block, unchosen, part_v = extra
+        rest_v = rest_v - torch.einsum("bhgo,bhod->bhgd", per_token.gather(3, reach_block) * unchosen, part_v)
     num = first_w.unsqueeze(-1) * out.to(cd) + rest_v.to(cd)
     return num / (first_w + more.sum(-1)).unsqueeze(-1)
 

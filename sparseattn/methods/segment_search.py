@@ -653,7 +653,7 @@ class SegmentSearchState(KVState):
         out = add_merged_rest(
             out, lse, grouped, self.keys, self.values, lay, segments, valid, self._segment_sums[0].view(),
             self._segment_sums[1].view(), self._rest_sums[0].view(), self._rest_sums[1].view(), rest.per_block,
-            self.scale, self.softcap,
+            self.scale, self.softcap, self._workspace,
         ).to(out.dtype)  # fmt: skip
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
         info = SegmentSelection(
