@@ -297,6 +297,8 @@ def main() -> None:
         # radar+pooled plus the merged rest: the C kernel's selection and log-sum-exp, the rest from kept sums.
         "radar+merged (budget 4096)": RadarPlusMerged(budget=4096),
         "radar+merged (budget 4096, one merged token)": RadarPlusMerged(budget=4096, merge=0),
+        # radar+merged-after's layers 1 on (its layer 0 is radar+pooled): blocks of 128 segments.
+        "radar+merged (budget 4096, merge 128)": RadarPlusMerged(budget=4096, merge=128),
         # the same through the torch gather path (what the kernel path replaces).
         "radar+merged (budget 4096, torch backend)": torch_backend(RadarPlusMerged(budget=4096)),
         # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.

@@ -117,33 +117,36 @@ def test_merged_attention_is_its_float64_reference(seed, softcap, per_head, dtyp
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
-    shared=st.booleans(),
+    lists=st.sampled_from(["shared", "per head", "per head, equal"]),
     per_block=st.integers(1, 6),
     window=st.integers(0, 20),
     extra=st.integers(0, 4),
     softcap=st.sampled_from([None, 3.0]),
 )
-def test_the_rest_from_segment_sums_is_the_float64_reference(seed, shared, per_block, window, extra, softcap):
+def test_the_rest_from_segment_sums_is_the_float64_reference(seed, lists, per_block, window, extra, softcap):
     """``add_merged_rest`` (the kernel path: no token gathered) on the attended part's output and log-sum-exp
     is ``merged_attention_ref``, the window reaching into segments included (a segment it
-    reaches is attended whole if selected, else only its tail tokens)."""
+    reaches is attended whole if selected, else only its tail tokens). Both paths: one listing per KV head
+    (shared, or per head but equal, as a pooled split off a group's shortlist lists) and one per head."""
     gen = torch.Generator().manual_seed(seed)
     B, H, G, D, c, S, sinks = 2, 2, 3, 8, 3, 12, 2
     lay = SegmentLayout(length=sinks + S * c + extra, sinks=sinks, segment_size=c, n_segments=S, window=window)
     keys, values = torch.randn(B, H, lay.length, D, generator=gen), torch.randn(B, H, lay.length, D, generator=gen)
     q = torch.randn(B, H, G, D, generator=gen)
-    sets = 1 if shared else G
+    sets = 1 if lists == "shared" else G
     segments = torch.stack([torch.randperm(S, generator=gen)[:5] for _ in range(B * H * sets)]).view(B, H, sets, 5)
+    if lists == "per head, equal":
+        segments = segments[:, :, :1].expand(B, H, G, 5).contiguous()
     valid = torch.rand(segments.shape, generator=gen) < 0.6
     grid = lambda x: x[:, :, sinks : lay.segment_end].reshape(B, H, S, c, D)  # noqa: E731
-    seg_k, seg_v = segment_sums(grid(keys), grid(values))
+    seg_kv = torch.cat(segment_sums(grid(keys), grid(values)), dim=-1)
     block_k, block_v = block_sums(grid(keys), grid(values), per_block)
     scale = D**-0.5
     mask = segment_mask(lay, segments, G, valid)
     attended = soft_cap(torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale, softcap)
     lse = torch.logsumexp(attended.masked_fill(~mask, float("-inf")), dim=-1).float()
     selection = attention_ref(q, keys, values, mask, softcap=softcap).float()
-    out = add_merged_rest(selection, lse, q, keys, values, lay, segments, valid, seg_k, seg_v, block_k, block_v, per_block, scale, softcap)
+    out = add_merged_rest(selection, lse, q, keys, values, lay, segments, valid, seg_kv, block_k, block_v, per_block, scale, softcap)
     ref = merged_attention_ref(q, keys, values, mask, sinks, lay.segment_end, per_block * c, scale, softcap)
     assert out.dtype == torch.float32
     assert_close(out, ref.float(), torch.float32)
@@ -255,8 +258,7 @@ def test_block_and_segment_sums_kept_while_decoding_are_the_sums_of_the_grid(per
         grid = lambda x: x[:, :, lay.sink_end : lay.segment_end].reshape(B, H, lay.n_segments, lay.segment_size, D)  # noqa: E731
         for kept, fresh in zip(state._rest_sums, block_sums(grid(keys), grid(values), MergedRest(per_block).per_block)):
             torch.testing.assert_close(kept.view(), fresh)
-        for kept, fresh in zip(state._segment_sums, segment_sums(grid(keys), grid(values))):
-            torch.testing.assert_close(kept.view(), fresh)
+        torch.testing.assert_close(state._segment_sums[0].view(), torch.cat(segment_sums(grid(keys), grid(values)), dim=-1))
     assert len(grids) > 3  # segments were sealed (fixed) or the grid rebuilt (doubling)
 
 

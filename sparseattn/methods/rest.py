@@ -203,8 +203,7 @@ def add_merged_rest(
     layout,
     segments: torch.Tensor,
     valid: torch.Tensor | None,
-    seg_k: torch.Tensor,
-    seg_v: torch.Tensor,
+    seg_kv: torch.Tensor,
     block_k: torch.Tensor,
     block_v: torch.Tensor,
     per_block: int,
@@ -216,8 +215,8 @@ def add_merged_rest(
     kernel's), with the merged tokens of what it leaves out added to its softmax: no token is gathered.
 
     ``segments: [B, H_kv, G', w]`` each selection's listed segments, ``valid`` (same shape, None: all)
-    which it attends (``G'`` in ``{1, G}``); ``seg_k, seg_v: [B, H_kv, S, D]`` the segments' sums
-    (:func:`segment_sums`), ``block_k, block_v: [B, H_kv, n, D]`` (float64) the blocks'
+    which it attends (``G'`` in ``{1, G}``); ``seg_kv: [B, H_kv, S, 2 D]`` each segment's key sum
+    then value sum, side by side (:func:`segment_sums`, concatenated: one row read per segment), ``block_k, block_v: [B, H_kv, n, D]`` (float64) the blocks'
     (:func:`block_sums`, ``per_block`` segments each). The attended set is the layout's: sinks, the
     attended segments below ``tail_start``, and the tail; a segment the window reaches into is
     attended whole if selected, else only its tokens in the tail (summed here from the cache: at most
@@ -235,22 +234,35 @@ def add_merged_rest(
     ws = workspace or Workspace()
     n, w = block_k.shape[2], segments.shape[3]
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    sd = seg_k.dtype
-    # One entry per (query head, attended listed segment): only what is attended is read (a pooled split
-    # lists twice what it attends). `head` is the flat query head, `cell` its (head, block) cell.
+    sd = seg_kv.dtype
     attended = torch.ones(B, H, G, w, dtype=torch.bool, device=q.device) if valid is None else valid.expand(B, H, G, w)
-    head = torch.arange(B * H * G, device=q.device).view(B, H, G, 1).expand(B, H, G, w)[attended]  # [E]
-    seg = segments.expand(B, H, G, w)[attended]
-    rows = head.div(G, rounding_mode="floor") * S + seg  # the (b, h) row of the segment sums
-    cell = head * n + seg.div(per_block, rounding_mode="floor")
-    E = len(rows)
-    listed_k = torch.index_select(seg_k.reshape(-1, D), 0, rows, out=ws.get("rest_keys", (E, D), sd, q.device))
-    listed_q = torch.index_select(q.reshape(B * H * G, D).to(sd), 0, head, out=ws.get("rest_queries", (E, D), sd, q.device))
-    q_listed = listed_q.mul_(listed_k).sum(-1)  # q . (sum of the segment's keys), [E]
-    q_taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(0, cell, q_listed.double())
-    taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(
-        0, cell, torch.full((len(cell),), float(c), dtype=torch.float64, device=q.device))  # fmt: skip
-    q_taken, taken = q_taken.view(B, H, G, n), taken.view(B, H, G, n)
+    flat_kv = seg_kv.reshape(-1, 2 * D)
+    base = (torch.arange(B * H, device=q.device) * S).view(B, H, 1)  # each (b, h)'s first row of the sums
+    shared = segments.shape[2] == 1 or bool((segments == segments[:, :, :1]).all())
+    if shared:
+        # One listing per KV head (a shared selection, or a pooled split read off the group's shortlist):
+        # each listed segment's row is read once for the group's heads, and the sums are small products.
+        listed = torch.index_select(flat_kv, 0, (base + segments[:, :, 0]).view(-1),
+                                    out=ws.get("rest_rows", (B * H * w, 2 * D), sd, q.device)).view(B, H, w, 2 * D)  # fmt: skip
+        weight = attended.to(sd)
+        block = segments[:, :, :1].div(per_block, rounding_mode="floor").expand(B, H, G, w)
+        q_listed = torch.matmul(q.to(sd), listed[..., :D].transpose(-1, -2)) * weight  # [B, H, G, w]
+        q_taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, q_listed.double())
+        taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, weight.double() * c)
+    else:
+        # One entry per (query head, attended listed segment): only what is attended is read.
+        head = torch.arange(B * H * G, device=q.device).view(B, H, G, 1).expand(B, H, G, w)[attended]  # [E]
+        seg = segments.expand(B, H, G, w)[attended]
+        cell = head * n + seg.div(per_block, rounding_mode="floor")  # the (query head, block) of each entry
+        E = len(seg)
+        rows = base.view(-1).index_select(0, head.div(G, rounding_mode="floor")) + seg
+        listed = torch.index_select(flat_kv, 0, rows, out=ws.get("rest_rows", (E, 2 * D), sd, q.device))  # [E, 2D]
+        listed_q = torch.index_select(q.reshape(B * H * G, D).to(sd), 0, head, out=ws.get("rest_queries", (E, D), sd, q.device))
+        q_listed = listed_q.mul_(listed[:, :D]).sum(-1)  # q . (sum of the segment's keys), [E]
+        q_taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(0, cell, q_listed.double())
+        taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(
+            0, cell, torch.full((E,), float(c), dtype=torch.float64, device=q.device))  # fmt: skip
+        q_taken, taken = q_taken.view(B, H, G, n), taken.view(B, H, G, n)
     extra = None
     tail_start, seg_end = layout.tail_start, layout.segment_end
     if tail_start < seg_end and S:  # the window reaches into segments: their tail tokens are attended anyway
@@ -277,9 +289,12 @@ def add_merged_rest(
     more = torch.exp(logits - top.unsqueeze(-1))  # [B, H, G, n]
     per_token = (more / m.to(cd)).double()  # p_b / m_b, up to the common normaliser
     rest_v = torch.einsum("bhgn,bhnd->bhgd", per_token, block_v)
-    coef = per_token.view(-1).index_select(0, cell).to(sd)  # [E]
-    listed_v = torch.index_select(seg_v.reshape(-1, D), 0, rows, out=ws.get("rest_keys", (E, D), sd, q.device))
-    attended_v = torch.zeros(B * H * G, D, dtype=sd, device=q.device).index_add_(0, head, listed_v.mul_(coef.unsqueeze(-1)))
+    if shared:
+        coef = (per_token.gather(3, block) * weight.double()).to(sd)  # [B, H, G, w]
+        attended_v = torch.matmul(coef, listed[..., D:])  # [B, H, G, D]
+    else:
+        coef = per_token.view(-1).index_select(0, cell).to(sd)  # [E]
+        attended_v = torch.zeros(B * H * G, D, dtype=sd, device=q.device).index_add_(0, head, listed[:, D:].mul_(coef.unsqueeze(-1)))
     rest_v = rest_v - attended_v.view(B, H, G, D).double()
     if extra is not None:
         reach_block, unchosen, part_v = extra

@@ -19,7 +19,6 @@ from sparseattn.methods.rest import (
     MergedRest,
     add_merged_rest,
     block_counts,
-    block_sums,
     merged_attention,
     segment_sums,
 )
@@ -368,8 +367,9 @@ class SegmentSearchState(KVState):
         self._summaries: list[GrowableBuffer] = []
         # ``rest``: each block's key and value sums (float64), blocks of rest.segments segments of the grid.
         self._rest_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2), GrowableBuffer(dim=2)]
-        # ... and each segment's (float32): a kernel step subtracts the attended segments' sums from them.
-        self._segment_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2), GrowableBuffer(dim=2)]
+        # ... and each segment's key and value sums side by side (float32, [B, H, S, 2 D]): a kernel step
+        # subtracts the attended segments' sums from them, one row read per segment.
+        self._segment_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2)]
         self._grid: SegmentGrid | None = None
         self._params = _prepare_heads(method.summary, layer, self.compute_dtype)
         self._shortlisting = isinstance(method.summary, ShortlistingSummary)  # asked once: a protocol check is slow
@@ -508,7 +508,7 @@ class SegmentSearchState(KVState):
         new = segment_sums(self.keys[:, :, lo:hi].reshape(shape), self.values[:, :, lo:hi].reshape(shape), torch.float64)
         b0 = first // per
         split = min(last, (b0 + 1) * per) - first  # new segments in the block of `first`
-        for block_buf, seg_buf, sums in zip(self._rest_sums, self._segment_sums, new):
+        for block_buf, sums in zip(self._rest_sums, new):
             head = sums[:, :, :split].sum(2, keepdim=True)  # [B, H, 1, D]
             if first % per:  # the block already holds earlier segments
                 head = head + block_buf.view()[:, :, b0 : b0 + 1]
@@ -519,15 +519,17 @@ class SegmentSearchState(KVState):
                     tail = torch.cat([tail, tail.new_zeros(*tail.shape[:2], pad, tail.shape[3])], dim=2)
                 tail = tail.view(*tail.shape[:2], -1, per, tail.shape[3]).sum(3)
             blocks = torch.cat([head, tail], dim=2)
-            seg = sums.to(torch.float32)
             if first == 0:
                 block_buf.replace(blocks)
-                seg_buf.replace(seg)
             else:
                 block_buf.truncate(b0)
                 block_buf.append(blocks)
-                seg_buf.truncate(first)
-                seg_buf.append(seg)
+        seg = torch.cat(new, dim=-1).to(torch.float32)  # [B, H, new segments, 2 D]
+        if first == 0:
+            self._segment_sums[0].replace(seg)
+        else:
+            self._segment_sums[0].truncate(first)
+            self._segment_sums[0].append(seg)
 
     # -- decoding ------------------------------------------------------------------------------
 
@@ -652,7 +654,7 @@ class SegmentSearchState(KVState):
         out, lse = self._backend.segment_attention_lse(grouped, self.keys, self.values, lay, segments, valid, self.scale, self.softcap)
         out = add_merged_rest(
             out, lse, grouped, self.keys, self.values, lay, segments, valid, self._segment_sums[0].view(),
-            self._segment_sums[1].view(), self._rest_sums[0].view(), self._rest_sums[1].view(), rest.per_block,
+            self._rest_sums[0].view(), self._rest_sums[1].view(), rest.per_block,
             self.scale, self.softcap, self._workspace,
         ).to(out.dtype)  # fmt: skip
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
