@@ -225,9 +225,16 @@ def add_merged_rest(
     the head attends in the block). Neither ``A_b`` nor ``W_b`` is formed per block: the step needs only
     ``q . A_b`` (each attended segment's ``q . sum k``, added per block) and ``sum_b p_b W_b / m_b`` (the
     attended segments' value sums weighted by their block's ``p_b / m_b``), so the work is two
-    ``D``-vectors per attended segment and per block: O(budget / c + n) per query head. Returns ``[B, H_kv, G, D]`` float32 (float64 for float64
-    ``q``). ``workspace``: where the per-segment rows are copied (a fresh multi-megabyte tensor per step
-    costs page faults, see :class:`~sparseattn.ops.buffers.Workspace`). Reference: :func:`merged_attention_ref`.
+    ``D``-vectors per attended segment and per block: O(budget / c + n) per query head.
+
+    When every KV head lists the same segments for all its query heads (a shared selection, or a pooled
+    split read off the group's shortlist) the rows are read once per KV head; otherwise once per
+    (query head, attended segment). The two paths agree to float32 rounding; the choice is made for the
+    whole batch, so a row's last bits can depend on whether the other rows' listings are shared.
+
+    Returns ``[B, H_kv, G, D]`` float32 (float64 for float64 ``q``). ``workspace``: where the segment rows
+    are copied (a fresh multi-megabyte tensor per step costs page faults, see
+    :class:`~sparseattn.ops.buffers.Workspace`). Reference: :func:`merged_attention_ref`.
     """
     B, H, G, D = q.shape
     S, c = layout.n_segments, layout.segment_size
