@@ -249,7 +249,7 @@ def test_transformers_tells_each_layer_how_many_layers_there_are():
 def test_split_layers_runs_the_first_method_in_the_first_layers_and_the_other_after():
     model = tiny_model("llama")  # 2 layers
     ids = prompts(1, [120])[0]
-    method = SplitLayers(RadarPlusMerged(budget=40, merge=4), RadarPlus(budget=40), layers=1)
+    method = SplitLayers(RadarPlusMerged(budget=40, merge=0), RadarPlus(budget=40), layers=1)
     with apply(model, method) as sparse:
         cache = sparse.new_cache()
         hf_models.greedy(model, ids, torch.ones_like(ids), cache, 4)
