@@ -68,22 +68,23 @@ class MergedRest:
 _ONE_BLOCK = 2**62
 
 
-def block_sums(seg_keys: torch.Tensor, seg_values: torch.Tensor, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value sums ``[B, H, n_blocks, D]`` (float64) of segments ``[B, H, S, c, D]`` grouped ``per_block`` at a time.
+def group_blocks(sums: torch.Tensor, per_block: int) -> torch.Tensor:
+    """``[B, H, S, D]`` per-segment sums added ``per_block`` at a time: ``[B, H, ceil(S / per_block), D]``.
 
     The last block holds what is left (``S mod per_block`` segments, if any).
     """
-    B, H, S, c, D = seg_keys.shape
+    B, H, S, D = sums.shape
     per_block = min(per_block, max(S, 1))  # one block of every segment (MergedRest(None)): no padding to it
-    n = -(-S // per_block)
-    pad = n * per_block - S
-    out = []
-    for x in (seg_keys, seg_values):
-        s = x.to(torch.float64).sum(3)  # [B, H, S, D]
-        if pad:
-            s = torch.cat([s, s.new_zeros(B, H, pad, D)], dim=2)
-        out.append(s.view(B, H, n, per_block, D).sum(3))
-    return out[0], out[1]
+    pad = -S % per_block
+    if pad:
+        sums = torch.cat([sums, sums.new_zeros(B, H, pad, D)], dim=2)
+    return sums.view(B, H, -1, per_block, D).sum(3)
+
+
+def block_sums(seg_keys: torch.Tensor, seg_values: torch.Tensor, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value sums ``[B, H, n_blocks, D]`` (float64) of segments ``[B, H, S, c, D]`` grouped ``per_block`` at a time."""
+    keys, values = segment_sums(seg_keys, seg_values, torch.float64)
+    return group_blocks(keys, per_block), group_blocks(values, per_block)
 
 
 def block_counts(n_segments: int, segment_size: int, per_block: int, device=None) -> torch.Tensor:

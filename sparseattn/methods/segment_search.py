@@ -19,6 +19,7 @@ from sparseattn.methods.rest import (
     MergedRest,
     add_merged_rest,
     block_counts,
+    group_blocks,
     merged_attention,
     segment_sums,
 )
@@ -512,13 +513,7 @@ class SegmentSearchState(KVState):
             head = sums[:, :, :split].sum(2, keepdim=True)  # [B, H, 1, D]
             if first % per:  # the block already holds earlier segments
                 head = head + block_buf.view()[:, :, b0 : b0 + 1]
-            tail = sums[:, :, split:]
-            if tail.shape[2]:
-                pad = -tail.shape[2] % per
-                if pad:
-                    tail = torch.cat([tail, tail.new_zeros(*tail.shape[:2], pad, tail.shape[3])], dim=2)
-                tail = tail.view(*tail.shape[:2], -1, per, tail.shape[3]).sum(3)
-            blocks = torch.cat([head, tail], dim=2)
+            blocks = torch.cat([head, group_blocks(sums[:, :, split:], per)], dim=2)
             if first == 0:
                 block_buf.replace(blocks)
             else:
@@ -624,11 +619,13 @@ class SegmentSearchState(KVState):
             self._backend = select_backend(
                 self.method.backend, "segment_attention", q=grouped, keys=self.keys, softcap=self.softcap
             )
+        merged = 0
         if merging:
             if not isinstance(self._backend, SegmentAttentionLSE):
                 return self._attend_tokens(query, grouped, lay, segments, group, valid)
-            return self._attend_merged(query, grouped, lay, segments, group, valid)
-        if valid is not None:  # an allocation's split: heads attend different numbers of the listed segments
+            out = self._attend_merged(grouped, lay, segments, valid)
+            merged = self.method.rest.blocks(lay.n_segments)
+        elif valid is not None:  # an allocation's split: heads attend different numbers of the listed segments
             if not isinstance(self._backend, MaskedSegmentAttention):
                 return self._attend_tokens(query, grouped, lay, segments, group, valid)
             out = self._backend.segment_attention_masked(
@@ -642,27 +639,19 @@ class SegmentSearchState(KVState):
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
         info = SegmentSelection(
             layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
-            sealed=self._sealed_since_attend, valid=valid,
+            sealed=self._sealed_since_attend, valid=valid, n_merged=merged,
         )
         return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info
 
-    def _attend_merged(self, query, grouped, lay, segments, group, valid) -> tuple[torch.Tensor, SegmentSelection]:
+    def _attend_merged(self, grouped, lay, segments, valid) -> torch.Tensor:
         """The selection by the backend's kernel (which also returns each head's log-sum-exp), plus the merged
         rest from the segments' and blocks' sums: no token is gathered (:func:`add_merged_rest`)."""
-        B, H, D = self.batch, self.kv_heads, self.head_dim
-        rest = self.method.rest
         out, lse = self._backend.segment_attention_lse(grouped, self.keys, self.values, lay, segments, valid, self.scale, self.softcap)
-        out = add_merged_rest(
+        return add_merged_rest(
             out, lse, grouped, self.keys, self.values, lay, segments, valid, self._segment_sums[0].view(),
-            self._rest_sums[0].view(), self._rest_sums[1].view(), rest.per_block,
+            self._rest_sums[0].view(), self._rest_sums[1].view(), self.method.rest.per_block,
             self.scale, self.softcap, self._workspace,
         ).to(out.dtype)  # fmt: skip
-        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
-        info = SegmentSelection(
-            layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
-            sealed=self._sealed_since_attend, valid=valid, n_merged=rest.blocks(lay.n_segments),
-        )
-        return out.reshape(B, H * group, D).to(query.dtype), info
 
     def _allocate(self, grouped: torch.Tensor, lay: SegmentLayout, k: int, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The allocation's split: ``segments [B, H_kv, G', w]`` listed per selection and which are attended.
