@@ -22,9 +22,15 @@ bandwidth, measured in the same run) and the fraction of it achieved. The restru
 O(t) rebuild at perfect squares) is timed separately and shown amortised over the ~2 sqrt(t) steps
 between rebuilds. The growth exponent of per-step time over t is fitted on the rows t >= 8k, raw and
 drift-corrected (the step over the dense step of the same rounds, times t: dense reads all t tokens).
+With ``--against METHOD`` that method's step joins every row's rounds too, and each row reports its
+time over that method's (``vs against``): the ratio of two methods under the same drift. With
+``--flush-mb N`` every timed step follows an untimed write of N MB, so that none finds another's data
+cached (compare against a row of the same method: its ``vs against`` should be 1).
 
     python benchmarks/attention.py                       # CPU defaults: t in 4k..128k, batch 1 and 8
     python benchmarks/attention.py --lengths 4096 16384 --batches 1 --repeats 20
+    python benchmarks/attention.py --lengths 131072 --batches 1 --methods "radar+pooled (budget 4096)" \
+        --against "radar+ (budget 4096)"
     python benchmarks/attention.py --device cuda --dtype bfloat16 --lengths 4096 ... 1048576
 
 Writes ``benchmarks/results/attention-<device>.json`` (or ``--out``).
@@ -38,6 +44,7 @@ import gc
 import json
 import math
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -81,19 +88,29 @@ def timed_ms(fn, device: torch.device) -> float:
     return 1e3 * (time.perf_counter() - begin)
 
 
-def interleaved_medians(fns: dict, device: torch.device, repeats: int, warmup: int) -> dict:
+def interleaved_medians(fns: dict, device: torch.device, repeats: int, warmup: int, flush=None) -> dict:
     """Median ms of each ``fns[name]()``, timed round-robin (one call of each per round).
 
     A shared machine's speed drifts over seconds; timing a method and its baselines in alternation
-    exposes them to the same drift, so their ratio is steadier than that of separate runs.
+    exposes them to the same drift, so their ratio is steadier than that of separate runs. The order
+    within a round is shuffled (seeded): a fixed order measured the same method 6-8% apart from itself
+    by position alone. ``flush``
+    (untimed) runs before every timed call: each then starts from the same cold cache, whatever ran
+    before it (without it a step right after another method's step can find its segments cached).
     """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     synchronize(device)
     times = {name: [] for name in fns}
+    order, shuffle = list(fns), random.Random(0)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        shuffle.shuffle(order)  # no step always follows the same one, nor always runs first in its round
+        for name in order:
+            fn = fns[name]
+            if flush is not None:
+                flush()
+                synchronize(device)
             times[name].append(timed_ms(fn, device))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -138,7 +155,7 @@ def random_cache(batch: int, t: int, dtype, device) -> tuple[torch.Tensor, torch
     return keys, values, query
 
 
-def bench_row(method_name, method, keys, values, query, repeats, warmup, tolerance, baselines) -> dict:
+def bench_row(method_name, method, keys, values, query, repeats, warmup, tolerance, baselines, flush=None) -> dict:
     """One row: build, check against the float64 reference, then time ``method`` interleaved with ``baselines``."""
     batch, _, t, _ = keys.shape
     device = keys.device
@@ -233,7 +250,7 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
 
     row["correct"] = row["rel_error"] <= tolerance
     if row["correct"]:
-        medians = interleaved_medians({"method": step, **baselines}, device, repeats, warmup)
+        medians = interleaved_medians({"method": step, **baselines}, device, repeats, warmup, flush)
         row["ms"] = medians.pop("method")
         row.update({f"{name}_ms": ms for name, ms in medians.items()})  # dense_ms, kernel_dense_ms: same rounds
     else:
@@ -261,8 +278,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--methods", nargs="+", default=None, help="only these rows (dense always runs: speedups need it)")
+    parser.add_argument("--against", default=None, metavar="METHOD",
+                        help="a row name timed in the same rounds as every row: each row's 'vs against' is its "
+                             "ms over this method's, both under the same drift (e.g. \"radar+ (budget 4096)\")")
+    parser.add_argument("--flush-mb", type=int, default=0, metavar="MB",
+                        help="write a scratch buffer of this many MB (untimed) before every timed step, so that "
+                             "every step starts cold (a model's other layers evict the cache between two layers' "
+                             "steps); 0: no flush. Use more than the last-level cache (here 32 MB)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.flush_mb < 0:
+        parser.error(f"--flush-mb must be >= 0 (MB written before each timed step), got {args.flush_mb}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA device is available")
@@ -310,15 +336,25 @@ def main() -> None:
     if args.methods:
         unknown = set(args.methods) - set(methods) - set(optional)
         if unknown:
-            raise SystemExit(f"unknown --methods {sorted(unknown)}; choose from {list(methods) + list(optional)}")
+            parser.error(f"unknown --methods {sorted(unknown)}; choose from {list(methods) + list(optional)}")
         methods = {name: m for name, m in {**methods, **optional}.items() if name == "dense" or name in args.methods}
+    against = None
+    if args.against is not None:
+        known = {**methods, **optional}
+        if args.against not in known or known[args.against] is None:
+            parser.error(f"unknown --against {args.against!r}; choose a sparse row from {[n for n, m in known.items() if m is not None]}")
+        against = known[args.against]
     info = machine(device)
     info["bandwidth_GBps"] = memory_bandwidth(device)
     print(f"machine: {json.dumps(info)}")
     print(f"shape: {Q_HEADS} query heads, {KV_HEADS} KV heads, d = {HEAD_DIM}, {dtype}; median of {args.repeats} after {args.warmup} warm-up")
+    scratch = torch.empty(args.flush_mb * 2**20 // 4, device=device) if args.flush_mb else None
+    flush = None if scratch is None else (lambda: scratch.fill_(1.0))
+    info["flush_mb"] = args.flush_mb
     rows = []
     header = (f"{'method':<44}{'batch':>6}{'t':>9}{'attended':>10}{'ms/step':>10}{'speedup':>9}{'vs kernel':>10}"
-              f"{'MB read':>10}{'floor ms':>10}{'of floor':>9}{'rebuild ms':>11}{'amortised':>10}{'rel.err':>10}")
+              f"{'MB read':>10}{'floor ms':>10}{'of floor':>9}{'rebuild ms':>11}{'amortised':>10}{'rel.err':>10}"
+              + (f"{'vs against':>12}" if args.against else ""))
     print(header)
     print("-" * len(header))
     for batch in args.batches:
@@ -333,22 +369,35 @@ def main() -> None:
                 every = SegmentLayout(length=t, sinks=t, segment_size=1, n_segments=0)
                 none = torch.zeros(batch, KV_HEADS, 1, 0, dtype=torch.long)
                 baselines["kernel_dense"] = lambda q=q_rows, k=keys, v=values: segment_attention_cpu(q, k, v, every, none)
+            if against is not None:  # its own state on the same K/V, stepped once per round beside every row
+                against_state = against.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=keys.dtype)
+                against_state.append(keys, values)
+                # Between the two dense steps, so that it and the row's step each follow a pass over the whole
+                # cache (cold, as in a model's step): right after the row's step it would find the same
+                # segments still in the cache (the radar+ row against itself measured 0.90 that way).
+                dense_first = {"dense": baselines.pop("dense")}
+                baselines = {**dense_first, "against": lambda s=against_state, q=query: s.attend(q), **baselines}
             for name, method in methods.items():
                 gc.collect()  # the previous row's state (reference cycles) must be gone before the next allocates
-                row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance, baselines)
+                row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance, baselines, flush)
                 measured = row["ms"] == row["ms"]
                 row["speedup"] = row["dense_ms"] / row["ms"] if measured else float("nan")
                 kernel = row.get("kernel_dense_ms")
                 row["speedup_vs_kernel_dense"] = kernel / row["ms"] if measured and kernel else float("nan")
                 row["floor_ms"] = row["bytes"] / (info["bandwidth_GBps"] * 1e9) * 1e3
                 row["fraction_of_floor"] = row["floor_ms"] / row["ms"] if measured else float("nan")
+                if against is not None:
+                    row["against"] = args.against
+                    row["vs_against"] = row["ms"] / row["against_ms"] if measured else float("nan")
                 rows.append(row)
                 flag = "" if row["correct"] else "  OUTPUT CHECK FAILED: no timing"
                 print(f"{name:<44}{batch:>6}{t:>9}{row['attended']:>10.0f}{row['ms']:>10.3f}{row['speedup']:>9.2f}"
                       f"{row['speedup_vs_kernel_dense']:>10.2f}{row['bytes'] / 1e6:>10.1f}{row['floor_ms']:>10.3f}"
                       f"{row['fraction_of_floor']:>9.2f}{row['rebuild_ms']:>11.1f}{row['rebuild_amortised_ms']:>10.3f}"
-                      f"{row['rel_error']:>10.1e}{flag}", flush=True)
-            del keys, values, query, q_rows, baselines  # free this t's K/V before the next is drawn
+                      f"{row['rel_error']:>10.1e}{flag}"
+                      + (f"{row['vs_against']:>12.3f}" if against is not None else ""), flush=True)
+            against_state = None
+            del keys, values, query, q_rows, baselines, against_state  # free this t's K/V before the next is drawn
     exponents, corrected = {}, {}
     for batch in args.batches:
         for name in methods:

@@ -465,7 +465,7 @@ def test_a_build_that_yields_a_foreign_library_is_refused_with_the_reason(tmp_pa
     wrapper.chmod(0o755)
     refusal, auto = run_kernel_probe(tmp_path / "cache", CC=str(wrapper))
     assert refusal.startswith("refusal: the kernel is unavailable: the library ")
-    assert "does not export sa_segment_attention, sa_segment_log_mass, sa_float16_supported" in refusal
+    assert "does not export sa_segment_attention, sa_segment_log_mass, sa_merged_rest, sa_float16_supported" in refusal
     assert auto == "auto: torch"
 
 

@@ -52,7 +52,9 @@ from sparseattn.methods.rest import (
 )
 from sparseattn.ops.attention import segment_mask, soft_cap
 from sparseattn.ops.layout import SegmentLayout
-from sparseattn.backends.cpu_kernels import cpu_kernel_refusal
+from sparseattn.backends.cpu_backend import CpuBackend
+from sparseattn.backends.cpu_kernels import cpu_kernel_refusal, merged_rest_cpu
+from sparseattn.methods import rest as rest_module
 from sparseattn.testing import assert_close
 
 CPU_KERNEL = cpu_kernel_refusal()  # None when the C kernel built and loaded here
@@ -150,6 +152,73 @@ def test_the_rest_from_segment_sums_is_the_float64_reference(seed, lists, per_bl
     ref = merged_attention_ref(q, keys, values, mask, sinks, lay.segment_end, per_block * c, scale, softcap)
     assert out.dtype == torch.float32
     assert_close(out, ref.float(), torch.float32)
+
+
+@pytest.mark.skipif(CPU_KERNEL is not None, reason=f"the C kernel is unavailable here: {CPU_KERNEL}")
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    lists=st.sampled_from(["shared", "per head", "per head, equal"]),
+    per_block=st.sampled_from([1, 2, 3, 5, None]),
+    masked=st.booleans(),
+    softcap=st.sampled_from([None, 3.0]),
+    D=st.sampled_from([8, 64, 128]),
+    cache=st.sampled_from([torch.float32, torch.bfloat16]),
+    threads=st.sampled_from([1, 3]),
+    loud=st.sampled_from([1.0, 300.0]),
+)
+def test_the_c_kernels_merged_rest_is_the_float64_reference(seed, lists, per_block, masked, softcap, D, cache, threads, loud):
+    """The C path (``CpuBackend.segment_attention_merged``: the kernel with its log-sum-exp, then the rest in C)
+    is ``merged_attention_ref``, the sums read in place from views of capacity buffers (rows contiguous,
+    the rest of each buffer NaN: a read past a view would show); ``None``: one block for the whole rest.
+    ``loud``: logits in the thousands, whose exponentials overflow even float64 without the max-shift."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, c, S, sinks = 2, 2, 3, 3, 12, 2
+    lay = SegmentLayout(length=sinks + S * c + 5, sinks=sinks, segment_size=c, n_segments=S, window=3)
+    assert lay.tail_start >= lay.segment_end
+    keys, values = (torch.randn(B, H, lay.length, D, generator=gen).to(cache) for _ in range(2))
+    q = torch.randn(B, H, G, D, generator=gen) * loud
+    sets = 1 if lists == "shared" else G
+    segments = torch.stack([torch.randperm(S, generator=gen)[:5] for _ in range(B * H * sets)]).view(B, H, sets, 5)
+    if lists == "per head, equal":
+        segments = segments[:, :, :1].expand(B, H, G, 5).contiguous()
+    valid = (torch.rand(segments.shape, generator=gen) < 0.6) if masked else None
+    grid = lambda x: x[:, :, sinks : lay.segment_end].float().reshape(B, H, S, c, D)  # noqa: E731
+    per = per_block or rest_module._ONE_BLOCK
+    sums = (torch.cat(segment_sums(grid(keys), grid(values)), dim=-1), *block_sums(grid(keys), grid(values), per))
+
+    def in_capacity(x):  # the view a GrowableBuffer hands out: more rows behind it, NaN
+        buf = torch.full((B, H, x.shape[2] + 4, x.shape[3]), float("nan"), dtype=x.dtype)
+        buf[:, :, : x.shape[2]] = x
+        return buf[:, :, : x.shape[2]]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = CpuBackend().segment_attention_merged(q, keys, values, lay, segments, valid, *map(in_capacity, sums), per, D**-0.5, softcap)
+    finally:
+        torch.set_num_threads(before)
+    mask = segment_mask(lay, segments, G, valid)
+    ref = merged_attention_ref(q, keys, values, mask, sinks, lay.segment_end, per * c, D**-0.5, softcap)
+    assert out.dtype == torch.float32
+    assert_close(out, ref.float(), torch.float32)
+
+
+def test_the_c_kernels_merged_rest_refuses_what_it_cannot_do():
+    """A window reaching into segments (its tail parts are not in the sums) and a listed index outside the grid."""
+    if CPU_KERNEL is not None:
+        pytest.skip(f"the C kernel is unavailable here: {CPU_KERNEL}")
+    B, H, G, D, c, S = 1, 1, 2, 8, 4, 6
+    sums = (torch.zeros(B, H, S, 2 * D), torch.zeros(B, H, 2, D, dtype=torch.float64), torch.zeros(B, H, 2, D, dtype=torch.float64))
+    q, kv = torch.randn(B, H, G, D), torch.randn(B, H, 1 + S * c + 2, D)
+    reaching = SegmentLayout(length=1 + S * c + 2, sinks=1, segment_size=c, n_segments=S, window=5)
+    with pytest.raises(ValueError, match="window that reaches into no segment"):
+        CpuBackend().segment_attention_merged(q, kv, kv, reaching, torch.zeros(B, H, 1, 2, dtype=torch.long), None, *sums, 3, 1.0)
+    lay = SegmentLayout(length=1 + S * c + 2, sinks=1, segment_size=c, n_segments=S, window=2)
+    out, lse = torch.zeros(B, H, G, D), torch.zeros(B, H, G)
+    with pytest.raises(ValueError, match="cpu merged rest failed: a segment index is outside"):
+        merged_rest_cpu(out, lse, q, lay, torch.full((B, H, 1, 2), S, dtype=torch.long), None, *sums, 3, 1.0)
+    assert bool((out == 0).all())  # the input is not written
 
 
 def run_steps(method, budget, steps=4, seed=0, B=2, H=2, G=3, D=16, T=400):

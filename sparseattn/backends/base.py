@@ -182,6 +182,36 @@ class SegmentAttentionLSE(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@runtime_checkable
+class MergedRestAttention(Protocol):
+    """Optional capability: masked segment attention with the merged rest of
+    :class:`~sparseattn.methods.rest.MergedRest` joined to each query head's softmax, in one call.
+
+    ``seg_kv: [B, H_kv, S, 2 D]`` float32 each segment's key sum then value sum, ``block_k, block_v:
+    [B, H_kv, n, D]`` float64 each block's (``per_block`` segments), as the decode state keeps them. Only
+    for a layout whose window reaches into no segment (``layout.tail_start >= layout.segment_end``, as a
+    segment search's state always has it); the caller checks. The torch form is
+    :func:`~sparseattn.methods.rest.add_merged_rest` over :class:`SegmentAttentionLSE`'s output, the float64
+    reference :func:`~sparseattn.methods.rest.merged_attention_ref`.
+    """
+
+    def segment_attention_merged(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        valid: torch.Tensor | None,
+        seg_kv: torch.Tensor,
+        block_k: torch.Tensor,
+        block_v: torch.Tensor,
+        per_block: int,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor: ...
+
+
 def describe(x: torch.Tensor) -> str:
     """``[2, 2, 3, 64] torch.float16 on cpu``: how an error message shows a tensor."""
     return f"{list(x.shape)} {x.dtype} on {x.device.type}"

@@ -24,6 +24,7 @@ from sparseattn.backends.base import BackendBase, Capability, check_cache, check
 from sparseattn.backends.cpu_kernels import (
     MAX_GROUP,
     cpu_kernel_refusal,
+    merged_rest_cpu,
     segment_attention_cpu,
     segment_log_mass_cpu,
     supported_dtypes,
@@ -114,6 +115,30 @@ class CpuBackend(BackendBase):
         """:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the same kernel, also writing each query
         head's log-sum-exp. Unchecked, as :meth:`segment_attention_masked`."""
         return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid, lse=True)
+
+    def segment_attention_merged(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        valid: torch.Tensor | None,
+        seg_kv: torch.Tensor,
+        block_k: torch.Tensor,
+        block_v: torch.Tensor,
+        per_block: int,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """:class:`~sparseattn.backends.base.MergedRestAttention`: the kernel with its log-sum-exp, then the
+        merged rest in C from the segments' and blocks' sums (no token read twice, no tensor operation
+        between). Unchecked, as :meth:`segment_attention_masked`."""
+        if layout.tail_start < layout.segment_end:
+            raise ValueError(f"segment_attention_merged needs a window that reaches into no segment: tail_start "
+                             f"{layout.tail_start} < segment_end {layout.segment_end}")  # fmt: skip
+        out, lse = segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid, lse=True)
+        return merged_rest_cpu(out, lse, q, layout, segments, valid, seg_kv, block_k, block_v, per_block, scale, softcap)
 
     def dense(
         self,

@@ -459,3 +459,141 @@ int sa_segment_log_mass(const float *q, const void *keys, int dtype, int64_t ksb
     }
     return status;
 }
+
+/*
+ * The merged rest (sparseattn.methods.rest.MergedRest) added to a selection's attention, in place: the
+ * torch form and its documentation are sparseattn.methods.rest.add_merged_rest, the float64 reference
+ * merged_attention_ref. Per query head, block b of `per_block` segments enters the softmax as one token
+ * with logit log m_b + cap(scale q . (K_b - A_b) / m_b) and value (V_b - W_b) / m_b, where K_b, V_b are the
+ * block's key and value sums, A_b, W_b the sums of the head's attended segments in it and m_b its tokens
+ * left out. Only the attended segments' sums are read (one row of seg_kv each), never their tokens.
+ *
+ * Needs every segment whole below the tail (the window reaches into no segment); the caller checks that.
+ * q: [B, H, G, D] float32; out: [B, H, G, D] float32, the selection's attention, overwritten with the
+ * merged one; lse: [B, H, G] float32 the selection's log-sum-exp (sa_segment_attention's);
+ * segments, valid: as sa_segment_attention (valid may be NULL); seg_kv: [B, H, n_segments, 2 D] float32,
+ * each segment's key sum then value sum, rows contiguous, row (b, h, s) at seg_kv + b * kvsb + h * kvsh + s * 2 D
+ * (a view of a capacity buffer is read in place); block_k, block_v: [B, H, n_blocks, D] float64, rows
+ * contiguous, row (b, h, i) at block_k + b * bksb + h * bksh + i * D (block_v likewise). q, out, lse, segments, valid contiguous.
+ */
+#define SA_REST_AHEAD 16 /* rows asked for ahead of use: a row's few dot products take less than a miss's latency */
+
+int sa_merged_rest(const float *q, float *out, const float *lse, const int64_t *segments, const uint8_t *valid,
+                   int64_t sets, int64_t w, const float *seg_kv, int64_t kvsb, int64_t kvsh, const double *block_k,
+                   int64_t bksb, int64_t bksh, const double *block_v, int64_t bvsb, int64_t bvsh, int64_t B, int64_t H, int64_t G, int64_t D, int64_t n_segments, int64_t seg_size,
+                   int64_t per_block, float scale, float softcap, int threads) {
+    if (per_block < 1) return SA_BAD_SEGMENT;
+    const int64_t rows = B * H, n = (n_segments + per_block - 1) / per_block;
+    if (n == 0) return SA_OK;
+    int status = SA_OK;
+#pragma omp parallel num_threads(threads)
+    {
+        /* per query head and block: q . A_b, then the weight p_b / m_b; tokens taken; the rest's value sum */
+        double *q_taken = malloc((size_t)(G * n) * sizeof(double));
+        double *taken = malloc((size_t)(G * n) * sizeof(double));
+        double *rest_v = malloc((size_t)(G * D) * sizeof(double));
+        double *first_w = malloc((size_t)G * sizeof(double)), *denom = malloc((size_t)G * sizeof(double));
+        const int ok = q_taken && taken && rest_v && first_w && denom;
+        if (!ok) {
+#pragma omp atomic write
+            status = SA_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!ok) continue;
+            const float *qr = q + r * G * D;
+            const int64_t *sel = segments + r * sets * w;
+            const uint8_t *flag = valid ? valid + r * sets * w : NULL;
+            const float *kv = seg_kv + (r / H) * kvsb + (r % H) * kvsh;
+            memset(q_taken, 0, (size_t)(G * n) * sizeof(double));
+            memset(taken, 0, (size_t)(G * n) * sizeof(double));
+            int bad = 0;
+            for (int64_t j = 0; j < w && j < SA_REST_AHEAD; ++j)
+                if (sel[j] >= 0 && sel[j] < n_segments)
+                    for (int64_t off = 0; off < 2 * D; off += 16) __builtin_prefetch(kv + sel[j] * 2 * D + off, 0, 1);
+            /* 1. what each head attends in each block: q . (the attended segments' key sums), and tokens.
+             * Slot-major, so a listing shared by the group's heads reads each row once for all of them. */
+            for (int64_t j = 0; j < w && !bad; ++j) {
+                if (j + SA_REST_AHEAD < w) { /* a later slot's row, scattered: ask for it now */
+                    const int64_t next = sel[j + SA_REST_AHEAD];
+                    if (next >= 0 && next < n_segments)
+                        for (int64_t off = 0; off < 2 * D; off += 16) __builtin_prefetch(kv + next * 2 * D + off, 0, 1);
+                }
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t set = sets == 1 ? 0 : g, s = sel[set * w + j];
+                    if (flag && !flag[set * w + j]) continue;
+                    if (s < 0 || s >= n_segments) {
+                        bad = 1;
+                        break;
+                    }
+                    const float *ks = kv + s * 2 * D, *qv = qr + g * D;
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < D; ++d) dot += qv[d] * ks[d];
+                    q_taken[g * n + s / per_block] += dot;
+                    taken[g * n + s / per_block] += (double)seg_size;
+                }
+            }
+            if (bad) {
+#pragma omp atomic write
+                status = SA_BAD_SEGMENT;
+                continue;
+            }
+            /* 2. each block's merged token, joined to the selection's softmax by log-sum-exp */
+            const double *bk = block_k + (r / H) * bksb + (r % H) * bksh, *bv = block_v + (r / H) * bvsb + (r % H) * bvsh;
+            for (int64_t g = 0; g < G; ++g) {
+                const float *qv = qr + g * D;
+                double *wt = q_taken + g * n; /* becomes p_b / m_b (up to the common normaliser) */
+                double top = lse[r * G + g];
+                for (int64_t b = 0; b < n; ++b) {
+                    const double count = (double)(b + 1 < n ? per_block : n_segments - (n - 1) * per_block) * seg_size;
+                    const double m = count - taken[g * n + b];
+                    if (m < 0.5) { /* nothing left out of this block */
+                        wt[b] = 0.0, taken[g * n + b] = 0.0;
+                        continue;
+                    }
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < D; ++d) dot += (double)qv[d] * bk[b * D + d];
+                    double x = scale * (dot - wt[b]) / m;
+                    if (softcap > 0.f) x = softcap * tanh(x / softcap);
+                    wt[b] = x + log(m), taken[g * n + b] = m;
+                    top = wt[b] > top ? wt[b] : top;
+                }
+                first_w[g] = exp(lse[r * G + g] - top), denom[g] = first_w[g];
+                double *rv = rest_v + g * D;
+                memset(rv, 0, (size_t)D * sizeof(double));
+                for (int64_t b = 0; b < n; ++b) {
+                    if (taken[g * n + b] == 0.0) {
+                        wt[b] = 0.0;
+                        continue;
+                    }
+                    const double p = exp(wt[b] - top);
+                    denom[g] += p, wt[b] = p / taken[g * n + b];
+                    for (int64_t d = 0; d < D; ++d) rv[d] += wt[b] * bv[b * D + d];
+                }
+            }
+            /* 3. less the attended segments' value sums, weighted by their block's p_b / m_b (rows now cached) */
+            for (int64_t j = 0; j < w; ++j) {
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t set = sets == 1 ? 0 : g, s = sel[set * w + j];
+                    if (flag && !flag[set * w + j]) continue;
+                    const double c = q_taken[g * n + s / per_block];
+                    if (c == 0.0) continue;
+                    const float *vs = kv + s * 2 * D + D;
+                    double *rv = rest_v + g * D;
+                    for (int64_t d = 0; d < D; ++d) rv[d] -= c * vs[d];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                float *o = out + (r * G + g) * D;
+                const double *rv = rest_v + g * D;
+                for (int64_t d = 0; d < D; ++d) o[d] = (float)((first_w[g] * o[d] + rv[d]) / denom[g]);
+            }
+        }
+        free(q_taken);
+        free(taken);
+        free(rest_v);
+        free(first_w);
+        free(denom);
+    }
+    return status;
+}

@@ -70,7 +70,7 @@ class KernelBuildError(RuntimeError):
 
 
 #: The entry points the library must export; a library without one of them is not this kernel.
-SYMBOLS = ("sa_segment_attention", "sa_segment_log_mass", "sa_float16_supported")
+SYMBOLS = ("sa_segment_attention", "sa_segment_log_mass", "sa_merged_rest", "sa_float16_supported")
 
 
 def cache_dir() -> Path:
@@ -242,6 +242,10 @@ def load_library() -> ctypes.CDLL:
     lib.sa_segment_log_mass.argtypes = [
         ptr, ptr, ctypes.c_int, *[i64] * 4, *[i64] * 4, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int,
     ]  # fmt: skip
+    lib.sa_merged_rest.restype = ctypes.c_int
+    lib.sa_merged_rest.argtypes = [
+        ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, *[i64] * 7, ctypes.c_float, ctypes.c_float, ctypes.c_int,
+    ]  # fmt: skip
     lib.sa_float16_supported.restype = ctypes.c_int
     return lib
 
@@ -330,3 +334,52 @@ def segment_log_mass_cpu(queries: torch.Tensor, segment_keys: torch.Tensor, fact
     if status:
         raise ValueError(f"cpu segment log-mass failed: {_ERRORS.get(status, f'status {status}')}")
     return out
+
+
+def rows_in_place(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [B, H, n, C]`` as ``dtype`` with contiguous rows of ``C`` (any strides over ``B, H``), copied only if not."""
+    x = x.to(dtype)
+    return x if x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1]) else x.contiguous()
+
+
+def merged_rest_cpu(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    layout: SegmentLayout,
+    segments: torch.Tensor,
+    valid: torch.Tensor | None,
+    seg_kv: torch.Tensor,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    per_block: int,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`~sparseattn.methods.rest.add_merged_rest` by the C kernel, for a layout whose window reaches
+    into no segment (``layout.tail_start >= layout.segment_end``: the caller checks).
+
+    ``out, lse``: :func:`segment_attention_cpu`'s output and log-sum-exp (``lse=True``) for the same
+    ``q, segments, valid``; ``seg_kv: [B, H_kv, S, 2 D]`` float32, ``block_k, block_v: [B, H_kv, n, D]``
+    float64, as ``add_merged_rest``: read in place when their rows are contiguous (a view of the decode
+    state's capacity buffers is: copying them would cost more than the step), else copied. Returns a new ``[B, H_kv, G, D]`` float32 tensor. Reference:
+    :func:`~sparseattn.methods.rest.merged_attention_ref`.
+    """
+    lib = load_library()
+    B, H, G, D = q.shape
+    result = out.to(torch.float32).contiguous().clone()
+    qf = q.to(torch.float32).contiguous()
+    seg = segments.to(torch.int64).contiguous()
+    flags = None if valid is None else valid.to(torch.uint8).contiguous()
+    kv = rows_in_place(seg_kv, torch.float32)
+    bk, bv = rows_in_place(block_k, torch.float64), rows_in_place(block_v, torch.float64)
+    norm = lse.to(torch.float32).contiguous()
+    status = lib.sa_merged_rest(
+        qf.data_ptr(), result.data_ptr(), norm.data_ptr(), seg.data_ptr(), None if flags is None else flags.data_ptr(),
+        seg.shape[2], seg.shape[3], kv.data_ptr(), kv.stride(0), kv.stride(1),
+        bk.data_ptr(), bk.stride(0), bk.stride(1), bv.data_ptr(), bv.stride(0), bv.stride(1), B, H, G, D,
+        layout.n_segments, layout.segment_size, per_block, float(scale), float(softcap or 0.0), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"cpu merged rest failed: {_ERRORS.get(status, f'status {status}')}")
+    return result

@@ -10,7 +10,7 @@ import torch
 
 from sparseattn.allocations.base import Allocation, log_total_mass
 from sparseattn.allocations.uniform import Uniform
-from sparseattn.backends.base import MaskedSegmentAttention, SegmentAttentionLSE
+from sparseattn.backends.base import MaskedSegmentAttention, MergedRestAttention, SegmentAttentionLSE
 from sparseattn.backends.registry import check_backend_name, select_backend
 from sparseattn.methods.always import AlwaysKept
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
@@ -645,11 +645,18 @@ class SegmentSearchState(KVState):
 
     def _attend_merged(self, grouped, lay, segments, valid) -> torch.Tensor:
         """The selection by the backend's kernel (which also returns each head's log-sum-exp), plus the merged
-        rest from the segments' and blocks' sums: no token is gathered (:func:`add_merged_rest`)."""
+        rest from the segments' and blocks' sums: no token is gathered. In one backend call where it has
+        :class:`MergedRestAttention` (the C kernel's rest), else by :func:`add_merged_rest` in torch."""
+        seg_kv, block_k, block_v = self._segment_sums[0].view(), self._rest_sums[0].view(), self._rest_sums[1].view()
+        per_block = self.method.rest.per_block
+        # The state holds the window back from segments, so the merged capability's one condition holds.
+        if isinstance(self._backend, MergedRestAttention) and lay.tail_start >= lay.segment_end:
+            return self._backend.segment_attention_merged(
+                grouped, self.keys, self.values, lay, segments, valid, seg_kv, block_k, block_v, per_block, self.scale, self.softcap
+            )  # fmt: skip
         out, lse = self._backend.segment_attention_lse(grouped, self.keys, self.values, lay, segments, valid, self.scale, self.softcap)
         return add_merged_rest(
-            out, lse, grouped, self.keys, self.values, lay, segments, valid, self._segment_sums[0].view(),
-            self._rest_sums[0].view(), self._rest_sums[1].view(), self.method.rest.per_block,
+            out, lse, grouped, self.keys, self.values, lay, segments, valid, seg_kv, block_k, block_v, per_block,
             self.scale, self.softcap, self._workspace,
         ).to(out.dtype)  # fmt: skip
 
