@@ -23,7 +23,9 @@ O(t) rebuild at perfect squares) is timed separately and shown amortised over th
 between rebuilds. The growth exponent of per-step time over t is fitted on the rows t >= 8k, raw and
 drift-corrected (the step over the dense step of the same rounds, times t: dense reads all t tokens).
 With ``--against METHOD`` that method's step joins every row's rounds too, and each row reports its
-time over that method's (``vs against``): the ratio of two methods under the same drift. With
+time over that method's (``vs against``): the ratio of two methods under the same drift; when the
+method is also a row, each ratio is divided by that row's own (two states of one method measured
+0.93-0.98 apart: the calibration cancels what is the state's, not the method's). With
 ``--flush-mb N`` every timed step follows an untimed write of N MB, so that none finds another's data
 cached (compare against a row of the same method: its ``vs against`` should be 1).
 
@@ -398,6 +400,13 @@ def main() -> None:
                       + (f"{row['vs_against']:>12.3f}" if against is not None else ""), flush=True)
             against_state = None
             del keys, values, query, q_rows, baselines, against_state  # free this t's K/V before the next is drawn
+    if against is not None:  # the against method's own row, timed beside its twin: the calibration of the ratios
+        print(f"\nper-step time over {args.against}'s in the same rounds, divided by its own row's (its twin state's):")
+        for row in rows:
+            twin = [r for r in rows if r["method"] == args.against and r["batch"] == row["batch"] and r["t"] == row["t"]]
+            if twin and twin[0]["vs_against"] == twin[0]["vs_against"]:
+                row["vs_against_calibrated"] = row["vs_against"] / twin[0]["vs_against"]
+                print(f"  {row['method']:<44} batch {row['batch']:>3} t {row['t']:>8}{row['vs_against_calibrated']:8.3f}")
     exponents, corrected = {}, {}
     for batch in args.batches:
         for name in methods:

@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_models
+from sparseattn.backends.cpu_kernels import cpu_kernel_refusal
 from hf_models import prompts, tiny_model
 from parts import SELECTORS, SUMMARIES, part_id
 from sparseattn import (
@@ -38,6 +39,7 @@ from sparseattn import (
     PooledMass,
     RadarPlus,
     RadarPlusMerged,
+    RadarPlusPooled,
     RadarPlusTokens,
     Rerank,
     SegmentSearch,
@@ -128,6 +130,32 @@ def test_pooled_token_oracle_attends_the_pooled_top_of_the_exact_attention_share
     assert torch.equal(info.attended.sum(-1), torch.full((B,), H * G * budget))  # the layer's total, exactly
     ref = attention_ref(q.view(B, H, G, D), keys, values, mask)
     assert_close(out, ref.view(B, H * G, D), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_mass_a_split_is_measured_against_includes_the_sinks_and_tail_exactly(backend, shared, seed):
+    """A head's share is its segments' estimate over the total, sinks and tail included: their log mass is the
+    float64 logsumexp of their logits (the C kernel's normaliser over an empty selection, or torch), summed over
+    the group for a shared selection."""
+    if backend == "cpu" and cpu_kernel_refusal() is not None:
+        pytest.skip(f"the C kernel is unavailable here: {cpu_kernel_refusal()}")
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, T = 2, 2, 3, 16, 300
+    method = dataclasses.replace(RadarPlusPooled(budget=96), backend=backend, shared_kv_selection=shared)
+    state = method.new_state(B, H, D)
+    keys, values = torch.randn(B, H, T, D, generator=gen) * 2, torch.randn(B, H, T, D, generator=gen)
+    state.prefill(keys, values)
+    q = torch.randn(B, H, G, D, generator=gen) * 2
+    lay = state.layout
+    got = state._always_log_mass(q, lay, 1 if shared else G)
+    always = torch.cat([keys[:, :, : lay.sink_end], keys[:, :, lay.tail_start : lay.length]], dim=2).double()
+    ref = torch.logsumexp(torch.einsum("bhgd,bhtd->bhgt", q.double(), always) * state.scale, dim=-1)
+    if shared:
+        ref = torch.logsumexp(ref, dim=2, keepdim=True)
+    assert lay.sink_end > 0 and lay.tail_start < lay.length
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_peaked_head_gets_fewer_tokens_than_a_diffuse_one():

@@ -114,7 +114,7 @@ class Case:
 
     @property
     def n_sel(self) -> int:
-        return {"0": 0, "1": 1, "all": self.n_seg}[self.k]
+        return {"0": 0, "1": 1, "3": 3, "all": self.n_seg}[self.k]
 
     @property
     def id(self) -> str:
@@ -136,6 +136,9 @@ CASES = [
     Case(2, 2, 3, 16, c=5, n_seg=5, sinks=3, window=0, buffer=0, k="0", shared=True),  # sinks only
     Case(1, 2, 3, 80, c=5, n_seg=4, sinks=3, window=7, buffer=1, k="all", shared=True),  # D padded to 128
     Case(1, 1, 3, 16, c=5, n_seg=3, sinks=3, window=100, buffer=2, k="all", shared=False),  # the tail covers all
+    # few listed segments against a large grid: the kernel sorts them instead of scanning the grid
+    Case(2, 2, 3, 16, c=2, n_seg=150, sinks=2, window=5, buffer=1, k="3", shared=False),
+    Case(1, 2, 4, 64, c=3, n_seg=100, sinks=0, window=4, buffer=2, k="3", shared=True, cache="bthd"),
 ]
 
 

@@ -155,25 +155,40 @@ SA_DEFINE_ATTEND_BLOCK(attend_block_any, 0)
 typedef void (*sa_block_fn)(const float *, int, uint64_t, const float *, int64_t, const float *, int64_t, int, float,
                             float *, float *, float *, float *, const sa_ahead *);
 
+static int sa_cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* The attended spans of one row (sorted, disjoint, maximal). Returns the count, or -1 for a bad index.
- * valid (NULL: all) flags which of each set's k listed segments are attended; the others are not read. */
+ * valid (NULL: all) flags which of each set's k listed segments are attended; the others are not read.
+ * mask: n_segments zeros on entry, zeros again on return; listed: room for sets * k indices. The distinct
+ * listed segments are walked in order by sorting them when they are few against the grid, else by a
+ * scan of the grid (an O(n_segments) scan per row was most of a small call's time at 128k). */
 static int64_t row_spans(const int64_t *sel, const uint8_t *valid, int64_t sets, int64_t k, int64_t G, int64_t sink_end,
                          int64_t seg_size, int64_t n_segments, int64_t tail_start, int64_t length, uint64_t *mask,
-                         sa_span *out) {
+                         int64_t *listed, sa_span *out) {
     const uint64_t all = G == 64 ? ~(uint64_t)0 : (((uint64_t)1 << G) - 1);
-    int64_t n = 0;
+    int64_t n = 0, distinct = 0;
     if (sink_end > 0) out[n++] = (sa_span){0, sink_end, all};
-    memset(mask, 0, (size_t)n_segments * sizeof(uint64_t));
     for (int64_t set = 0; set < sets; ++set) {
         uint64_t bits = sets == 1 ? all : (uint64_t)1 << set;
         for (int64_t i = 0; i < k; ++i) {
             if (valid && !valid[set * k + i]) continue;
             int64_t seg = sel[set * k + i];
-            if (seg < 0 || seg >= n_segments) return -1;
+            if (seg < 0 || seg >= n_segments) {
+                for (int64_t j = 0; j < distinct; ++j) mask[listed[j]] = 0;
+                return -1;
+            }
+            if (!mask[seg]) listed[distinct++] = seg;
             mask[seg] |= bits;
         }
     }
-    for (int64_t seg = 0; seg < n_segments; ++seg) {
+    const int sorted = distinct * 16 < n_segments; /* few: sort them; many: scan the grid */
+    if (sorted) qsort(listed, (size_t)distinct, sizeof(int64_t), sa_cmp_i64);
+    const int64_t walk = sorted ? distinct : n_segments;
+    for (int64_t it = 0; it < walk; ++it) {
+        const int64_t seg = sorted ? listed[it] : it;
         if (!mask[seg]) continue;
         int64_t start = sink_end + seg * seg_size, end = start + seg_size;
         if (end > tail_start) end = tail_start; /* the window reaches back into this segment */
@@ -183,6 +198,7 @@ static int64_t row_spans(const int64_t *sel, const uint8_t *valid, int64_t sets,
         else
             out[n++] = (sa_span){start, end, mask[seg]};
     }
+    for (int64_t j = 0; j < distinct; ++j) mask[listed[j]] = 0;
     if (length > tail_start) {
         if (n > 0 && out[n - 1].end == tail_start && out[n - 1].heads == all)
             out[n - 1].end = length;
@@ -213,20 +229,23 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
                          float scale, float softcap, float *out, float *lse, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && !(dtype == SA_F16 && sa_float16_supported())) return SA_BAD_DTYPE;
     if (G > SA_MAX_ROWS) return SA_TOO_MANY_ROWS;
-    const int64_t rows = B * H, max_spans = n_segments + 2;
+    /* at most: the sinks, one per distinct listed segment, the tail (sized by the listing, not the grid: a
+     * grid-sized array per row was a megabyte to allocate at 128k for a few hundred spans) */
+    const int64_t rows = B * H, max_spans = (sets * k < n_segments ? sets * k : n_segments) + 2;
     const size_t esize = dtype == SA_F32 ? 4 : 2;
     int status = SA_OK;
     sa_span *spans = malloc((size_t)rows * max_spans * sizeof(sa_span));
     int64_t *n_spans = malloc((size_t)rows * sizeof(int64_t));
     int64_t *tokens = malloc((size_t)rows * sizeof(int64_t));
-    uint64_t *mask = malloc((size_t)(n_segments > 0 ? n_segments : 1) * sizeof(uint64_t));
-    if (!spans || !n_spans || !tokens || !mask) status = SA_NO_MEMORY;
+    uint64_t *mask = calloc((size_t)(n_segments > 0 ? n_segments : 1), sizeof(uint64_t));
+    int64_t *listed = malloc((size_t)(sets * k > 0 ? sets * k : 1) * sizeof(int64_t));
+    if (!spans || !n_spans || !tokens || !mask || !listed) status = SA_NO_MEMORY;
 
     /* 1. spans and token counts per row */
     for (int64_t r = 0; r < rows && status == SA_OK; ++r) {
         sa_span *sp = spans + r * max_spans;
         int64_t n = row_spans(segments + r * sets * k, valid ? valid + r * sets * k : NULL, sets, k, G, sink_end,
-                              seg_size, n_segments, tail_start, length, mask, sp);
+                              seg_size, n_segments, tail_start, length, mask, listed, sp);
         if (n < 0) {
             status = SA_BAD_SEGMENT;
             break;
@@ -236,6 +255,7 @@ int sa_segment_attention(const float *q, const void *keys, const void *values, i
         for (int64_t i = 0; i < n; ++i) tokens[r] += sp[i].end - sp[i].start;
     }
     free(mask);
+    free(listed);
 
     /* 2. parts: about four per thread overall, none smaller than SA_MIN_PART tokens */
     int64_t want = (4 * (int64_t)threads + rows - 1) / rows, n_parts = 0;
