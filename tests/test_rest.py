@@ -205,7 +205,8 @@ def test_the_c_kernels_merged_rest_is_the_float64_reference(seed, lists, per_blo
 
 
 def test_the_c_kernels_merged_rest_refuses_what_it_cannot_do():
-    """A window reaching into segments (its tail parts are not in the sums) and a listed index outside the grid."""
+    """A window reaching into segments (its tail parts are not in the sums), a listed index outside the grid, and
+    blocks of no segment."""
     if CPU_KERNEL is not None:
         pytest.skip(f"the C kernel is unavailable here: {CPU_KERNEL}")
     B, H, G, D, c, S = 1, 1, 2, 8, 4, 6
@@ -219,6 +220,8 @@ def test_the_c_kernels_merged_rest_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="cpu merged rest failed: a segment index is outside"):
         merged_rest_cpu(out, lse, q, lay, torch.full((B, H, 1, 2), S, dtype=torch.long), None, *sums, 3, 1.0)
     assert bool((out == 0).all())  # the input is not written
+    with pytest.raises(ValueError, match="per_block .* must be >= 1"):
+        merged_rest_cpu(out, lse, q, lay, torch.zeros(B, H, 1, 2, dtype=torch.long), None, *sums, 0, 1.0)
 
 
 def run_steps(method, budget, steps=4, seed=0, B=2, H=2, G=3, D=16, T=400):

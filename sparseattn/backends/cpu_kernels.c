@@ -33,7 +33,7 @@
 #define SA_MAX_ROWS 64       /* query heads per KV head (one bit each in a 64-bit mask) */
 
 enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2 };
-enum { SA_OK = 0, SA_BAD_SEGMENT = 1, SA_NO_MEMORY = 2, SA_EMPTY_HEAD = 3, SA_BAD_DTYPE = 4, SA_TOO_MANY_ROWS = 5 };
+enum { SA_OK = 0, SA_BAD_SEGMENT = 1, SA_NO_MEMORY = 2, SA_EMPTY_HEAD = 3, SA_BAD_DTYPE = 4, SA_TOO_MANY_ROWS = 5, SA_BAD_BLOCK = 6 };
 
 typedef struct {
     int64_t start, end; /* token range */
@@ -502,7 +502,7 @@ int sa_merged_rest(const float *q, float *out, const float *lse, const int64_t *
                    int64_t sets, int64_t w, const float *seg_kv, int64_t kvsb, int64_t kvsh, const double *block_k,
                    int64_t bksb, int64_t bksh, const double *block_v, int64_t bvsb, int64_t bvsh, int64_t B, int64_t H, int64_t G, int64_t D, int64_t n_segments, int64_t seg_size,
                    int64_t per_block, float scale, float softcap, int threads) {
-    if (per_block < 1) return SA_BAD_SEGMENT;
+    if (per_block < 1) return SA_BAD_BLOCK;
     const int64_t rows = B * H, n = (n_segments + per_block - 1) / per_block;
     if (n == 0) return SA_OK;
     int status = SA_OK;

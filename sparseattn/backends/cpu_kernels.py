@@ -62,6 +62,7 @@ _ERRORS = {
     3: "a query head attends no token",
     4: "the kernel was built without this storage dtype",
     5: f"more than {MAX_GROUP} query rows per KV head",
+    6: "per_block (segments per merged block) must be >= 1",
 }
 
 
