@@ -7,9 +7,12 @@ each variant keeps a run directory under ``--runs``.
 
     python benchmarks/merged_layers.py --texts dev --steps 512 --variants all:128 first1:128 first1:0 after1:128
     python benchmarks/merged_layers.py --texts six --steps 1024 --variants first1:0 all:0
+    python benchmarks/merged_layers.py --texts dev --steps 512 --variants after1:128x4
 
 A variant is ``WHERE:MERGE``: ``all`` (every layer), ``firstN`` (the first N layers only) or ``afterN``
 (every layer but the first N), with blocks of MERGE segments (0: the whole rest as one token).
+``afterN:MERGExF`` also gives the first N layers F times the budget and the others what is left
+(``FirstLayers`` over the ``SplitLayers``; the total over the layers is unchanged).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from sparseattn.data.sources import load_text
 from sparseattn.evaluation.ppl import run_ppl_together, tokenize
 from sparseattn.evaluation.runs import RunDir
 from sparseattn.hf import load_model
-from sparseattn.methods.layers import SplitLayers
+from sparseattn.methods.layers import FirstLayers, SplitLayers
 from sparseattn.methods.presets import RadarPlusMerged, RadarPlusPooled
 
 RESULTS = Path(__file__).parent / "results"
@@ -40,16 +43,18 @@ BUDGET, PREFILL = 512, 4096
 
 
 def variant(spec: str):
-    """``WHERE:MERGE`` as a method (a ValueError naming the spec and what is allowed otherwise)."""
-    match = re.fullmatch(r"(all|first(\d+)|after(\d+)):(\d+)", spec)
-    if not match:
-        raise ValueError(f"--variants {spec!r}: expected WHERE:MERGE with WHERE all, firstN or afterN and MERGE >= 0")
+    """``WHERE:MERGE[xFACTOR]`` as a method (a ValueError naming the spec and what is allowed otherwise)."""
+    match = re.fullmatch(r"(all|first(\d+)|after(\d+)):(\d+)(?:x(\d+(?:\.\d+)?))?", spec)
+    if not match or (match[5] is not None and (match[3] is None or float(match[5]) < 1)):
+        raise ValueError(f"--variants {spec!r}: expected WHERE:MERGE with WHERE all, firstN or afterN and MERGE >= 0, "
+                         "and xFACTOR >= 1 only after afterN")  # fmt: skip
     merged, plain = RadarPlusMerged(budget=BUDGET, merge=int(match[4])), RadarPlusPooled(budget=BUDGET)
     if match[1] == "all":
         return merged
     if match[2] is not None:
         return SplitLayers(merged, plain, layers=int(match[2]))
-    return SplitLayers(plain, merged, layers=int(match[3]))
+    split = SplitLayers(plain, merged, layers=int(match[3]))
+    return split if match[5] is None else FirstLayers(split, layers=int(match[3]), factor=float(match[5]))
 
 
 def ppls(records: list[dict], rows: int, steps: int) -> list[float]:

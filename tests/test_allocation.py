@@ -286,6 +286,21 @@ def test_split_layers_runs_the_first_method_in_the_first_layers_and_the_other_af
     assert SplitLayers(method.first, method.others, layers=0).new_state(1, 2, 8).method == method.others
 
 
+def test_first_layers_over_split_layers_gives_each_layers_own_method_its_budget():
+    """``FirstLayers(SplitLayers(a, b))``: layer 0 runs ``a`` with ``factor`` times the budget, the later layers run
+    ``b`` with what is left, and the model's total is the budget per layer."""
+    model = tiny_model("llama")  # 2 layers
+    ids = prompts(1, [120])[0]
+    split = SplitLayers(RadarPlus(budget=60), RadarPlusMerged(budget=60, merge=0), layers=1)
+    method = FirstLayers(split, layers=1, factor=1.5)
+    with apply(model, method) as sparse:
+        cache = sparse.new_cache()
+        hf_models.greedy(model, ids, torch.ones_like(ids), cache, 4)
+    first, later = (layer.state.method for layer in cache.sparse_layers)
+    assert first == dataclasses.replace(split.first, budget=90) and later == dataclasses.replace(split.others, budget=30)
+    assert layer_budgets(method, 2) == [90, 30]
+
+
 @pytest.mark.parametrize(
     "build, match",
     [

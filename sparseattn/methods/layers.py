@@ -27,8 +27,9 @@ class FirstLayers:
     no other layer to take tokens from: every layer gets ``b``.
 
     Args:
-        method: a method with a ``budget`` field (e.g. ``RadarPlus(budget=512)``); each layer's state
-            is that method with the layer's budget (without a budget set, every layer runs it as given).
+        method: a method with a ``budget`` field (e.g. ``RadarPlus(budget=512)``), or a :class:`SplitLayers`
+            of two; each layer's state is that method with the layer's budget (without a budget set, every
+            layer runs it as given).
         layers: how many first layers get more.
         factor: their budget, as a multiple of ``b`` (>= 1).
     """
@@ -63,7 +64,7 @@ class FirstLayers:
     def new_state(self, *args, **kwargs) -> DecodeState:
         layer = layer_spec(*args, **kwargs)
         budget = self.budget_of(layer.layer_idx, layer.n_layers)
-        return dataclasses.replace(self.method, budget=budget).new_state(layer)
+        return with_budget(self.method, budget).new_state(layer)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,14 @@ class SplitLayers:
         return self.method_of(layer.layer_idx).new_state(layer)
 
 
+def with_budget(method, budget: int | None):
+    """``method`` with per-layer budget ``budget``: a :class:`SplitLayers` passes it to both its methods (so
+    ``FirstLayers(SplitLayers(...))`` gives the first layers more and runs each layer's own method)."""
+    if isinstance(method, SplitLayers):
+        return dataclasses.replace(method, first=with_budget(method.first, budget), others=with_budget(method.others, budget))
+    return dataclasses.replace(method, budget=budget)
+
+
 def layer_budgets(method: FirstLayers, n_layers: int) -> list[int]:
     """Every layer's budget (their mean is at most the method's budget)."""
     return [method.budget_of(i, n_layers) for i in range(n_layers)]
@@ -125,4 +134,4 @@ def first_layers_options() -> tuple[Option, ...]:
     )
 
 
-__all__ = ["FirstLayers", "SplitLayers", "first_layers_options", "layer_budgets"]
+__all__ = ["FirstLayers", "SplitLayers", "first_layers_options", "layer_budgets", "with_budget"]
