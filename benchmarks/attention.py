@@ -221,8 +221,11 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         # Each KV head reads the union of its query heads' selected segments, once.
         chosen = torch.zeros(batch, KV_HEADS, lay.n_segments, dtype=torch.bool, device=device)
         if info.segments.shape[-1] and lay.n_segments:
-            listed = True if info.valid is None else info.valid.expand(*info.segments.shape).reshape(batch, KV_HEADS, -1)
-            chosen.scatter_(-1, info.segments.reshape(batch, KV_HEADS, -1), listed)
+            index = info.segments.reshape(batch, KV_HEADS, -1)
+            listed = torch.ones_like(index) if info.valid is None else info.valid.expand(*info.segments.shape).reshape(batch, KV_HEADS, -1).long()
+            # Counted, not scattered as flags: a segment one head attends and another only lists must count
+            # (a bool scatter keeps whichever write lands last).
+            chosen = torch.zeros(batch, KV_HEADS, lay.n_segments, dtype=torch.long, device=device).scatter_add_(-1, index, listed) > 0
         union_tokens = int(chosen.sum()) * lay.segment_size
         if info.extra_valid is not None:  # refined tokens: the union over a KV group's query heads
             union_tokens += int(info.extra_valid.any(2).sum())
@@ -245,6 +248,10 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
             lists = KV_HEADS if summary.per_group else Q_HEADS
             row["rerank_bytes"] = batch * lists * shortlist * lay.segment_size * HEAD_DIM * itemsize
             row["bytes"] += row["rerank_bytes"]
+        if info.n_merged:  # the merged rest reads a row of key and value sums per listed segment and the blocks' sums
+            # (float32 segment sums, float64 block sums; a KV group's heads read the union of their listings)
+            row["rest_bytes"] = int(chosen.sum()) * 2 * HEAD_DIM * 4 + batch * KV_HEADS * info.n_merged * 2 * HEAD_DIM * 8
+            row["bytes"] += row["rest_bytes"]
         row["segments"] = lay.n_segments
 
         def step():

@@ -494,14 +494,16 @@ int sa_segment_log_mass(const float *q, const void *keys, int dtype, int64_t ksb
  * segments, valid: as sa_segment_attention (valid may be NULL); seg_kv: [B, H, n_segments, 2 D] float32,
  * each segment's key sum then value sum, rows contiguous, row (b, h, s) at seg_kv + b * kvsb + h * kvsh + s * 2 D
  * (a view of a capacity buffer is read in place); block_k, block_v: [B, H, n_blocks, D] float64, rows
- * contiguous, row (b, h, i) at block_k + b * bksb + h * bksh + i * D (block_v likewise). q, out, lse, segments, valid contiguous.
+ * contiguous, row (b, h, i) at block_k + b * bksb + h * bksh + i * D (block_v likewise). q, out, lse,
+ * segments and valid are contiguous.
  */
 #define SA_REST_AHEAD 16 /* rows asked for ahead of use: a row's few dot products take less than a miss's latency */
 
 int sa_merged_rest(const float *q, float *out, const float *lse, const int64_t *segments, const uint8_t *valid,
                    int64_t sets, int64_t w, const float *seg_kv, int64_t kvsb, int64_t kvsh, const double *block_k,
-                   int64_t bksb, int64_t bksh, const double *block_v, int64_t bvsb, int64_t bvsh, int64_t B, int64_t H, int64_t G, int64_t D, int64_t n_segments, int64_t seg_size,
-                   int64_t per_block, float scale, float softcap, int threads) {
+                   int64_t bksb, int64_t bksh, const double *block_v, int64_t bvsb, int64_t bvsh, int64_t B,
+                   int64_t H, int64_t G, int64_t D, int64_t n_segments, int64_t seg_size, int64_t per_block,
+                   float scale, float softcap, int threads) {
     if (per_block < 1) return SA_BAD_BLOCK;
     const int64_t rows = B * H, n = (n_segments + per_block - 1) / per_block;
     if (n == 0) return SA_OK;

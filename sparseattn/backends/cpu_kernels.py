@@ -363,7 +363,8 @@ def merged_rest_cpu(
     ``out, lse``: :func:`segment_attention_cpu`'s output and log-sum-exp (``lse=True``) for the same
     ``q, segments, valid``; ``seg_kv: [B, H_kv, S, 2 D]`` float32, ``block_k, block_v: [B, H_kv, n, D]``
     float64, as ``add_merged_rest``: read in place when their rows are contiguous (a view of the decode
-    state's capacity buffers is: copying them would cost more than the step), else copied. Returns a new ``[B, H_kv, G, D]`` float32 tensor. Reference:
+    state's capacity buffers is: copying them would cost more than the step), else copied. Returns a
+    new ``[B, H_kv, G, D]`` float32 tensor (``out`` is not written). Reference:
     :func:`~sparseattn.methods.rest.merged_attention_ref`.
     """
     lib = load_library()
