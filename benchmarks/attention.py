@@ -95,10 +95,10 @@ def interleaved_medians(fns: dict, device: torch.device, repeats: int, warmup: i
 
     A shared machine's speed drifts over seconds; timing a method and its baselines in alternation
     exposes them to the same drift, so their ratio is steadier than that of separate runs. The order
-    within a round is shuffled (seeded): a fixed order measured the same method 6-8% apart from itself
-    by position alone. ``flush``
-    (untimed) runs before every timed call: each then starts from the same cold cache, whatever ran
-    before it (without it a step right after another method's step can find its segments cached).
+    within a round is shuffled (seeded): a fixed order measured the same method 6-10% apart from itself
+    by position alone. ``flush`` (untimed) runs before every timed call: each then starts from the same
+    cold cache, whatever ran before it (without it a step right after another method's step can find its
+    segments cached).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -378,14 +378,11 @@ def main() -> None:
                 every = SegmentLayout(length=t, sinks=t, segment_size=1, n_segments=0)
                 none = torch.zeros(batch, KV_HEADS, 1, 0, dtype=torch.long)
                 baselines["kernel_dense"] = lambda q=q_rows, k=keys, v=values: segment_attention_cpu(q, k, v, every, none)
+            against_state = None
             if against is not None:  # its own state on the same K/V, stepped once per round beside every row
                 against_state = against.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=keys.dtype)
                 against_state.append(keys, values)
-                # Between the two dense steps, so that it and the row's step each follow a pass over the whole
-                # cache (cold, as in a model's step): right after the row's step it would find the same
-                # segments still in the cache (the radar+ row against itself measured 0.90 that way).
-                dense_first = {"dense": baselines.pop("dense")}
-                baselines = {**dense_first, "against": lambda s=against_state, q=query: s.attend(q), **baselines}
+                baselines["against"] = lambda s=against_state, q=query: s.attend(q)
             for name, method in methods.items():
                 gc.collect()  # the previous row's state (reference cycles) must be gone before the next allocates
                 row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance, baselines, flush)
@@ -405,7 +402,6 @@ def main() -> None:
                       f"{row['fraction_of_floor']:>9.2f}{row['rebuild_ms']:>11.1f}{row['rebuild_amortised_ms']:>10.3f}"
                       f"{row['rel_error']:>10.1e}{flag}"
                       + (f"{row['vs_against']:>12.3f}" if against is not None else ""), flush=True)
-            against_state = None
             del keys, values, query, q_rows, baselines, against_state  # free this t's K/V before the next is drawn
     if against is not None:  # the against method's own row, timed beside its twin: the calibration of the ratios
         print(f"\nper-step time over {args.against}'s in the same rounds, divided by its own row's (its twin state's):")

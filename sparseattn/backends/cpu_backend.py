@@ -137,6 +137,9 @@ class CpuBackend(BackendBase):
         if layout.tail_start < layout.segment_end:
             raise ValueError(f"segment_attention_merged needs a window that reaches into no segment: tail_start "
                              f"{layout.tail_start} < segment_end {layout.segment_end}")  # fmt: skip
+        # Converted once for both calls (each would otherwise convert its own copy every step).
+        q, segments = q.to(torch.float32).contiguous(), segments.to(torch.int64).contiguous()
+        valid = None if valid is None else valid.to(torch.uint8).contiguous()
         out, lse = segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid, lse=True)
         return merged_rest_cpu(out, lse, q, layout, segments, valid, seg_kv, block_k, block_v, per_block, scale, softcap)
 
