@@ -54,11 +54,10 @@ from pathlib import Path
 import torch
 
 from sparseattn.methods.rest import merged_attention_ref
-from sparseattn import Dense, PooledMass, RadarAlg1, RadarPlus, RadarPlusMerged, RadarPlusPooled, RadarPlusTokens, Rerank
-from sparseattn.backends.cpu_kernels import segment_attention_cpu
+from sparseattn import Dense, PooledMass, Quest, Radar, RadarAlg1, RadarPlus, RadarPlusMerged, RadarPlusPooled, RadarPlusTokens, Rerank
+from sparseattn.backends.registry import get_backend
 from sparseattn.machine import cpu_model
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
-from sparseattn.ops.layout import SegmentLayout
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -146,14 +145,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def random_cache(batch: int, t: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys, values ``[batch, 8, t, 128]`` and a query ``[batch, 32, 128]``, drawn per (batch, t) and shared by the rows."""
-    gen = torch.Generator(device="cpu").manual_seed(t + batch)
+    # Drawn where they live: a CPU generator would take seconds per gigabyte of a GPU's cache.
+    gen = torch.Generator(device=device).manual_seed(t + batch)
     shape = (batch, KV_HEADS, t, HEAD_DIM)
     keys = torch.empty(shape, dtype=dtype, device=device)
     values = torch.empty(shape, dtype=dtype, device=device)
     for b in range(batch):  # one sequence at a time: no float32 copy of the whole batch on the side
-        keys[b] = torch.randn(shape[1:], generator=gen).to(device=device, dtype=dtype)
-        values[b] = torch.randn(shape[1:], generator=gen).to(device=device, dtype=dtype)
-    query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen).to(device=device, dtype=dtype)
+        keys[b] = torch.randn(shape[1:], generator=gen, device=device).to(dtype)
+        values[b] = torch.randn(shape[1:], generator=gen, device=device).to(dtype)
+    query = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen, device=device).to(dtype)
     return keys, values, query
 
 
@@ -180,13 +180,12 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         row["attended"] = t
         row["bytes"] = 2 * batch * KV_HEADS * t * HEAD_DIM * itemsize
         row["rebuild_ms"] = 0.0
-    elif isinstance(method, Dense):  # Dense(backend="cpu"): the kernel over every token, on the shared K/V (no copy)
-        every = SegmentLayout(length=t, sinks=t, segment_size=1, n_segments=0)
-        none = torch.zeros(batch, KV_HEADS, 1, 0, dtype=torch.long)
+    elif isinstance(method, Dense):  # Dense(backend="cpu" or "triton"): the kernel over every token, on the shared K/V (no copy)
+        kernel = get_backend(method.backend)
         q_rows = query.view(batch, KV_HEADS, group, HEAD_DIM)
 
         def step():
-            return segment_attention_cpu(q_rows, keys, values, every, none)
+            return kernel.dense(q_rows, keys, values, checked=False)
 
         ref = attention_ref(q_rows[:1], keys[:1], values[:1])
         row["rel_error"] = relative_error(step()[:1], ref)
@@ -262,11 +261,59 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         medians = interleaved_medians({"method": step, **baselines}, device, repeats, warmup, flush)
         row["ms"] = medians.pop("method")
         row.update({f"{name}_ms": ms for name, ms in medians.items()})  # dense_ms, kernel_dense_ms: same rounds
+        if device.type == "cuda":  # what the launches cost: the step replayed as one CUDA graph, and its kernel count
+            row.update(graph_timing(step, device, repeats))
+            row["kernels_per_step"] = kernels_per_step(step)
     else:
         row["ms"] = float("nan")
     between_rebuilds = 2 * math.isqrt(t) + 1
     row["rebuild_amortised_ms"] = row["rebuild_ms"] / between_rebuilds
     return row
+
+
+def graph_timing(step, device: torch.device, repeats: int) -> dict:
+    """``graph_ms``: the median time of ``step`` captured once as a CUDA graph and replayed (no Python, no launch
+    gaps: what an engine that captures its decode step pays), or ``graph_error`` when it cannot be captured
+    (a host sync inside it, e.g. ``.item()``: found first with torch's sync debug mode, so no capture is
+    attempted and broken)."""
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    except RuntimeError as error:
+        return {"graph_ms": float("nan"), "graph_error": f"the step synchronises with the host: {str(error).splitlines()[0][:200]}"}
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up off the capture stream, as torch's documentation asks
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = graph.replay
+        ms = median_ms(replay, device, repeats, warmup=3)
+        del graph
+        return {"graph_ms": ms}
+    except Exception as error:  # noqa: BLE001 (any capture failure is reported, not raised)
+        torch.cuda.synchronize(device)
+        return {"graph_ms": float("nan"), "graph_error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+
+
+def kernels_per_step(step) -> int | None:
+    """GPU kernels one ``step`` launches (torch's profiler; None where it cannot trace)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def fit_exponent(points: list[tuple[int, float]]) -> float:
@@ -307,9 +354,11 @@ def main() -> None:
     lengths = args.lengths or ([4096, 16384, 65536, 131072] if device.type == "cpu" else [4096, 16384, 65536, 131072, 262144, 1048576])
     tolerance = {torch.float32: 1e-4, torch.float64: 1e-8}.get(dtype, 2e-2)
     torch_backend = lambda m: dataclasses.replace(m, backend="torch")  # noqa: E731
+    # The toolkit's own dense kernel (the C kernel on the CPU, the Triton kernel on CUDA) over every token.
+    kernel_dense = Dense(backend="cpu" if device.type == "cpu" else "triton")
     methods = {
         "dense": None,
-        "dense (cpu kernel)": Dense(backend="cpu") if device.type == "cpu" else None,
+        f"dense ({kernel_dense.backend} kernel)": kernel_dense,
         "radar-alg1 (k=64, n=2048)": RadarAlg1(top_k=64, n_features=2048),
         # One selection per KV group: the group's 4 query heads read the same segments. Independent
         # per-head selections read up to 4x the segments of one head (their union) under GQA.
@@ -318,9 +367,10 @@ def main() -> None:
         "radar-alg1 (budget 4096, shared)": RadarAlg1(budget=4096, n_features=2048, shared_kv_selection=True),
         # issue 7's preset: centroid shortlist + exact rerank; its per-step cost against raw Radar's.
         "radar+ (budget 4096)": RadarPlus(budget=4096),
+        # Radar as its authors ran it (2048 antithetic draws, segments of sqrt(t)/4) and Quest (pages of 16), at one budget.
+        "radar (budget 4096)": Radar(budget=4096),
+        "quest (budget 4096)": Quest(budget=4096),
     }
-    if device.type != "cpu":
-        del methods["dense (cpu kernel)"]
     optional = {  # with --methods only
         "radar+ (budget 4096, per head)": RadarPlus(budget=4096, per_group=False),
         # issue 17: a 16x finer grid, then each head's best tokens among twice the budget's segments (torch path).
@@ -361,9 +411,12 @@ def main() -> None:
     flush = None if scratch is None else (lambda: scratch.fill_(1.0))
     info["flush_mb"] = args.flush_mb
     rows = []
+    out = args.out or Path(__file__).parent / "results" / f"attention-{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     header = (f"{'method':<44}{'batch':>6}{'t':>9}{'attended':>10}{'ms/step':>10}{'speedup':>9}{'vs kernel':>10}"
               f"{'MB read':>10}{'floor ms':>10}{'of floor':>9}{'rebuild ms':>11}{'amortised':>10}{'rel.err':>10}"
-              + (f"{'vs against':>12}" if args.against else ""))
+              + (f"{'vs against':>12}" if args.against else "")
+              + (f"{'graph ms':>10}{'kernels':>9}" if device.type == "cuda" else ""))
     print(header)
     print("-" * len(header))
     for batch in args.batches:
@@ -374,10 +427,8 @@ def main() -> None:
             q_rows = query.view(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
             sdpa = torch.nn.functional.scaled_dot_product_attention
             baselines = {"dense": lambda q=q_rows, k=keys, v=values: sdpa(q, k, v)}
-            if device.type == "cpu":
-                every = SegmentLayout(length=t, sinks=t, segment_size=1, n_segments=0)
-                none = torch.zeros(batch, KV_HEADS, 1, 0, dtype=torch.long)
-                baselines["kernel_dense"] = lambda q=q_rows, k=keys, v=values: segment_attention_cpu(q, k, v, every, none)
+            dense_kernel = get_backend(kernel_dense.backend)
+            baselines["kernel_dense"] = lambda q=q_rows, k=keys, v=values, b=dense_kernel: b.dense(q, k, v, checked=False)
             against_state = None
             if against is not None:  # its own state on the same K/V, stepped once per round beside every row
                 against_state = against.new_state(batch, KV_HEADS, HEAD_DIM, device=device, dtype=keys.dtype)
@@ -385,7 +436,15 @@ def main() -> None:
                 baselines["against"] = lambda s=against_state, q=query: s.attend(q)
             for name, method in methods.items():
                 gc.collect()  # the previous row's state (reference cycles) must be gone before the next allocates
-                row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance, baselines, flush)
+                try:
+                    row = bench_row(name, method, keys, values, query, args.repeats, args.warmup, tolerance, baselines, flush)
+                except Exception as error:  # noqa: BLE001 (a row that fails is reported; the others still run)
+                    message = f"{type(error).__name__}: {str(error).splitlines()[0][:400] if str(error) else ''}"
+                    rows.append({"method": name, "batch": batch, "t": t, "ms": float("nan"), "correct": False, "error": message})
+                    print(f"{name:<44}{batch:>6}{t:>9}  FAILED: {message}", flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
                 measured = row["ms"] == row["ms"]
                 row["speedup"] = row["dense_ms"] / row["ms"] if measured else float("nan")
                 kernel = row.get("kernel_dense_ms")
@@ -396,18 +455,22 @@ def main() -> None:
                     row["against"] = args.against
                     row["vs_against"] = row["ms"] / row["against_ms"] if measured else float("nan")
                 rows.append(row)
+                # Written after every row: a run cut short (a time limit, a crash) keeps what it measured.
+                out.write_text(json.dumps({"machine": info, "dtype": str(dtype), "rows": rows, "complete": False}, indent=2))
                 flag = "" if row["correct"] else "  OUTPUT CHECK FAILED: no timing"
                 print(f"{name:<44}{batch:>6}{t:>9}{row['attended']:>10.0f}{row['ms']:>10.3f}{row['speedup']:>9.2f}"
                       f"{row['speedup_vs_kernel_dense']:>10.2f}{row['bytes'] / 1e6:>10.1f}{row['floor_ms']:>10.3f}"
                       f"{row['fraction_of_floor']:>9.2f}{row['rebuild_ms']:>11.1f}{row['rebuild_amortised_ms']:>10.3f}"
                       f"{row['rel_error']:>10.1e}{flag}"
-                      + (f"{row['vs_against']:>12.3f}" if against is not None else ""), flush=True)
+                      + (f"{row['vs_against']:>12.3f}" if against is not None else "")
+                      + (f"{row.get('graph_ms', float('nan')):>10.3f}{row.get('kernels_per_step') or '-':>9}" if device.type == "cuda" else ""),
+                      flush=True)
             del keys, values, query, q_rows, baselines, against_state  # free this t's K/V before the next is drawn
     if against is not None:  # the against method's own row, timed beside its twin: the calibration of the ratios
         print(f"\nper-step time over {args.against}'s in the same rounds, divided by its own row's (its twin state's):")
         for row in rows:
             twin = [r for r in rows if r["method"] == args.against and r["batch"] == row["batch"] and r["t"] == row["t"]]
-            if twin and twin[0]["vs_against"] == twin[0]["vs_against"]:
+            if twin and twin[0].get("vs_against", float("nan")) == twin[0].get("vs_against", float("nan")) and "vs_against" in row:
                 row["vs_against_calibrated"] = row["vs_against"] / twin[0]["vs_against"]
                 print(f"  {row['method']:<44} batch {row['batch']:>3} t {row['t']:>8}{row['vs_against_calibrated']:8.3f}")
     exponents, corrected = {}, {}
@@ -424,8 +487,6 @@ def main() -> None:
     print("\ngrowth exponent of ms/step over t >= 8k (dense ~ 1, O(sqrt t) ~ 0.5); drift-corrected beside it:")
     for key, value in exponents.items():
         print(f"  {key:<56}{value:6.2f}{corrected[key]:8.2f}")
-    out = args.out or Path(__file__).parent / "results" / f"attention-{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(
         {"machine": info, "dtype": str(dtype), "rows": rows, "exponents": exponents, "exponents_drift_corrected": corrected},
         indent=2,

@@ -591,15 +591,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparseattn.backends.triton_backend import kernels
 
-decode, merge = kernels(False)
+ks = kernels(False)
+FLOATS = ("scale", "softcap", "factor")
 def compile(fn, pointers, constexprs):
-    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in ("scale", "softcap") else "i32")
-           for n in fn.arg_names}
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in FLOATS else "i32") for n in fn.arg_names}
     triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
-for dtype, softcap in [("fp16", True), ("bf16", False), ("fp32", False)]:
-    ptrs = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, SEG="*i64", OUT="*fp32", LSE="*fp32")
-    compile(decode, ptrs, dict(HAS_SOFTCAP=softcap, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
-compile(merge, dict(OUTS="*fp32", LSES="*fp32", OUT="*fp32", LSE_OUT="*fp32"), dict(BLOCK_S=8, BLOCK_D=128))
+for dtype, softcap, masked in [("fp16", True, False), ("bf16", False, True), ("fp32", False, False)]:
+    ptrs = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, SEG="*i64", VALID="*u8", OUT="*fp32", LSE="*fp32")
+    compile(ks.segment_decode, ptrs, dict(HAS_SOFTCAP=softcap, MASKED=masked, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
+    compile(ks.segment_log_mass, dict(Q="*fp32", K="*" + dtype, IDX="*i64", OUT="*fp32"), dict(BLOCK_R=16, BLOCK_C=32, BLOCK_D=128))
+    compile(ks.bound_scores, dict(Q="*fp32", LOW="*" + dtype, HIGH="*" + dtype, OUT="*fp32"), dict(BLOCK_G=16, BLOCK_S=64, BLOCK_D=128))
+    for weighted, floor in [(False, False), (True, True)]:
+        slots = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, A="*fp32", BW="*fp32", F="*fp32", OUT="*fp32", PROBS="*fp32")
+        compile(ks.slot_attention, slots, dict(WEIGHTED=weighted, HAS_FLOOR=floor, HAS_SOFTCAP=softcap, BLOCK_M=16, BLOCK_S=64, BLOCK_D=128))
+compile(ks.merge_partials, dict(OUTS="*fp32", LSES="*fp32", OUT="*fp32", LSE_OUT="*fp32"), dict(BLOCK_S=8, BLOCK_D=128))
 print("compiled")
 """
 
@@ -622,7 +627,8 @@ def test_interpreter_tests_in_a_fresh_process():
     # again in a process where this module comes first.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     skip = "not fresh_process and not compile_for and not without_the_interpreter"
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", "-k", skip, __file__]
+    ops = os.path.join(os.path.dirname(__file__), "test_triton_ops.py")  # every other kernel, likewise
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", "-k", skip, __file__, ops]
     root = os.path.dirname(os.path.dirname(__file__))
     done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
@@ -757,7 +763,7 @@ def test_backends_declare_what_they_support():
         assert all(isinstance(c.dtypes, tuple) for c in backend.CAPABILITIES.values())
     assert set(TorchBackend.CAPABILITIES) == set(OPS)
     assert set(CpuBackend.CAPABILITIES) == {"segment_attention", "segment_log_mass", "dense"}
-    assert set(TritonBackend.CAPABILITIES) == {"segment_attention"}
+    assert set(TritonBackend.CAPABILITIES) == set(OPS)
     attend = {b.name: b.CAPABILITIES[ATTEND] for b in (TritonBackend(), CpuBackend(), TorchBackend())}
     assert torch.float64 in attend["torch"].dtypes and torch.float64 not in attend["triton"].dtypes
     assert attend["cpu"].devices == ("cpu",) and torch.float64 not in attend["cpu"].dtypes
@@ -881,6 +887,12 @@ def op_call(op, case, dtype, softcap, seed):
         q = torch.randn(B, H, G, T, D, generator=gen).to(dtype)
         den, num = torch.rand(B, H, t, generator=gen), torch.rand(B, H, t, generator=gen)
         return (q, keys, values, den, num, 0.3, softcap, num), q, keys
+    if op == "bound_scores":  # Quest's summaries: each segment's channel minima and maxima, in the compute dtype
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        low = torch.randn(B, H, t // 4, D, generator=gen).to(compute)
+        high = low + torch.rand(B, H, t // 4, D, generator=gen).to(compute)
+        queries = torch.randn(B, H, G, D, generator=gen, dtype=compute) * D**-0.25
+        return (low, high, queries), queries, low
     # segment_log_mass: queries pre-scaled in the compute dtype, one segment list per query row.
     from sparseattn.ops.segments import SegmentKeys
 
@@ -904,8 +916,8 @@ def run_op(backend, op, args, checked=True):
 @pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("op", OPS)
 def test_every_backend_that_accepts_an_op_matches_its_reference(op, case, dtype, softcap):
-    if op == "segment_log_mass" and softcap is not None:
-        return  # masses have no soft-capping: the softcap=None run covers them
+    if op in ("segment_log_mass", "bound_scores") and softcap is not None:
+        return  # masses and bounds have no soft-capping: the softcap=None run covers them
     args, q, keys = op_call(op, case, dtype, softcap, seed=OPS.index(op) + 7 * case.D)
     want = REFERENCES[op](*args)  # each reference takes its op's arguments
     ran = []
@@ -920,7 +932,7 @@ def test_every_backend_that_accepts_an_op_matches_its_reference(op, case, dtype,
     assert "torch" in ran  # the torch backend runs every op, on every dtype
     if CPU_KERNEL is None and op in CpuBackend.CAPABILITIES and dtype in supported_dtypes():
         assert "cpu" in ran
-    if INTERPRETING and op == ATTEND and dtype != torch.float64:
+    if INTERPRETING and q.dtype in TritonBackend.CAPABILITIES[op].dtypes:
         assert "triton" in ran
 
 
@@ -933,11 +945,11 @@ def test_names_are_listed_once_and_the_methods_check_theirs_against_them():
 
     names = backend_names()
     assert names == tuple(b.name for b in BACKENDS) == ("triton", "xformers", "cpu", "torch")
-    assert backend_names("dense") == ("cpu", "torch") and backend_names("slot_attention") == ("torch",)
+    assert backend_names("dense") == ("triton", "cpu", "torch") and backend_names("slot_attention") == ("triton", "torch")
     with pytest.raises(ValueError, match=r"SegmentSearch.backend must be one of \('auto', 'triton', 'xformers', 'cpu', 'torch'\), got 'flash'"):
         SegmentSearch(backend="flash")
-    with pytest.raises(ValueError, match=r"Dense.backend must be one of \('torch', 'cpu'\), got 'triton'"):
-        Dense(backend="triton")
+    with pytest.raises(ValueError, match=r"Dense.backend must be one of \('torch', 'triton', 'cpu'\), got 'xformers'"):
+        Dense(backend="xformers")
     with pytest.raises(ValueError, match=r"got \['cpu'\]"):
         Dense(backend=["cpu"])
     assert SegmentSearch().backend == "auto" and Dense().backend == "torch"

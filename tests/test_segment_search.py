@@ -182,7 +182,7 @@ def test_dense_on_the_cpu_kernel_is_dense_attention(dtype):
 def test_dense_names_its_backends_and_says_when_the_kernel_cannot_run():
     from sparseattn import Dense
 
-    with pytest.raises(ValueError, match=r"Dense.backend must be one of \('torch', 'cpu'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"Dense.backend must be one of \('torch', 'triton', 'cpu'\), got 'flash'"):
         Dense(backend="flash")
     state = Dense(backend="cpu").new_state(1, 1, 8, dtype=torch.float64)
     state.prefill(torch.randn(1, 1, 5, 8, dtype=torch.float64), torch.randn(1, 1, 5, 8, dtype=torch.float64))

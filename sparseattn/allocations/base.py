@@ -67,7 +67,7 @@ def pooled_counts_ref(scores: torch.Tensor, always_mass: torch.Tensor, k: int, w
     s = scores.double()
     log_z = torch.logaddexp(torch.logsumexp(s, dim=-1), always_mass.double())
     share = s - log_z[..., None]
-    counts = torch.zeros(B, H, G, dtype=torch.long)
+    counts = torch.zeros(B, H, G, dtype=torch.long, device=scores.device)
     for b in range(B):
         ranked = [sorted(share[b, h, g].tolist(), reverse=True)[:width] for h in range(H) for g in range(G)]
         taken = [min(floor, len(r)) for r in ranked]

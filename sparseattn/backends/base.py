@@ -22,6 +22,10 @@ The ops, their shapes, and their float64 references (:mod:`sparseattn.backends.n
   ``q: [B, H_kv, G, T, D]``, ``keys, values: [B, H_kv, S, D]`` -> ``(out, probs)``.
 * ``dense``: one decode step over every stored token. ``q: [B, H_kv, G, D]``,
   ``keys, values: [B, H_kv, t, D]`` -> ``[B, H_kv, G, D]``.
+* ``bound_scores``: Quest's bound ``sum_i max(q_i low_i, q_i high_i)`` of every segment.
+  ``low, high: [B, H, S, D]`` each segment's channel-wise key minima and maxima, ``queries:
+  [B, H, G, D]`` (pre-scaled, compute dtype) -> ``[B, H, G, S]``. Dispatch sees ``q = queries`` and
+  ``keys = low``.
 
 Every op method takes ``checked``: with ``checked=True`` (the default) it validates the inputs and
 raises ValueError with the backend's reason if it refuses; a decode state that had the backend
@@ -47,7 +51,7 @@ if TYPE_CHECKING:  # the op's argument type only; ops never import backends at r
     from sparseattn.ops.segments import SegmentKeys
 
 #: The hot-path ops, in the order the docs list them; a backend's method for each has the op's name.
-OPS = ("segment_attention", "segment_log_mass", "slot_attention", "dense")
+OPS = ("segment_attention", "segment_log_mass", "slot_attention", "dense", "bound_scores")
 
 #: Every head dim (the default of :class:`Capability`).
 ANY_HEAD_DIM = range(1, sys.maxsize)
@@ -129,6 +133,10 @@ class AttentionBackend(Protocol):
         checked: bool = True,
     ) -> torch.Tensor:
         """``[B, H_kv, G, D]`` float32 (float64 for float64 inputs)."""
+        ...
+
+    def bound_scores(self, low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
+        """``[B, H, G, S]`` in the queries' dtype (float32 from a kernel)."""
         ...
 
 
@@ -314,6 +322,17 @@ def check_slots(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> No
             raise ValueError(f"{name} must be [B={B}, H_kv={H}, S >= {T}, D={D}] like q {tuple(q.shape)}, got {tuple(x.shape)}")
 
 
+def check_bounds(low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor) -> None:
+    """Raise ValueError unless ``queries: [B, H, G, D]`` can be bounded over ``low, high: [B, H, S, D]``."""
+    if queries.dim() != 4:
+        raise ValueError(f"queries must be [B, H, G, D], got shape {tuple(queries.shape)}")
+    B, H, _, D = queries.shape
+    if low.dim() != 4 or low.shape[:2] != (B, H) or low.shape[3] != D or high.shape != low.shape:
+        raise ValueError(f"low and high must be [B={B}, H={H}, S, D={D}] alike, got {tuple(low.shape)} and {tuple(high.shape)}")
+    if low.device != queries.device or high.device != queries.device:
+        raise ValueError(f"the summaries are on {low.device} but the queries on {queries.device}")
+
+
 def refuse(backend: AttentionBackend, op: str, q: torch.Tensor, keys: torch.Tensor, softcap: float | None = None) -> None:
     """Raise ValueError with the backend's reason if it refuses ``op`` for this call (no fallback)."""
     reason = backend.refusal(op, q, keys, softcap)
@@ -351,3 +370,7 @@ class BackendBase:
     def dense(self, q, keys, values, scale=None, softcap=None, *, checked=True):
         refuse(self, "dense", q, keys, softcap)
         raise AssertionError(f"unreachable: the {self.name} backend declares dense but does not define it")
+
+    def bound_scores(self, low, high, queries, *, checked=True):
+        refuse(self, "bound_scores", queries, low)
+        raise AssertionError(f"unreachable: the {self.name} backend declares bound_scores but does not define it")

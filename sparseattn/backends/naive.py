@@ -6,7 +6,8 @@ lives beside its torch implementation in :mod:`sparseattn.ops` and takes that op
 * ``segment_attention``: :func:`sparseattn.ops.attention.segment_attention_ref` (a dense mask, soft-capping included);
 * ``segment_log_mass``: :func:`sparseattn.ops.segments.segment_log_mass_ref`;
 * ``slot_attention``: :func:`sparseattn.ops.slots.slot_attention_ref` (returns ``out`` only);
-* ``dense``: :func:`sparseattn.ops.attention.dense_decode_attention_ref`.
+* ``dense``: :func:`sparseattn.ops.attention.dense_decode_attention_ref`;
+* ``bound_scores``: :func:`sparseattn.ops.bounds.bound_scores_ref` (the definition, elementwise).
 
 Here, for the Triton kernel's split merge: :func:`merge_partials_ref`, combining attention states over
 disjoint key sets by log-sum-exp (FlashInfer's ``merge_state``), written as one softmax over the states' LSEs.
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from sparseattn.ops.attention import dense_decode_attention_ref, segment_attention_ref
+from sparseattn.ops.bounds import bound_scores_ref
 from sparseattn.ops.segments import segment_log_mass_ref
 from sparseattn.ops.slots import slot_attention_ref
 
@@ -27,6 +29,7 @@ REFERENCES: Mapping[str, Callable[..., torch.Tensor]] = {
     "segment_log_mass": segment_log_mass_ref,
     "slot_attention": slot_attention_ref,
     "dense": dense_decode_attention_ref,
+    "bound_scores": bound_scores_ref,
 }
 
 

@@ -51,7 +51,7 @@ def check_backend_name(option: str, value: object, op: str, default: str, *, aut
         >>> check_backend_name("Dense.backend", "flash", "dense", "torch", auto=False)
         Traceback (most recent call last):
         ...
-        ValueError: Dense.backend must be one of ('torch', 'cpu'), got 'flash'
+        ValueError: Dense.backend must be one of ('torch', 'triton', 'cpu'), got 'flash'
     """
     names = (("auto",) if auto else ()) + backend_names(op)
     allowed = (default, *(n for n in names if n != default))

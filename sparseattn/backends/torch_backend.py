@@ -4,8 +4,9 @@ It implements every op, and each method is the ops function itself behind the ch
 numbers are the ops' numbers, bit for bit): ``segment_attention`` is
 :func:`sparseattn.ops.attention.segment_attention`, ``segment_log_mass``
 :func:`sparseattn.ops.segments.segment_log_mass`, ``slot_attention``
-:func:`sparseattn.ops.slots.slot_attention` and ``dense``
-:func:`sparseattn.ops.attention.dense_decode_attention`. It is the last resort of ``auto``.
+:func:`sparseattn.ops.slots.slot_attention`, ``dense``
+:func:`sparseattn.ops.attention.dense_decode_attention` and ``bound_scores``
+:func:`sparseattn.ops.bounds.bound_scores`. It is the last resort of ``auto``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import ClassVar
 
 import torch
 
-from sparseattn.backends.base import BackendBase, Capability, check_cache, check_inputs, check_slots, refuse
+from sparseattn.backends.base import BackendBase, Capability, check_bounds, check_cache, check_inputs, check_slots, refuse
 from sparseattn.ops.attention import dense_decode_attention, segment_attention
+from sparseattn.ops.bounds import bound_scores
 from sparseattn.ops.buffers import Workspace
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.ops.segments import SegmentKeys, check_segment_lists, segment_log_mass
@@ -38,6 +40,7 @@ class TorchBackend(BackendBase):
         "segment_log_mass": _EVERYWHERE,
         "slot_attention": _EVERYWHERE,
         "dense": _EVERYWHERE,
+        "bound_scores": _EVERYWHERE,
     }
 
     def segment_attention(
@@ -102,3 +105,10 @@ class TorchBackend(BackendBase):
             check_cache(q, keys, values, keys.shape[2] if keys.dim() == 4 else 0, softcap)
             refuse(self, "dense", q, keys, softcap)
         return dense_decode_attention(q, keys, values, scale, softcap)
+
+    def bound_scores(self, low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
+        """See :class:`sparseattn.backends.base.AttentionBackend`; in the queries' dtype."""
+        if checked:
+            check_bounds(low, high, queries)
+            refuse(self, "bound_scores", queries, low)
+        return bound_scores(low, high, queries)

@@ -27,13 +27,24 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from sparseattn.backends.base import BackendBase, Capability, check_inputs, declared_refusal, package_missing, refuse
+from sparseattn.backends.base import (
+    BackendBase,
+    Capability,
+    check_bounds,
+    check_cache,
+    check_inputs,
+    check_slots,
+    declared_refusal,
+    package_missing,
+    refuse,
+)
 from sparseattn.ops.buffers import Workspace
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.segments import SegmentKeys, check_segment_lists
 
 #: Splits per row are capped so the merge kernel holds all of a row's states in one tile.
 MAX_SPLITS = 64
@@ -69,23 +80,54 @@ def interpreting() -> bool:
     return isinstance(tl.zeros, InterpretedFunction)
 
 
+class Kernels(NamedTuple):
+    """The Triton kernels of :mod:`sparseattn.backends.triton_kernels`, wrapped for one mode."""
+
+    segment_decode: Any
+    merge_partials: Any
+    segment_log_mass: Any
+    bound_scores: Any
+    slot_attention: Any
+
+
+#: The helpers the kernels call (wrapped like them, bound in the kernels' module under these names).
+HELPERS = ("soft_cap_logits", "slot_logits")
+
+
 @functools.cache
-def kernels(interpret: bool):
-    """``(segment_decode, merge_partials)`` wrapped for the interpreter or the compiler (see :func:`interpreting`)."""
+def kernels(interpret: bool) -> Kernels:
+    """The kernels wrapped for the interpreter or the compiler (see :func:`interpreting`)."""
     import triton.language
 
     from sparseattn.backends import triton_kernels as tk
 
     tk.tl = triton.language
     if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction as wrap
 
-        return InterpretedFunction(tk.segment_decode_kernel), InterpretedFunction(tk.merge_partials_kernel)
-    from triton.runtime import JITFunction
+        options = {}
+    else:
+        from triton.runtime import JITFunction as wrap
 
-    # Layout counters change every step; specialising on them (== 1, % 16) would recompile.
-    dynamic = ["sink_end", "n_sel", "tail_start", "n_virtual", "tokens_per_split"]
-    return JITFunction(tk.segment_decode_kernel, do_not_specialize=dynamic), JITFunction(tk.merge_partials_kernel)
+        # Layout counters and lengths change every step; specialising on them (== 1, % 16) would recompile.
+        options = {
+            "segment_decode_kernel": ["sink_end", "n_sel", "tail_start", "n_virtual", "tokens_per_split"],
+            "segment_log_mass_kernel": ["n_segments"],
+            "bound_scores_kernel": ["n_segments"],
+            "slot_attention_kernel": ["n_slots"],
+        }
+    for name in HELPERS:  # the plain function is kept aside: a second mode would otherwise wrap a wrapper
+        plain = tk.__dict__.setdefault(f"_{name}_plain", getattr(tk, name))
+        setattr(tk, name, wrap(plain))
+
+    def wrapped(name: str):
+        fn = getattr(tk, name)
+        return wrap(fn) if interpret else wrap(fn, do_not_specialize=options.get(name, ()))
+
+    return Kernels(
+        wrapped("segment_decode_kernel"), wrapped("merge_partials_kernel"), wrapped("segment_log_mass_kernel"),
+        wrapped("bound_scores_kernel"), wrapped("slot_attention_kernel"),
+    )  # fmt: skip
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +157,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     out = torch.empty(R, D, dtype=torch.float32, device=outs.device)
     lse = torch.empty(R, dtype=torch.float32, device=outs.device)
     if R > 0:
-        _, merge = kernels(interpreting())
+        merge = kernels(interpreting()).merge_partials
         with on_device(outs.device):
             merge[(R,)](
                 o3, l2, out, lse,
@@ -142,6 +184,7 @@ def segment_decode_partials(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    valid: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
 ) -> None:
@@ -149,7 +192,8 @@ def segment_decode_partials(
 
     ``S = out.shape[3]`` splits share the ``n_virtual = sinks + k * segment_size + tail`` attended
     tokens in chunks of whole blocks; a split past the end writes ``lse = -inf`` and a zero output.
-    Inputs are not checked here (:class:`TritonBackend` does that).
+    ``valid [B, H_kv, G', k]`` (optional): only the flagged listed segments are attended. Inputs are
+    not checked here (:class:`TritonBackend` does that).
     """
     B, H, G, D = q.shape
     Gs, k = segments.shape[2], segments.shape[3]
@@ -159,16 +203,19 @@ def segment_decode_partials(
     scale = D**-0.5 if scale is None else scale
     rows = G // Gs
     interpret = interpreting()
-    decode, _ = kernels(interpret)
-    launch = decode[(B * H * Gs, S)]
+    launch = kernels(interpret).segment_decode[(B * H * Gs, S)]
+    flags = segments if valid is None else valid.expand(B, H, Gs, k)  # a stand-in pointer when unmasked: never read
+    if flags.dtype == torch.bool:
+        flags = flags.view(torch.uint8)  # the same bytes; triton loads bool as int1
     with on_device(q.device):
         launch(
-            q, keys, values, segments, out, lse,
-            *q.stride(), *keys.stride(), *values.stride(), *segments.stride(), *out.stride(), *lse.stride(),
+            q, keys, values, segments, flags, out, lse,
+            *q.stride(), *keys.stride(), *values.stride(), *segments.stride(), *flags.stride(), *out.stride(), *lse.stride(),
             H, Gs, rows, D,
             layout.sink_end, layout.segment_size, k, layout.tail_start, n_virtual, tokens_per_split,
             float(scale), float(softcap or 0.0),
             HAS_SOFTCAP=softcap is not None,
+            MASKED=valid is not None,
             # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): upcast there.
             UPCAST_DOT=interpret and q.dtype == torch.bfloat16,
             BLOCK_G=triton_block(rows, 16), BLOCK_N=block_n, BLOCK_D=triton_block(D, 16),
@@ -176,13 +223,105 @@ def segment_decode_partials(
         )  # fmt: skip
 
 
+def segment_log_mass_triton(
+    raw: torch.Tensor, factor: float, queries: torch.Tensor, index: torch.Tensor, *, block_c: int = 32, num_warps: int = 4
+) -> torch.Tensor:
+    """Exact log masses ``[B, H, R, m]`` (float32) of listed segments, their keys read in place.
+
+    ``raw: [B, H, S, c, D]`` the segments' keys (a view of the cache, storage dtype, unscaled),
+    ``queries: [B, H, R, D]`` pre-scaled, ``index: [B, H, R', m]`` (``R'`` in ``{1, R}``). Unchecked.
+    """
+    B, H, S, c, D = raw.shape
+    R = queries.shape[2]
+    lists, m = index.shape[2], index.shape[3]
+    out = torch.empty(B, H, R, m, dtype=torch.float32, device=queries.device)
+    if out.numel() == 0:
+        return out
+    rows = R // lists
+    with on_device(queries.device):
+        kernels(interpreting()).segment_log_mass[(B * H * lists, m)](
+            queries, raw, index, out,
+            *queries.stride(), *raw.stride(), *index.stride(), *out.stride(),
+            H, lists, rows, S, c, D, float(factor),
+            BLOCK_R=triton_block(rows, 16), BLOCK_C=min(block_c, triton_block(c, 16)), BLOCK_D=triton_block(D, 16),
+            num_warps=num_warps,
+        )  # fmt: skip
+    return out
+
+
+def bound_scores_triton(
+    low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, block_s: int = 64, num_warps: int = 4
+) -> torch.Tensor:
+    """Quest's bounds ``[B, H, G, S]`` (float32) of ``queries: [B, H, G, D]`` over ``low, high: [B, H, S, D]``. Unchecked."""
+    B, H, G, D = queries.shape
+    S = low.shape[2]
+    out = torch.empty(B, H, G, S, dtype=torch.float32, device=queries.device)
+    if out.numel() == 0:
+        return out
+    with on_device(queries.device):
+        kernels(interpreting()).bound_scores[(B * H, -(-S // block_s))](
+            queries, low, high, out,
+            *queries.stride(), *low.stride(), *high.stride(), *out.stride(),
+            H, G, S, D,
+            BLOCK_G=triton_block(G, 16), BLOCK_S=block_s, BLOCK_D=triton_block(D, 16), num_warps=num_warps,
+        )  # fmt: skip
+    return out
+
+
+def slot_attention_triton(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    den_weight: torch.Tensor | None = None,
+    num_weight: torch.Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    floor_weight: torch.Tensor | None = None,
+    *,
+    block_s: int = 64,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparseattn.ops.slots.slot_attention` by one kernel: ``(out [B, H, G, T, D], probs [B, H, G, T, S])`` float32. Unchecked."""
+    B, H, G, T, D = q.shape
+    S = keys.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty(B, H, G, T, D, dtype=torch.float32, device=q.device)
+    probs = torch.empty(B, H, G, T, S, dtype=torch.float32, device=q.device)
+    weighted = den_weight is not None or num_weight is not None or floor_weight is not None
+    ones = None
+    if weighted and (den_weight is None or num_weight is None):
+        ones = torch.ones(B, H, S, dtype=torch.float32, device=q.device)
+    a = den_weight if den_weight is not None else ones
+    b = num_weight if num_weight is not None else ones
+    weights = [w.to(torch.float32).contiguous() if w is not None else None for w in (a, b, floor_weight)]
+    a, b, f = (w if w is not None else keys for w in weights)  # a stand-in pointer for an unused weight: never read
+    w_stride = a.stride() if weighted else (0, 0, 0)
+    rows = G * T
+    q2, out2, probs2 = q.reshape(B, H, rows, D), out.view(B, H, rows, D), probs.view(B, H, rows, S)
+    block_m = triton_block(rows, 16) if rows <= 64 else 64
+    with on_device(q.device):
+        kernels(interpreting()).slot_attention[(B * H, -(-rows // block_m))](
+            q2, keys, values, a, b, f, out2, probs2,
+            *q2.stride(), *keys.stride(), *values.stride(), *w_stride, *out2.stride(), *probs2.stride(),
+            H, rows, T, S, D, float(scale), float(softcap or 0.0),
+            WEIGHTED=weighted, HAS_FLOOR=floor_weight is not None, HAS_SOFTCAP=softcap is not None,
+            BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=triton_block(D, 16), num_warps=num_warps,
+        )  # fmt: skip
+    return out, probs
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: tl.dot needs K >= 16; dims that are not powers of two are padded to one and masked.
+_HEAD_DIMS = range(16, 257)
+
+
 @dataclass(frozen=True)
 class TritonBackend(BackendBase):
-    """Fused segment-sparse decode on CUDA (or on CPU in the Triton interpreter, for tests).
+    """Every hot-path op by Triton kernels on CUDA (or on CPU in the Triton interpreter, for tests).
 
-    Implements ``segment_attention`` only: a Triton kernel for another op (``segment_log_mass``,
-    ``slot_attention``, ``dense``) goes beside it in ``triton_kernels.py``, with its capability
-    declared here (see docs/backends.md).
+    ``segment_attention`` (and its masked and log-sum-exp forms) and ``dense`` are the split kernel and
+    the LSE merge; ``segment_log_mass`` (radar+'s rerank), ``bound_scores`` (Quest's scoring) and
+    ``slot_attention`` (the evicting methods) are one kernel each, reading the cache in place.
 
     Fields:
         block_n: attended tokens per block (a power of two >= 16).
@@ -202,10 +341,11 @@ class TritonBackend(BackendBase):
     name: ClassVar[str] = "triton"
     REQUIRES: ClassVar[tuple[str, ...]] = ("triton",)
     CAPABILITIES: ClassVar[Mapping[str, Capability]] = {
-        # tl.dot needs K >= 16; dims that are not powers of two are padded to one and masked.
-        "segment_attention": Capability(
-            devices=("cuda",), dtypes=(torch.float16, torch.bfloat16, torch.float32), head_dims=range(16, 257)
-        ),
+        "segment_attention": Capability(devices=("cuda",), dtypes=_KERNEL_DTYPES, head_dims=_HEAD_DIMS),
+        "segment_log_mass": Capability(devices=("cuda",), dtypes=(torch.float32,), head_dims=_HEAD_DIMS),
+        "slot_attention": Capability(devices=("cuda",), dtypes=_KERNEL_DTYPES, head_dims=_HEAD_DIMS),
+        "dense": Capability(devices=("cuda",), dtypes=_KERNEL_DTYPES, head_dims=_HEAD_DIMS),
+        "bound_scores": Capability(devices=("cuda",), dtypes=(torch.float32,), head_dims=_HEAD_DIMS),
     }
 
     def __post_init__(self) -> None:
@@ -232,7 +372,10 @@ class TritonBackend(BackendBase):
         reason = declared_refusal(self, op, q, devices=("cpu", "cuda") if interpret else None)
         if reason is not None:
             return reason
-        if keys.dtype != q.dtype:
+        if op in ("segment_log_mass", "bound_scores"):  # float32 queries over keys or summaries of a storage dtype
+            if keys.dtype not in _KERNEL_DTYPES:
+                return f"the {'keys' if op == 'segment_log_mass' else 'summaries'} are {keys.dtype}; the kernel reads float16, bfloat16 or float32"
+        elif keys.dtype != q.dtype:
             return f"q is {q.dtype} but keys are {keys.dtype}; the kernel needs one dtype for q, keys and values"
         return None
 
@@ -253,6 +396,39 @@ class TritonBackend(BackendBase):
         if checked:
             check_inputs(q, keys, values, layout, segments, softcap)
             refuse(self, "segment_attention", q, keys, softcap)
+        return self._attend(q, keys, values, layout, segments, None, scale, softcap)[0]
+
+    def segment_attention_masked(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        valid: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """:class:`~sparseattn.backends.base.MaskedSegmentAttention`: the listed segments not flagged in ``valid``
+        are masked in the kernel and not read. Unchecked: the decode state had ``segment_attention`` accept these inputs."""
+        return self._attend(q, keys, values, layout, segments, valid, scale, softcap)[0]
+
+    def segment_attention_lse(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: SegmentLayout,
+        segments: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the output and each query head's log-sum-exp
+        ``[B, H_kv, G]`` (the merge of the splits computes it). Unchecked, as :meth:`segment_attention_masked`."""
+        return self._attend(q, keys, values, layout, segments, valid, scale, softcap)
+
+    def _attend(self, q, keys, values, layout, segments, valid, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, G, D = q.shape
         interpret = interpreting()
         n_virtual = layout.sink_end + segments.shape[-1] * layout.segment_size + layout.tail_size
@@ -261,11 +437,64 @@ class TritonBackend(BackendBase):
         lse = torch.empty(B, H, G, S, dtype=torch.float32, device=q.device)
         segment_decode_partials(
             q, keys, values, layout, segments, out, lse,
-            scale=scale, softcap=softcap, block_n=self.block_n, num_warps=self.num_warps,
+            scale=scale, softcap=softcap, valid=valid, block_n=self.block_n, num_warps=self.num_warps,
         )  # fmt: skip
         if S == 1:
-            return out.view(B, H, G, D)
-        return merge_partials(out, lse)[0]
+            return out.view(B, H, G, D), lse.view(B, H, G)
+        return merge_partials(out, lse)
+
+    def dense(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+        *,
+        checked: bool = True,
+    ) -> torch.Tensor:
+        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out. The split kernel with every token a sink."""
+        if checked:
+            check_cache(q, keys, values, keys.shape[2] if keys.dim() == 4 else 0, softcap)
+            refuse(self, "dense", q, keys, softcap)
+        every = SegmentLayout(length=keys.shape[2], sinks=keys.shape[2], segment_size=1, n_segments=0)
+        none = torch.zeros(*q.shape[:2], 1, 0, dtype=torch.long, device=q.device)
+        return self._attend(q, keys, values, every, none, None, scale, softcap)[0]
+
+    def segment_log_mass(
+        self, segment_keys: SegmentKeys, queries: torch.Tensor, index: torch.Tensor, *, checked: bool = True
+    ) -> torch.Tensor:
+        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out, the keys read in place."""
+        if checked:
+            check_segment_lists(queries, index)
+            refuse(self, "segment_log_mass", queries, segment_keys.raw)
+        return segment_log_mass_triton(segment_keys.raw, segment_keys.factor, queries, index)
+
+    def bound_scores(self, low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
+        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out."""
+        if checked:
+            check_bounds(low, high, queries)
+            refuse(self, "bound_scores", queries, low)
+        return bound_scores_triton(low, high, queries)
+
+    def slot_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        den_weight: torch.Tensor | None = None,
+        num_weight: torch.Tensor | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        floor_weight: torch.Tensor | None = None,
+        *,
+        checked: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :class:`sparseattn.backends.base.AttentionBackend`; ``(out, probs)`` float32."""
+        if checked:
+            check_slots(q, keys, values)
+            refuse(self, "slot_attention", q, keys, softcap)
+        return slot_attention_triton(q, keys, values, den_weight, num_weight, scale, softcap, floor_weight)
 
     def splits(self, programs: int, n_blocks: int, device: torch.device, interpret: bool) -> int:
         """How many splits to cut ``n_blocks`` blocks into, so that no split is empty."""
@@ -278,4 +507,3 @@ class TritonBackend(BackendBase):
             want = math.ceil(PROGRAMS_PER_SM * sms / programs)
         want = max(1, min(want, n_blocks, MAX_SPLITS))
         return math.ceil(n_blocks / math.ceil(n_blocks / want))
-

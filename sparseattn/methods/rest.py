@@ -329,7 +329,7 @@ def merged_attention_ref(
     tokens: logit ``log m + scale q . mean k`` (soft-capped), value ``mean v``.
     """
     B, H, G, D = q.shape
-    out = torch.zeros(B, H, G, D, dtype=torch.float64)
+    out = torch.zeros(B, H, G, D, dtype=torch.float64, device=q.device)
     cap = (lambda x: x) if softcap is None else (lambda x: softcap * torch.tanh(x / softcap))
     for b in range(B):
         for h in range(H):

@@ -552,19 +552,22 @@ class SegmentSearchState(KVState):
         extra = {"top_k": top_k} if isinstance(summary, TopKAwareSummary) and summary.uses_top_k else {}
         return summary.score(self._params, *self._score_inputs(grouped_query), **extra)
 
-    def best_segments(self, grouped_query: torch.Tensor, top_k: int, n: int, *, sorted: bool) -> tuple[torch.Tensor, ...]:
+    def best_segments(
+        self, grouped_query: torch.Tensor, top_k: int, n: int, *, sorted: bool, with_scores: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``(scores, values, segments)``: the step's scores (``[B, H_kv, G', S]``, G' = 1 for a shared
         selection) and each selection's ``n`` best (``[B, H_kv, G', n]``, best first if ``sorted``).
 
         A shortlisting summary (:class:`~sparseattn.summaries.base.ShortlistingSummary`) hands its
         shortlist over: when it holds ``n`` segments, the best are read off it instead of a top-n over
-        all S scores (the same segments: the shortlist ranks above the rest).
+        all S scores (the same segments: the shortlist ranks above the rest); then, with
+        ``with_scores=False``, ``scores`` is None and never computed (a pass over the grid saved).
         """
         summary = self.method.summary
         if not self.method.shared_kv_selection and self._shortlisting and self.layout.n_segments:
             step = summary.score_shortlist(self._params, *self._score_inputs(grouped_query), top_k=top_k)
             if step is not None and n <= step.exact.shape[-1]:
-                return (step.scores, *step.top(n, sorted=sorted))
+                return (step.scores if with_scores else None, *step.top(n, sorted=sorted))
             scores = self.scores(grouped_query, top_k) if step is None else step.scores
         elif self.method.shared_kv_selection:
             scores = self.group_scores(grouped_query, top_k)
@@ -604,7 +607,7 @@ class SegmentSearchState(KVState):
         else:
             selector = self.method.selector
             if type(selector) is TopK:  # the k best: read off a shortlist when the summary keeps one
-                segments = self.best_segments(grouped, k, k, sorted=False)[2]
+                segments = self.best_segments(grouped, k, k, sorted=False, with_scores=False)[2]
             else:
                 if selector.uses_scores:
                     scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)

@@ -240,7 +240,7 @@ def causal_block_attention_ref(
     T, L = q.shape[-2], keys.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = soft_cap(torch.einsum("bhgtd,bhld->bhgtl", q.double(), keys.double()) * scale, softcap)
-    visible = torch.arange(L).view(1, L) <= (L - T + torch.arange(T)).view(T, 1)
+    visible = torch.arange(L, device=q.device).view(1, L) <= (L - T + torch.arange(T, device=q.device)).view(T, 1)
     logits = logits.masked_fill(~visible, float("-inf"))
     return torch.einsum("bhgtl,bhld->bhgtd", torch.softmax(logits, dim=-1), values.double())
 

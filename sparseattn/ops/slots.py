@@ -105,10 +105,10 @@ def slot_attention_ref(
     S = keys.shape[2]
     scale = D**-0.5 if scale is None else scale
     e = torch.exp(soft_cap(torch.einsum("bhgtd,bhsd->bhgts", q.double(), keys.double()) * scale, softcap))
-    visible = torch.arange(S).view(1, S) <= S - T + torch.arange(T).view(T, 1)
+    visible = torch.arange(S, device=q.device).view(1, S) <= S - T + torch.arange(T, device=q.device).view(T, 1)
     e = e * visible.double()
-    a = torch.ones(B, H, S, dtype=torch.float64) if den_weight is None else den_weight.double()
-    b = torch.ones(B, H, S, dtype=torch.float64) if num_weight is None else num_weight.double()
+    a = torch.ones(B, H, S, dtype=torch.float64, device=q.device) if den_weight is None else den_weight.double()
+    b = torch.ones(B, H, S, dtype=torch.float64, device=q.device) if num_weight is None else num_weight.double()
     num = torch.einsum("bhgts,bhs,bhsd->bhgtd", e, b, values.double())
     den = torch.einsum("bhgts,bhs->bhgt", e, a)
     if floor_weight is not None:
@@ -150,5 +150,5 @@ def causal_probability_sums_ref(
     T, S = q.shape[3], keys.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = soft_cap(torch.einsum("bhgtd,bhsd->bhgts", q.double(), keys.double()) * scale, softcap)
-    visible = torch.arange(S).view(1, S) <= S - T + torch.arange(T).view(T, 1)
+    visible = torch.arange(S, device=q.device).view(1, S) <= S - T + torch.arange(T, device=q.device).view(T, 1)
     return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).sum(dim=(2, 3))

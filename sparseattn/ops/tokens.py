@@ -115,8 +115,8 @@ def token_attention_ref(
     B, H, G, D = q.shape
     t = keys.shape[2]
     L = index.shape[-1]
-    valid = torch.ones(B, H, 1, L, dtype=torch.bool) if valid is None else valid
-    mask = torch.zeros(B, H, G, t, dtype=torch.bool)
+    valid = torch.ones(B, H, 1, L, dtype=torch.bool, device=q.device) if valid is None else valid
+    mask = torch.zeros(B, H, G, t, dtype=torch.bool, device=q.device)
     for b in range(B):
         for h in range(H):
             for g in range(G):

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from sparseattn.backends.base import AttentionBackend
 from sparseattn.backends.registry import select_backend
 from sparseattn.ops.segments import SegmentKeys, check_segment_lists, scaled_keys, take_keys
 from sparseattn.ops.segments import segment_log_mass as segment_log_mass_torch
 
-__all__ = ["SegmentKeys", "Summary", "scaled_keys", "segment_log_mass", "take_keys"]
+__all__ = ["SegmentKeys", "Summary", "bound_scores", "scaled_keys", "segment_log_mass", "take_keys"]
 
 
 def segment_log_mass(segment_keys: SegmentKeys | torch.Tensor, queries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -32,6 +34,22 @@ def segment_log_mass(segment_keys: SegmentKeys | torch.Tensor, queries: torch.Te
     if backend is None:
         backend = select_backend("auto", "segment_log_mass", q=queries, keys=segment_keys.raw)
     return backend.segment_log_mass(segment_keys, queries, index, checked=False)
+
+
+#: ``auto``'s backend for ``bound_scores`` by what its choice depends on (device, dtypes, head dim): a step
+#: must not walk the backends' refusals again (Quest scores every layer at every step).
+_BOUND_BACKENDS: dict[tuple, AttentionBackend] = {}
+
+
+def bound_scores(low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Quest's bounds ``sum_i max(q_i low_i, q_i high_i)`` ``[B, H, G, S]`` of every segment, on the backend
+    ``auto`` picks (the Triton kernel on CUDA, the torch op elsewhere). Reference:
+    :func:`sparseattn.ops.bounds.bound_scores_ref`."""
+    key = (queries.device, queries.dtype, low.dtype, queries.shape[-1], torch.is_grad_enabled() and queries.requires_grad)
+    backend = _BOUND_BACKENDS.get(key)
+    if backend is None:
+        backend = _BOUND_BACKENDS[key] = select_backend("auto", "bound_scores", q=queries, keys=low)
+    return backend.bound_scores(low, high, queries, checked=False)
 
 
 @runtime_checkable
@@ -104,17 +122,28 @@ class GroupScoringSummary(Summary, Protocol):
 
 @dataclass(frozen=True)
 class Shortlist:
-    """A two-stage summary's step: every segment's scores and the shortlist it rescored.
+    """A two-stage summary's step: every segment's coarse scores and the shortlist it rescored.
 
-    ``scores: [B, H, G, S]`` (what :meth:`Summary.score` returns); ``index: [B, H, G', m]`` the
-    shortlisted segments (``G'`` = 1 when a KV group shares one list); ``exact: [B, H, G, m]`` their
-    scores, equal to ``scores`` at ``index``. Every shortlisted segment of a row scores above every
-    other segment of it, so the top ``n <= m`` of ``scores`` are the top ``n`` of ``exact``.
+    ``coarse: [B, H, G, S]`` the first stage's scores; ``index: [B, H, G', m]`` the shortlisted
+    segments (``G'`` = 1 when a KV group shares one list); ``exact: [B, H, G, m]`` their exact scores.
+    :attr:`scores` is what :meth:`Summary.score` returns: the coarse scores shifted below the smallest
+    exact one, with the exact ones in place, so every shortlisted segment of a row scores above every
+    other segment of it and the top ``n <= m`` of ``scores`` are the top ``n`` of ``exact``. It is
+    computed on first use: a step that only needs the best segments (:meth:`top`) never pays for it.
     """
 
-    scores: torch.Tensor
+    coarse: torch.Tensor
     index: torch.Tensor
     exact: torch.Tensor
+
+    @functools.cached_property
+    def scores(self) -> torch.Tensor:
+        """``[B, H, G, S]``: the coarse order kept below the shortlist (shifted by a margin, not a huge constant that would round it away)."""
+        if self.exact.shape[-1] == 0:
+            return self.coarse
+        shift = (self.coarse.amax(-1, keepdim=True) - self.exact.amin(-1, keepdim=True)).clamp(min=0) + 1.0
+        # In place on the fresh difference: one pass over the [B, H, G, S] grid fewer than .scatter's copy.
+        return (self.coarse - shift).scatter_(-1, self.index.expand_as(self.exact), self.exact)
 
     def top(self, n: int, *, sorted: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values, segment indices)`` of each row's ``n <= m`` best segments, read off the shortlist."""

@@ -16,6 +16,10 @@ _FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: holds at once (8 MiB in float32): the projection, its max-shift and ``exp`` then run in cache, in
 #: place, instead of streaming several temporaries of the whole chunk through memory (3x faster at 128k).
 _BLOCK_ELEMENTS = 2**21
+#: On a GPU the block is sized for launches, not caches: each block is a few kernels, and 2**21 elements
+#: would cut a 128k-token rebuild of 64 heads into ~18k of them (seconds of launch overhead); 2**26 is
+#: 256 MiB of float32 exponents at once.
+_GPU_BLOCK_ELEMENTS = 2**26
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,11 @@ class PerformerFeatures:
         log_sum = keys.new_empty(B, H, S, n)  # logsumexp_j log phi(k_j), [B, H, S, n]
         # A block: some segments of one head, or every segment of several heads (many small heads, as
         # the theory tests draw), holding at most _BLOCK_ELEMENTS exponents.
-        if S * c * n <= _BLOCK_ELEMENTS:
-            per_block, heads = S, min(H, max(1, _BLOCK_ELEMENTS // (S * c * n)))
+        elements = _BLOCK_ELEMENTS if keys.device.type == "cpu" else _GPU_BLOCK_ELEMENTS
+        if S * c * n <= elements:
+            per_block, heads = S, min(H, max(1, elements // (S * c * n)))
         else:
-            per_block, heads = max(1, _BLOCK_ELEMENTS // (c * n)), 1
+            per_block, heads = max(1, elements // (c * n)), 1
         buffer = keys.new_empty(heads * per_block * c * n)  # one buffer: a fresh one per block would page-fault
         omega_t = omega.transpose(-1, -2)  # [H, D, m]
         for b in range(B):

@@ -102,8 +102,5 @@ class Rerank:
         else:
             short = scores.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
         exact = segment_log_mass(segment_keys, queries, short)  # [B, H, G, m]
-        # Shift the coarse scores below the smallest exact one: the shortlist ranks first, and the order
-        # outside it (the coarse order) is kept exactly (a huge constant would round it away).
-        shift = (scores.amax(-1, keepdim=True) - exact.amin(-1, keepdim=True)).clamp(min=0) + 1.0
-        # In place on the fresh difference: one pass over the [B, H, G, S] grid fewer than .scatter's copy.
-        return Shortlist((scores - shift).scatter_(-1, short.expand_as(exact), exact), short, exact)
+        # The coarse scores are shifted below the exact ones only when asked for (Shortlist.scores).
+        return Shortlist(scores, short, exact)
