@@ -75,7 +75,7 @@ def step_commands(cpu: bool, out: Path) -> dict[str, tuple[list[str], dict[str, 
         attention = [py, "benchmarks/attention.py", "--device", "cuda", "--dtype", "bfloat16", "--lengths", "32768", "131072",
                      "--batches", "1", "8", "--repeats", "30", "--warmup", "5", "--methods", "dense (triton kernel)", *ATTENTION_ROWS]  # fmt: skip
         generate = [py, "benchmarks/e2e_generate.py", "--device", "cuda"]
-        limits = (170, 110, 150, 200)
+        limits = (120, 90, 120, 150)
     attention += ["--out", str(out / "attention.json")]
     generate += ["--out", str(out / "generate.json")]
     envs = (kernel_env, kernel_env, {}, {})
