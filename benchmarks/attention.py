@@ -56,6 +56,7 @@ import torch
 from sparseattn.methods.rest import merged_attention_ref
 from sparseattn import Dense, PooledMass, Quest, Radar, RadarAlg1, RadarPlus, RadarPlusMerged, RadarPlusPooled, RadarPlusTokens, Rerank
 from sparseattn.backends.registry import get_backend
+from sparseattn.backends.triton_backend import TritonBackend
 from sparseattn.machine import cpu_model
 from sparseattn.ops.attention import attention_ref, segment_attention_ref
 
@@ -180,8 +181,8 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         row["attended"] = t
         row["bytes"] = 2 * batch * KV_HEADS * t * HEAD_DIM * itemsize
         row["rebuild_ms"] = 0.0
-    elif isinstance(method, Dense):  # Dense(backend="cpu" or "triton"): the kernel over every token, on the shared K/V (no copy)
-        kernel = get_backend(method.backend)
+    elif isinstance(method, (Dense, TritonBackend)):  # a dense kernel over every token, on the shared K/V (no copy)
+        kernel = method if isinstance(method, TritonBackend) else get_backend(method.backend)
         q_rows = query.view(batch, KV_HEADS, group, HEAD_DIM)
 
         def step():
@@ -263,7 +264,7 @@ def bench_row(method_name, method, keys, values, query, repeats, warmup, toleran
         row.update({f"{name}_ms": ms for name, ms in medians.items()})  # dense_ms, kernel_dense_ms: same rounds
         if device.type == "cuda":  # what the launches cost: the step replayed as one CUDA graph, and its kernel count
             row.update(graph_timing(step, device, repeats))
-            row["kernels_per_step"] = kernels_per_step(step)
+            row.update(kernel_profile(step))
     else:
         row["ms"] = float("nan")
     between_rebuilds = 2 * math.isqrt(t) + 1
@@ -303,17 +304,27 @@ def graph_timing(step, device: torch.device, repeats: int) -> dict:
         return {"graph_ms": float("nan"), "graph_error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
 
 
-def kernels_per_step(step) -> int | None:
-    """GPU kernels one ``step`` launches (torch's profiler; None where it cannot trace)."""
+def kernel_profile(step, steps: int = 5) -> dict:
+    """``kernels_per_step``: GPU kernels one ``step`` launches, and ``kernel_us``: each kernel's GPU time per
+    step (microseconds, the largest first), from torch's profiler over ``steps`` steps; {} where it cannot trace."""
     try:
+        from collections import defaultdict
+
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
+            for _ in range(steps):
+                step()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name: dict[str, float] = defaultdict(float)
+        for e in kernels:
+            by_name[e.name[:80]] += e.time_range.elapsed_us() / steps
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])
+        return {"kernels_per_step": round(len(kernels) / steps), "kernel_us": [[name, round(us, 1)] for name, us in top[:10]],
+                "kernel_us_total": round(sum(by_name.values()), 1)}  # fmt: skip
     except Exception:  # noqa: BLE001
-        return None
+        return {}
 
 
 def fit_exponent(points: list[tuple[int, float]]) -> float:
@@ -371,6 +382,8 @@ def main() -> None:
         "radar (budget 4096)": Radar(budget=4096),
         "quest (budget 4096)": Quest(budget=4096),
     }
+    if device.type == "cuda":  # the split heuristic's occupancy target against the earlier one, on the dense kernel
+        methods["dense (triton kernel, 2 programs/SM)"] = TritonBackend(programs_per_sm=2)
     optional = {  # with --methods only
         "radar+ (budget 4096, per head)": RadarPlus(budget=4096, per_group=False),
         # issue 17: a 16x finer grid, then each head's best tokens among twice the budget's segments (torch path).

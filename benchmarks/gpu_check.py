@@ -73,7 +73,8 @@ def step_commands(cpu: bool, out: Path) -> dict[str, tuple[list[str], dict[str, 
                    "tests/test_backends.py::test_auto_picks_triton_on_gpu", "-m", "not slow"]  # fmt: skip
         contract = [*pytest, *parallel, "tests/test_contract_device.py", "-m", "gpu"]
         attention = [py, "benchmarks/attention.py", "--device", "cuda", "--dtype", "bfloat16", "--lengths", "32768", "131072",
-                     "--batches", "1", "8", "--repeats", "30", "--warmup", "5", "--methods", "dense (triton kernel)", *ATTENTION_ROWS]  # fmt: skip
+                     "--batches", "1", "8", "--repeats", "30", "--warmup", "5", "--methods", "dense (triton kernel)",
+                     "dense (triton kernel, 2 programs/SM)", *ATTENTION_ROWS]  # fmt: skip
         generate = [py, "benchmarks/e2e_generate.py", "--device", "cuda"]
         limits = (120, 90, 120, 150)
     attention += ["--out", str(out / "attention.json")]
@@ -214,6 +215,14 @@ def markdown(report: dict) -> str:
                 f"{r.get('kernels_per_step', '')} | {r['speedup']:.2f} | {r['speedup_vs_kernel_dense']:.2f} | {r['bytes'] / 1e6:.0f} | "
                 f"{r['fraction_of_floor']:.2f} | {r['rel_error']:.1e} |"
             )
+    profiled = [r for r in attention if r.get("kernel_us")]
+    if profiled:
+        longest = max((r["t"], r["batch"]) for r in profiled)
+        lines += ["", f"GPU time per step by kernel at t={longest[0]}, batch {longest[1]} (torch profiler, microseconds):", ""]
+        for r in profiled:
+            if (r["t"], r["batch"]) == longest:
+                top = ", ".join(f"{name} {us}" for name, us in r["kernel_us"][:6])
+                lines.append(f"- {r['method']}: {r.get('kernel_us_total')} in {r.get('kernels_per_step')} kernels: {top}")
     generate = report.get("generate_rows") or []
     if generate:
         lines += ["", "| method | batch | context | tokens/s | speedup | byte-model ceiling | attended | peak GB | cache GB |",

