@@ -599,8 +599,9 @@ def compile(fn, pointers, constexprs):
 for dtype, softcap, masked in [("fp16", True, False), ("bf16", False, True), ("fp32", False, False)]:
     ptrs = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, SEG="*i64", VALID="*u8", OUT="*fp32", LSE="*fp32")
     compile(ks.segment_decode, ptrs, dict(HAS_SOFTCAP=softcap, MASKED=masked, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
-    compile(ks.segment_log_mass, dict(Q="*fp32", K="*" + dtype, IDX="*i64", OUT="*fp32"), dict(BLOCK_R=16, BLOCK_C=32, BLOCK_D=128))
-    compile(ks.bound_scores, dict(Q="*fp32", LOW="*" + dtype, HIGH="*" + dtype, OUT="*fp32"), dict(BLOCK_G=16, BLOCK_S=64, BLOCK_D=128))
+    for rows in (1, 4):  # one list per query row, and one shared by a KV group of 4
+        compile(ks.segment_log_mass, dict(Q="*fp32", K="*" + dtype, IDX="*i64", OUT="*fp32"), dict(BLOCK_R=rows, BLOCK_C=64 // rows, BLOCK_D=128))
+        compile(ks.bound_scores, dict(Q="*fp32", LOW="*" + dtype, HIGH="*" + dtype, OUT="*fp32"), dict(BLOCK_G=rows, BLOCK_S=64 // rows, BLOCK_D=128))
     for weighted, floor in [(False, False), (True, True)]:
         slots = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, A="*fp32", BW="*fp32", F="*fp32", OUT="*fp32", PROBS="*fp32")
         compile(ks.slot_attention, slots, dict(WEIGHTED=weighted, HAS_FLOOR=floor, HAS_SOFTCAP=softcap, BLOCK_M=16, BLOCK_S=64, BLOCK_D=128))

@@ -227,7 +227,7 @@ def segment_decode_partials(
 
 
 def segment_log_mass_triton(
-    raw: torch.Tensor, factor: float, queries: torch.Tensor, index: torch.Tensor, *, block_c: int = 32, num_warps: int = 4
+    raw: torch.Tensor, factor: float, queries: torch.Tensor, index: torch.Tensor, *, num_warps: int = 4
 ) -> torch.Tensor:
     """Exact log masses ``[B, H, R, m]`` (float32) of listed segments, their keys read in place.
 
@@ -241,32 +241,43 @@ def segment_log_mass_triton(
     if out.numel() == 0:
         return out
     rows = R // lists
+    block_r, block_d = triton_block(rows, 1), triton_block(D, 16)
+    block_c = min(triton_block(c, 1), register_tile(block_r * block_d))  # a [rows, c, d] product in registers
     with on_device(queries.device):
         kernels(interpreting()).segment_log_mass[(B * H * lists, m)](
             queries, raw, index, out,
             *queries.stride(), *raw.stride(), *index.stride(), *out.stride(),
             H, lists, rows, S, c, D, float(factor),
-            BLOCK_R=triton_block(rows, 16), BLOCK_C=min(block_c, triton_block(c, 16)), BLOCK_D=triton_block(D, 16),
-            num_warps=num_warps,
+            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
     return out
 
 
-def bound_scores_triton(
-    low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, block_s: int = 64, num_warps: int = 4
-) -> torch.Tensor:
+#: Elements of the ``[rows, tokens, d]`` product a program of the log-mass and bound kernels holds at once.
+REGISTER_TILE = 8192
+
+
+def register_tile(per_token: int) -> int:
+    """The power-of-two number of tokens (or segments) whose ``per_token`` products fit :data:`REGISTER_TILE`."""
+    n = max(1, REGISTER_TILE // per_token)
+    return 1 << (n.bit_length() - 1)
+
+
+def bound_scores_triton(low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, num_warps: int = 4) -> torch.Tensor:
     """Quest's bounds ``[B, H, G, S]`` (float32) of ``queries: [B, H, G, D]`` over ``low, high: [B, H, S, D]``. Unchecked."""
     B, H, G, D = queries.shape
     S = low.shape[2]
     out = torch.empty(B, H, G, S, dtype=torch.float32, device=queries.device)
     if out.numel() == 0:
         return out
+    block_g, block_d = triton_block(G, 1), triton_block(D, 16)
+    block_s = register_tile(block_g * block_d)  # a [G, segments, d] product in registers
     with on_device(queries.device):
         kernels(interpreting()).bound_scores[(B * H, -(-S // block_s))](
             queries, low, high, out,
             *queries.stride(), *low.stride(), *high.stride(), *out.stride(),
             H, G, S, D,
-            BLOCK_G=triton_block(G, 16), BLOCK_S=block_s, BLOCK_D=triton_block(D, 16), num_warps=num_warps,
+            BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
     return out
 
