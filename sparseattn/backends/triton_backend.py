@@ -114,8 +114,9 @@ def kernels(interpret: bool) -> Kernels:
 
         # Layout counters and lengths change every step; specialising on them (== 1, % 16) would recompile.
         options = {
-            "segment_decode_kernel": ["sink_end", "n_sel", "tail_start", "n_virtual", "tokens_per_split"],
-            "segment_log_mass_kernel": ["n_segments"],
+            # seg_size too: a rebuild changes it, and a size divisible by 16 would compile a variant mid-decode.
+            "segment_decode_kernel": ["sink_end", "seg_size", "n_sel", "tail_start", "n_virtual", "tokens_per_split"],
+            "segment_log_mass_kernel": ["n_segments", "seg_size"],
             "bound_scores_kernel": ["n_segments"],
             "slot_attention_kernel": ["n_slots"],
         }
