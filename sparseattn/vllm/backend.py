@@ -10,6 +10,16 @@ kernel over the selected pages (:func:`kernel_attend_pages`). A decode token nev
 sequence: in a mixed step (prefill chunks beside decode tokens) vLLM's kernel gets the prefill
 requests only (:func:`prefill_part`).
 
+Its metadata builder does two things once per step and once per engine: it finds the decode requests
+(one query token *and* past their prompt: :func:`decode_step`; a prompt's last token computed alone,
+after a prefix-cache hit or as a one-token last chunk, is prefill) and hands them to every layer in
+the metadata; and at start-up it makes the engine use a cache layout the paged engine reads
+(:func:`readable_isa`: vLLM's ``vec`` kernel where it would pick ``amx``), or refuses to start, saying
+why, on a CPU whose layout it cannot read. A decode step the paged engine cannot answer (any
+exception: an unforeseen shape, a plan that does not fit, a kernel refusal) is answered by vLLM's
+own kernel over the whole step, logged once per cause and counted (:class:`Fallbacks`): a request
+never ends an engine that stock vLLM would have served.
+
 The plugin (:mod:`sparseattn.vllm.plugin`) points vLLM's ``CPU_ATTN`` entry at :data:`CPU_ATTN`,
 which resolves, each time vLLM looks it up, to vLLM's own class when the config being built asks for
 no sparse method, and to :class:`SparseCPUAttentionBackend` when it does.
@@ -26,13 +36,46 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "CPU_ATTN", "SUPPORTED_ISAS", "DecodeStep", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "decode_step",
-    "kernel_attend_pages", "prefill_part",
+    "CPU_ATTN", "FALLBACKS", "SUPPORTED_ISAS", "DecodeStep", "Fallbacks", "SparseCPUAttentionBackend",
+    "SparseCPUAttentionImpl", "SparseCPUAttentionMetadataBuilder", "decode_step", "kernel_attend_pages", "prefill_part",
+    "readable_isa",
 ]  # noqa: F822 (the classes are built on first access, see __getattr__)
 
-#: vLLM CPU kernel ISAs whose cache layout (keys transposed per page) the paged engine reads; the
-#: ``amx``/``neon``/... layouts are not verified here and are refused.
+#: vLLM CPU kernel ISAs whose cache layout (keys transposed per page) the paged engine reads.
 SUPPORTED_ISAS = ("vec", "vec16")
+
+#: What to do on a CPU whose layout the engine does not read, by the ISA vLLM picks there.
+_INSTEAD = {
+    "neon": "serve this model without a sparseattn method (stock vLLM) on this Arm CPU, where vLLM picks 'neon' for every dtype, "
+    "or use an x86-64 CPU",
+}
+
+
+def readable_isa(isa: str, dtype: str, block_size: int) -> str:
+    """The CPU attention ISA a sparse engine runs where vLLM picked ``isa`` for ``dtype`` and ``block_size``.
+
+    ``vec``/``vec16``: as picked. ``amx`` (bfloat16 on Intel CPUs with AMX): ``vec`` (``vec16`` for a block
+    size vLLM's ``vec`` kernel does not take), the AVX-512 kernel and layout vLLM runs on x86-64 CPUs
+    without AMX: the paged engine reads that layout, the amx one is not verified (its keys are stored in
+    pairs of channels, not transposed). vLLM then prefills with that kernel too (slower than AMX).
+    Any other (``neon``, ``vsx``, ``vxe``, ``rvv``): NotImplementedError naming the ISA, the dtype and what
+    to do, raised when the engine builds its attention metadata, at start-up.
+
+    Example:
+        >>> readable_isa("amx", "bfloat16", 128), readable_isa("vec16", "float32", 16)
+        ('vec', 'vec16')
+    """
+    if isa in SUPPORTED_ISAS:
+        return isa
+    if isa == "amx":
+        return "vec" if block_size % 32 == 0 else "vec16"
+    instead = _INSTEAD.get(isa, "set a block size that is not a multiple of 32 (e.g. --block-size 16), for which vLLM "
+                                "picks its 'vec16' kernel, or serve this model without a sparseattn method (stock vLLM)")  # fmt: skip
+    raise NotImplementedError(
+        f"sparseattn's paged engine cannot run here: vLLM picks its {isa!r} CPU attention kernel on this CPU for {dtype} "
+        f"with blocks of {block_size} tokens, and the engine reads only the KV cache layouts of vLLM's "
+        f"{' and '.join(map(repr, SUPPORTED_ISAS))} kernels; {instead} (docs/serving.md)"
+    )
 
 
 def kernel_attend_pages(
@@ -78,19 +121,15 @@ def kernel_attend_pages(
     return out.view(B, H_q, D)
 
 
-#: The last mixed step's prefill part, shared by every layer: ``[vLLM's metadata, (narrowed metadata, token rows)]``.
-_LAST_PREFILL: list = []
-
-
-def prefill_part(attn_metadata: Any, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any, isa: str,
-                 kv_cache_dtype: str) -> tuple[Any, Any]:  # fmt: skip
-    """vLLM's CPU attention metadata narrowed to the requests with more than one query token, and their token rows.
+def prefill_part(attn_metadata: Any, step: DecodeStep, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any,
+                 isa: str, kv_cache_dtype: str) -> tuple[Any, Any]:  # fmt: skip
+    """vLLM's CPU attention metadata narrowed to the step's prefill requests (those not in ``step``), and their token rows.
 
     In a mixed step vLLM's kernel then attends the prefill chunks only; the decode tokens are left
     to the paged engine instead of being attended densely and overwritten. The metadata is the same
     object for every layer of a step, so the first layer narrows it (and computes the kernel's
-    scheduler metadata for the narrowed batch, as vLLM's builder does for the whole one) and the
-    others reuse it; the reference is held, so the object's id cannot be reused meanwhile.
+    scheduler metadata for the narrowed batch, as vLLM's builder does for the whole one) and keeps
+    the result on it (``attn_metadata.prefill``) for the others.
     """
     import dataclasses
 
@@ -98,11 +137,14 @@ def prefill_part(attn_metadata: Any, num_heads: int, num_kv_heads: int, head_dim
     from vllm import _custom_ops as ops
     from vllm import envs
 
-    if _LAST_PREFILL and _LAST_PREFILL[0] is attn_metadata:
-        return _LAST_PREFILL[1]
+    cached = getattr(attn_metadata, "prefill", None)
+    if cached is not None:
+        return cached
     starts = attn_metadata.query_start_loc
     lengths = starts[1:] - starts[:-1]
-    keep = (lengths != 1).nonzero().flatten()
+    prefill = torch.ones(lengths.numel(), dtype=torch.bool)
+    prefill[step.requests] = False
+    keep = prefill.nonzero().flatten()
     rows = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in keep.tolist()])
     query_start_loc = torch.zeros(keep.numel() + 1, dtype=starts.dtype)
     torch.cumsum(lengths[keep], 0, out=query_start_loc[1:])
@@ -117,18 +159,19 @@ def prefill_part(attn_metadata: Any, num_heads: int, num_kv_heads: int, head_dim
         max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=attn_metadata.block_table[keep],
         slot_mapping=attn_metadata.slot_mapping[rows], scheduler_metadata=scheduler_metadata,
     )  # fmt: skip
-    _LAST_PREFILL[:] = [attn_metadata, (narrowed, rows)]
+    if hasattr(attn_metadata, "prefill"):
+        attn_metadata.prefill = (narrowed, rows)
     return narrowed, rows
 
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """The decode requests of one step (one query token each), as every layer's forward reads them.
+    """The decode requests of one step (one query token each, past their prompt), as every layer's forward reads them.
 
     ``requests``: their indices in the batch; ``rows``: their token rows, None when the step is
     decode tokens only (then they are rows ``0..B-1``: the query and output rows are sliced, not
     gathered); ``table``, ``lens``: their block-table rows and lengths (the current token included);
-    ``mixed``: other requests of the step have several query tokens (prefill chunks).
+    ``mixed``: other requests of the step are prefilling (chunks, or a prompt's last token alone).
     """
 
     requests: Any
@@ -138,36 +181,80 @@ class DecodeStep:
     mixed: bool
 
 
-#: The last step's decode requests, shared by every layer: ``[vLLM's metadata, its seq_lens (a copy), DecodeStep | None]``.
-_LAST_DECODE: list = []
+def decode_step(query_start_loc: Any, seq_lens: Any, block_table: Any, prefilling: Any = None) -> DecodeStep | None:
+    """The step's :class:`DecodeStep` (None: no decode token), from its metadata's tensors.
 
-
-def decode_step(attn_metadata: Any) -> DecodeStep | None:
-    """The step's :class:`DecodeStep` (None: no decode token), computed by the first layer of a step, reused by the others.
-
-    vLLM hands every layer of a step the same metadata object, so the first layer finds the decode
-    requests (and copies their table rows) and the other 29 reuse them: per layer only the query and
-    output rows and the kernel call remain. The key is the object (its reference held, so its id is
-    not reused meanwhile) and its lengths (a copy: should vLLM refill the same object's buffers for
-    the next step, the lengths have grown and the step is computed afresh).
+    A decode request has one query token and has computed its whole prompt: ``prefilling[i]`` (vLLM's
+    ``is_prefilling``, ``computed tokens < prompt tokens``) marks a request whose one query token is its
+    prompt's last (a prefix-cache hit leaving one token, or a chunked prefill's one-token last chunk):
+    that token is prefill, attended by vLLM's kernel, and its output is the first generated token's.
+    Without ``prefilling`` every one-token request is taken for a decode token. The metadata builder
+    calls this once per step (:class:`SparseCPUAttentionMetadataBuilder`); every layer reads the result.
     """
     import torch
 
-    if _LAST_DECODE and _LAST_DECODE[0] is attn_metadata and torch.equal(_LAST_DECODE[1], attn_metadata.seq_lens):
-        return _LAST_DECODE[2]
-    starts = attn_metadata.query_start_loc
+    starts = query_start_loc
     lengths = starts[1:] - starts[:-1]
-    requests = (lengths == 1).nonzero().flatten()
+    decoding = lengths == 1
+    if prefilling is not None:
+        decoding &= ~prefilling[: lengths.numel()].to(device=decoding.device, dtype=torch.bool)
+    requests = decoding.nonzero().flatten()
     n = requests.numel()
     if n == 0:
-        step = None
-    elif n == lengths.numel():  # decode tokens only: request i is token row i
-        step = DecodeStep(requests, None, attn_metadata.block_table[:n], attn_metadata.seq_lens[:n], False)
-    else:
-        step = DecodeStep(requests, starts[requests].long(), attn_metadata.block_table[requests],
-                          attn_metadata.seq_lens[requests], True)  # fmt: skip
-    _LAST_DECODE[:] = [attn_metadata, attn_metadata.seq_lens.clone(), step]
-    return step
+        return None
+    if n == lengths.numel():  # decode tokens only: request i is token row i
+        return DecodeStep(requests, None, block_table[:n], seq_lens[:n], False)
+    return DecodeStep(requests, starts[requests].long(), block_table[requests], seq_lens[requests], True)
+
+
+class Fallbacks:
+    """Decode layer-steps the paged engine answered, and those it could not (answered by vLLM's kernel), by cause.
+
+    :meth:`failed` logs a cause the first time it is seen, with the reason, and a metrics line (at most
+    every ``every`` seconds); :meth:`answered` logs once when the paged engine answers again after a
+    fallback. One per process (:data:`FALLBACKS`): a server's log shows every worker's.
+    """
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every = every
+        self.answered_steps = 0
+        self.causes: dict[str, int] = {}
+        self._last_metrics = float("-inf")
+        self._falling_back = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.causes.values())
+
+    def metrics(self) -> str:
+        causes = "; ".join(f"{n} x {cause}" for cause, n in self.causes.items()) or "none"
+        return (f"sparseattn metrics: {self.answered_steps} decode layer-steps answered by the paged engine, "
+                f"{self.total} by vLLM's dense kernel after a failure ({causes})")  # fmt: skip
+
+    def failed(self, error: BaseException, layer: int, logger: Any) -> None:
+        import time
+
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        first = cause not in self.causes
+        self.causes[cause] = self.causes.get(cause, 0) + 1
+        self._falling_back = True
+        if first:
+            logger.warning("sparseattn: a decode step (layer %d) fell back to vLLM's dense kernel: %s (logged once per "
+                           "cause, counted in the metrics line)", layer, cause)  # fmt: skip
+        now = time.monotonic()
+        if first or now - self._last_metrics >= self.every:
+            self._last_metrics = now
+            logger.warning(self.metrics())
+
+    def answered(self, logger: Any) -> None:
+        self.answered_steps += 1
+        if self._falling_back:
+            self._falling_back = False
+            logger.info("sparseattn: decode steps answered by the paged engine again; %s", self.metrics())
+
+
+#: This process's counts (every layer of every sparse engine in it).
+FALLBACKS = Fallbacks()
 
 
 #: The policies built in this process, by request label: one object for every layer (see :func:`_shared_policy`).
@@ -248,19 +335,59 @@ def _rank_kv_heads(local_kv_heads: int) -> tuple[list[int] | None, int]:
 
 @functools.lru_cache(maxsize=1)
 def _classes() -> dict[str, type]:
+    import dataclasses
+
     import torch
     from vllm.logger import init_logger
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.cpu_attn import (
         CPUAttentionBackend,
         CPUAttentionBackendImpl,
+        CPUAttentionMetadata,
+        CPUAttentionMetadataBuilder,
     )
 
     from sparseattn.vllm.config import current_request
     from sparseattn.vllm.paged import PageSummaries, select_pages
-    from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, kernel_refusal, step_plan
+    from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, kernel_refusal
 
     logger = init_logger("vllm.sparseattn")  # under vLLM's logger, which has the handlers
+
+    @dataclasses.dataclass
+    class SparseCPUAttentionMetadata(CPUAttentionMetadata):
+        """vLLM's CPU metadata and, found once per step by the builder, the step's decode requests; ``prefill`` is
+        the narrowed metadata of a mixed step's prefill requests, made by the step's first layer (:func:`prefill_part`)."""
+
+        decode: DecodeStep | None = None
+        prefill: Any = None
+
+    class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+        """vLLM's CPU builder, run on a layout the paged engine reads, adding each step's decode requests.
+
+        At start-up (the engine builds it with its KV cache): where vLLM picked a kernel whose cache layout
+        the engine does not read, :func:`readable_isa` gives the one this engine runs instead (logged; its
+        cache writes and vLLM's prefill kernel follow it), or refuses, saying why and what to do, before any
+        request. Per step: :func:`decode_step` with vLLM's ``is_prefilling``, once for all the layers.
+        """
+
+        def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            picked = self.isa
+            self.isa = readable_isa(picked, str(self.dtype).removeprefix("torch."), self.block_size)
+            if self.isa != picked:
+                logger.warning_once(
+                    "sparseattn: vLLM picked its %r CPU attention kernel for %s here; the paged engine does not read that "
+                    "cache layout, so this engine runs vLLM's %r kernel and layout instead (prefill included: slower than "
+                    "%r; docs/serving.md)", picked, str(self.dtype).removeprefix("torch."), self.isa, picked,
+                )  # fmt: skip
+                self._set_isa_to_layers(layer_names)
+
+        def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+            base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+            prefilling = getattr(common_attn_metadata, "is_prefilling", None)
+            decode = decode_step(base.query_start_loc, base.seq_lens, base.block_table, prefilling)
+            fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+            return SparseCPUAttentionMetadata(**fields, decode=decode)
 
     class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         """``CPUAttentionBackendImpl`` whose decode tokens run the configured sparseattn policy over the pages."""
@@ -296,26 +423,39 @@ def _classes() -> dict[str, type]:
                              if self._fused is None else "the fused kernel")
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+            dense = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
             if attn_metadata is None or self.attn_type != AttentionType.DECODER:
-                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+                return super().forward(*dense)
+            if isinstance(attn_metadata, SparseCPUAttentionMetadata):
+                step = attn_metadata.decode
+            else:  # metadata not from this backend's builder: one-token requests taken for decode tokens
+                step = decode_step(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table)
+            if step is None:  # prefill (chunks) only: vLLM's kernel
+                return super().forward(*dense)
+            try:
+                self._decode(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale, step)
+            except Exception as error:  # noqa: BLE001 (any failure: vLLM's kernel answers the step, nothing is lost)
+                FALLBACKS.failed(error, _layer_index(layer.layer_name), logger)
+                # A step that failed half-way may have left this layer's page summaries half-written: rebuilt as needed.
+                self._store, self._summaries = None, None
+                return super().forward(*dense)
+            FALLBACKS.answered(logger)
+            return output
+
+        def _decode(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale, step) -> None:
+            """The paged engine's answer to the step's decode tokens (and vLLM's kernel's to a mixed step's prefill requests)."""
             isa = getattr(layer, "isa", None)
-            if isa not in SUPPORTED_ISAS:
-                raise NotImplementedError(
-                    f"sparseattn's paged engine reads the CPU cache layouts of the {SUPPORTED_ISAS} kernels; this layer "
-                    f"runs {isa!r}, whose key layout is not verified (see docs/serving.md)"
-                )
+            if isa not in SUPPORTED_ISAS:  # the builder made sure at start-up; a layer it did not see is answered densely
+                raise NotImplementedError(f"this layer runs vLLM's {isa!r} CPU kernel, whose cache layout the paged engine does not read")
             if self._prepared is None:
                 heads, total = self._heads
                 self._prepared = self.policy.prepare(total, self.head_size, _layer_index(layer.layer_name), heads=heads)
-            step = decode_step(attn_metadata)
-            if step is None:  # prefill (chunks) only: vLLM's kernel
-                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
             if step.mixed:  # a mixed step: vLLM's kernel for the prefill requests only
                 if attn_metadata.dynamic_causal is not None:  # not narrowed: the batch, decode rows overwritten below
                     super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
                 else:
                     logger.info_once("sparseattn: a mixed step's prefill requests attended by vLLM's kernel alone")
-                    narrowed, part = prefill_part(attn_metadata, self.num_heads, self.num_kv_heads, self.head_size,
+                    narrowed, part = prefill_part(attn_metadata, step, self.num_heads, self.num_kv_heads, self.head_size,
                                                   query.dtype, isa, self.kv_cache_dtype)  # fmt: skip
                     prefill_out = output[part]
                     super().forward(layer, query[part], key[part], value[part], kv_cache, narrowed, prefill_out,
@@ -337,14 +477,13 @@ def _classes() -> dict[str, type]:
                                          self.logits_soft_cap or None, plan=plan, out=out[:n] if direct else None)
                 if not direct:
                     _put_rows(out, rows, result)
-                return output
+                return
             params, generator = self._prepared
             if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
                 self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
             pages = select_pages(self.policy, params, generator, kv_cache, q, step.table, step.lens, self.scale, self._summaries)
             _put_rows(out, rows, kernel_attend_pages(q, kv_cache, step.table, pages, step.lens, self.scale,
                                                      self.logits_soft_cap or None, isa))  # fmt: skip
-            return output
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -354,15 +493,20 @@ def _classes() -> dict[str, type]:
                 self._store.invalidate(slot_mapping, kv_cache.shape[2])
 
     class SparseCPUAttentionBackend(CPUAttentionBackend):
-        """vLLM's CPU backend (name, builder, cache shape unchanged) with :class:`SparseCPUAttentionImpl`."""
+        """vLLM's CPU backend (name and cache shape unchanged) with :class:`SparseCPUAttentionImpl` and its builder."""
 
         @staticmethod
         def get_impl_cls() -> type:
             return SparseCPUAttentionImpl
 
-    for cls in (SparseCPUAttentionImpl, SparseCPUAttentionBackend):  # importable (and picklable) by name
+        @staticmethod
+        def get_builder_cls() -> type:
+            return SparseCPUAttentionMetadataBuilder
+
+    classes = (SparseCPUAttentionMetadata, SparseCPUAttentionMetadataBuilder, SparseCPUAttentionImpl, SparseCPUAttentionBackend)
+    for cls in classes:  # importable (and picklable) by name
         cls.__module__, cls.__qualname__ = __name__, cls.__name__
-    return {"SparseCPUAttentionImpl": SparseCPUAttentionImpl, "SparseCPUAttentionBackend": SparseCPUAttentionBackend}
+    return {cls.__name__: cls for cls in classes}
 
 
 def _resolve_cpu_attn() -> type:
@@ -377,6 +521,6 @@ def _resolve_cpu_attn() -> type:
 def __getattr__(name: str) -> Any:
     if name == "CPU_ATTN":
         return _resolve_cpu_attn()
-    if name in ("SparseCPUAttentionBackend", "SparseCPUAttentionImpl"):
+    if name in ("SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "SparseCPUAttentionMetadataBuilder", "SparseCPUAttentionMetadata"):
         return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
