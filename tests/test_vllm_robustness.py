@@ -122,3 +122,26 @@ def test_a_cpu_whose_layout_the_engine_cannot_read_refuses_at_start_up(prompts, 
            "this CPU for float32" in log, log[-3000:]  # fmt: skip
     assert "serve this model without a sparseattn method (stock vLLM)" in log
     assert "Processed prompts" not in log  # refused before any request
+
+
+def tensor_parallel_tokens(tmp: Path, tp: int, spec: dict) -> tuple[list[list[int]], str]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(["0", "1"][:tp]) if tp > 1 else "auto"}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "vllm_tensor_parallel.py"), str(tmp / "model"), str(tp), json.dumps(spec)],
+        cwd=REPO, capture_output=True, text=True, timeout=900, env=env, check=False,
+    )  # fmt: skip
+    log = done.stdout + done.stderr
+    (tmp / f"tp{tp}.log").write_text(log)
+    assert done.returncode == 0, log[-4000:]
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line.removeprefix("RESULT ")), log
+
+
+def test_tensor_parallel_2_decodes_each_ranks_heads_as_one_process_does(tmp_path):
+    # Two ranks of one KV head each (vLLM's CPU workers, gloo, one core each): each rank selects pages over
+    # its own head's cache with its own parameter rows; the greedy tokens are one process's, in float32.
+    spec = {"method": "radar", "budget": 128}  # under the prompts' 300 and 520 tokens: the selection decides; per-head random features
+    one, _ = tensor_parallel_tokens(tmp_path, 1, spec)
+    two, log = tensor_parallel_tokens(tmp_path, 2, spec)
+    assert two == one
+    assert "Worker_TP0" in log and "first decode step answered by the paged engine (radar:budget=128)" in log
