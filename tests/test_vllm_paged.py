@@ -17,11 +17,14 @@ from sparseattn.methods.rest import MergedRest
 from sparseattn.testing import assert_close
 from sparseattn.vllm.config import MethodRequest, parse_spec, request_from
 from sparseattn.vllm.paged import (
+    KVFormat,
     PagedPolicy,
+    attend_pages,
     page_layout,
     page_views,
     paged_decode,
     paged_decode_ref,
+    select_pages,
 )
 
 # (lengths of the batch's sequences, block size, kv heads, group, head dim): odd lengths, GQA, batch > 1.
@@ -297,3 +300,63 @@ def test_streamingllm_attends_its_sink_pages_and_the_recent_pages_within_its_bud
             assert int(mask.sum()) > budget - 2 * bs  # and no page less than fits
         masks.append(mask.expand(H * G, n))
     assert_close(out, paged_decode_ref(cache, query, table, seq_lens, D**-0.5, mask=masks), torch.float32)
+
+
+# --- fp8 caches (vLLM's kv_cache_dtype="fp8", "fp8_e4m3", "fp8_e5m2"): one byte per number, times the layer's scale ---
+
+
+def fp8_cache(cache: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """``cache`` (float ``[N, H, bs, 2 D]``) as vLLM's fp8 cache: uint8 bytes of float8 numbers, key / k_scale, value / v_scale."""
+    out = torch.empty(cache.shape, dtype=torch.uint8)
+    keys_t, values = page_views(cache)
+    stored_k, stored_v = page_views(out, fmt)  # float8 views of the bytes
+    stored_k.copy_((keys_t.float() / fmt.k_scale).to(fmt.fp8))
+    stored_v.copy_((values.float() / fmt.v_scale).to(fmt.fp8))
+    return out
+
+
+def dequantised(cache: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    keys_t, values = page_views(cache, fmt)
+    out = torch.empty(cache.shape, dtype=torch.float32)
+    k, v = page_views(out)
+    k.copy_(keys_t.float() * fmt.k_scale)
+    v.copy_(values.float() * fmt.v_scale)
+    return out
+
+
+FP8 = [KVFormat("fp8", 0.5, 0.25), KVFormat("fp8_e4m3", 1.0, 1.0), KVFormat("fp8_e5m2", 2.0, 0.5)]
+
+
+@pytest.mark.parametrize("fmt", FP8, ids=lambda f: f"{f.dtype}-k{f.k_scale}-v{f.v_scale}")
+@pytest.mark.parametrize("name, options", [("dense", {}), ("quest", {"budget": 96}), ("radar+", {"budget": 96}), ("radar", {"budget": 96})])
+def test_an_fp8_cache_selects_and_attends_as_its_dequantised_float32_cache_does(fmt, name, options):
+    """Scores, selection and attention over fp8 pages are those over the dequantised cache (the float64 reference's input)."""
+    bs, H, G, D, lengths = 16, 2, 3, 32, (300, 45, 170)
+    keys, values = sequences(lengths, H, D)
+    cache, table = paged_cache([k * 2 for k in keys], [v * 2 for v in values], bs)
+    stored = fp8_cache(cache, fmt)
+    plain = dequantised(stored, fmt)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(5))
+    policy = PagedPolicy(registry.build(name, **options), name)
+    params, gen = policy.prepare(H, D, layer_idx=1)
+    seq_lens = torch.tensor(lengths)
+    pages = select_pages(policy, params, gen, stored, query, table, seq_lens, D**-0.5, fmt=fmt)
+    params, gen = policy.prepare(H, D, layer_idx=1)
+    assert torch.equal(pages, select_pages(policy, params, gen, plain, query, table, seq_lens, D**-0.5))
+    out = attend_pages(query, stored, table, pages, seq_lens, D**-0.5, fmt=fmt)
+    want = attend_pages(query, plain, table, pages, seq_lens, D**-0.5)
+    assert_close(out, want.double(), torch.float32)
+    if name == "dense":  # every page: the float64 reference of the dequantised cache, read from the fp8 bytes
+        assert_close(out, paged_decode_ref(stored, query, table, seq_lens, D**-0.5, fmt=fmt), torch.float32)
+
+
+def test_an_fp8_format_is_read_only_from_a_uint8_cache_and_checked():
+    cache = torch.zeros(2, 1, 16, 16)
+    with pytest.raises(ValueError, match="a torch.float32 KV cache read as 'fp8'"):
+        page_views(cache, KVFormat("fp8"))
+    with pytest.raises(ValueError, match="a torch.uint8 KV cache read as 'auto'"):
+        page_views(cache.to(torch.uint8))
+    with pytest.raises(ValueError, match=r"KVFormat.dtype must be 'auto' or one of \['fp8', 'fp8_e4m3', 'fp8_e5m2'\], got 'int8'"):
+        KVFormat("int8")
+    with pytest.raises(ValueError, match="KVFormat.k_scale must be a finite number > 0, got 0"):
+        KVFormat("fp8", 0)

@@ -137,3 +137,97 @@ def test_vllm_kernel_attends_the_listed_pages_as_the_torch_path_does(dtype, name
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the outputs' own rounding
     assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol), float((got.float() - expected.float()).abs().max())
+
+
+# --- the cache layouts, checked against vLLM's own cache-update op -----------------------------------------
+
+
+def written_by_vllm(isa: str, block_size: int, dtype, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
+    """Random tokens written by vLLM's ``cpu_attn_reshape_and_cache`` at random slots of a fresh cache: ``(cache, keys, values, slots)``."""
+    from vllm import _custom_ops as ops
+
+    H, D, T = 2, 64, 150
+    N = -(-T // block_size) + 3  # more slots than tokens: some pages stay empty
+    gen = torch.Generator().manual_seed(block_size + len(isa))
+    storage = torch.uint8 if kv_cache_dtype != "auto" else dtype
+    cache = torch.zeros(N, H, block_size, 2 * D, dtype=storage)
+    key_cache, value_cache = cache.view(N, H, 2 * block_size, D).chunk(2, dim=2)
+    keys, values = (torch.randn(T, H, D, generator=gen) * 3).to(dtype), (torch.randn(T, H, D, generator=gen) * 3).to(dtype)
+    slots = torch.randperm(N * block_size, generator=gen)[:T]
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=k_scale, v_scale=v_scale,
+                                   kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    return cache, keys, values, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("isa, block_size", [("vec", 32), ("vec", 128), ("vec16", 16), ("vec16", 48)])
+def test_page_views_read_back_what_vllms_cache_update_wrote(isa, block_size, dtype):
+    from sparseattn.vllm.paged import page_views
+
+    cache, keys, values, slots = written_by_vllm(isa, block_size, dtype)
+    keys_t, pages = page_views(cache)
+    block, offset = slots // block_size, slots % block_size
+    assert torch.equal(keys_t[block, :, :, offset], keys) and torch.equal(pages[block, :, offset], values)
+
+
+def toward_zero_fp8(x: torch.Tensor, fp8) -> torch.Tensor:
+    """``x`` rounded toward zero to ``fp8`` (vLLM's CPU conversion; torch's ``.to`` rounds to nearest), as float32."""
+    nearest = x.to(fp8).float()
+    over = nearest.abs() > x.abs()
+    if not bool(over.any()):
+        return nearest
+    # the next float8 number toward zero: step the byte's magnitude down by one (sign-magnitude encoding)
+    below = (nearest.to(fp8).view(torch.uint8) - 1).view(fp8).float()
+    return torch.where(over, below, nearest)
+
+
+@pytest.mark.parametrize("name, k_scale, v_scale", [("fp8", 0.5, 0.25), ("fp8_e4m3", 1.0, 1.0), ("fp8_e5m2", 2.0, 0.5)])
+def test_fp8_pages_hold_each_number_divided_by_its_scale_rounded_toward_zero(name, k_scale, v_scale):
+    """The fp8 cache's layout is the vec layout in one byte a number: read as float8, times the scale, is the token."""
+    from sparseattn.vllm.paged import KVFormat, page_views
+
+    fmt = KVFormat(name, k_scale, v_scale)
+    cache, keys, values, slots = written_by_vllm("vec", 32, torch.bfloat16, name, k_scale, v_scale)
+    assert cache.dtype == torch.uint8
+    keys_t, pages = page_views(cache, fmt)
+    block, offset = slots // 32, slots % 32
+    assert torch.equal(keys_t[block, :, :, offset].float(), toward_zero_fp8(keys.float() / k_scale, fmt.fp8))
+    assert torch.equal(pages[block, :, offset].float(), toward_zero_fp8(values.float() / v_scale, fmt.fp8))
+
+
+@pytest.mark.parametrize("name", ["radar+", "quest", "dense"])
+def test_vllm_kernel_attends_fp8_pages_as_the_torch_path_does(name):
+    """kernel_attend_pages over an fp8 cache (with its scales) == attend_pages over the same bytes, dequantised."""
+    from sparseattn import registry
+    from sparseattn.vllm.backend import kernel_attend_pages
+    from sparseattn.vllm.paged import KVFormat, PagedPolicy, attend_pages, select_pages
+
+    fmt = KVFormat("fp8", 0.5, 0.25)
+    bs, H, G, D, lengths = 32, 2, 3, 64, (300, 1000, 77)
+    T = sum(lengths)
+    from vllm import _custom_ops as ops
+
+    cache = torch.zeros(-(-T // bs) + 4, H, bs, 2 * D, dtype=torch.uint8)  # spare blocks stay zero
+
+    gen = torch.Generator().manual_seed(9)
+    order = torch.randperm(cache.shape[0], generator=gen)
+    table = torch.zeros(len(lengths), max(-(-n // bs) for n in lengths), dtype=torch.int32)
+    key_cache, value_cache = cache.view(cache.shape[0], H, 2 * bs, D).chunk(2, dim=2)
+    used = 0
+    for i, n in enumerate(lengths):
+        pages = -(-n // bs)
+        table[i, :pages] = order[used : used + pages].to(torch.int32)
+        used += pages
+        slot = (table[i].long()[torch.arange(n) // bs] * bs + torch.arange(n) % bs)
+        k, v = (torch.randn(n, H, D, generator=gen) * 2).bfloat16(), (torch.randn(n, H, D, generator=gen) * 2).bfloat16()
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot, "vec", k_scale=fmt.k_scale, v_scale=fmt.v_scale,
+                                       kv_cache_dtype="fp8")  # fmt: skip
+    query = torch.randn(len(lengths), H * G, D, generator=gen).bfloat16()
+    policy = PagedPolicy(registry.build(name, **({} if name == "dense" else {"budget": 256})), name)
+    params, generator = policy.prepare(H, D, layer_idx=0)
+    seq_lens = torch.tensor(lengths)
+    pages = select_pages(policy, params, generator, cache, query, table, seq_lens, D**-0.5, fmt=fmt)
+    expected = attend_pages(query.float(), cache, table, pages, seq_lens, D**-0.5, fmt=fmt)
+    got = kernel_attend_pages(query, cache, table, pages, seq_lens, D**-0.5, None, "vec", fmt)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), expected, atol=2e-2, rtol=2e-2), float((got.float() - expected).abs().max())

@@ -145,3 +145,26 @@ def test_tensor_parallel_2_decodes_each_ranks_heads_as_one_process_does(tmp_path
     two, log = tensor_parallel_tokens(tmp_path, 2, spec)
     assert two == one
     assert "Worker_TP0" in log and "first decode step answered by the paged engine (radar:budget=128)" in log
+
+
+def test_an_fp8_kv_cache_serves_and_finds_the_passkey_as_stock_vllm_with_fp8_does(tmp_path):
+    # The memory tier: one byte a cached number (vLLM's kv_cache_dtype="fp8", e4m3 with the layer's scales).
+    # radar+ at budget 256 reads the fp8 pages through the generic path (the fused kernel reads 2- and 4-byte
+    # pages) and vLLM's kernel with the scales; the passkey, ~2000 tokens deep, must be found as stock finds it.
+    from transformers import AutoTokenizer
+
+    from sparseattn.data.needle import PasskeyTask
+
+    tok = AutoTokenizer.from_pretrained(str(local_model_dir()))
+    samples = [PasskeyTask().sample(2000, tok, seed=i, depths=[d], reserve_tokens=16) for i, d in enumerate((10.0, 50.0, 90.0))]
+    prompts = [tok.encode(s.prompt) for s in samples]
+    fp8 = {**ENGINE, "dtype": "bfloat16", "kv_cache_dtype": "fp8"}
+    found = {}
+    for label, engine in (("stock", fp8), ("radar+", {**fp8, "additional_config": SPARSE["additional_config"]})):
+        result, log = run(tmp_path, f"fp8-{label}", {"engine": engine, "batches": [{"prompts": prompts}], "new_tokens": 12})
+        texts = [tok.decode(r["tokens"]) for r in result["batches"][0]]
+        found[label] = [s.answers[0] in text for s, text in zip(samples, texts)]
+        if label == "radar+":
+            assert result["answered"] > 0 and result["fallbacks"] == 0, result  # the paged engine read the fp8 pages
+            assert "the fused kernel reads float32, bfloat16 and float16 pages, this cache is fp8" in log
+    assert found["radar+"] == found["stock"] == [True, True, True], found

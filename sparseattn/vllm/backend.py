@@ -80,6 +80,7 @@ def readable_isa(isa: str, dtype: str, block_size: int) -> str:
 
 def kernel_attend_pages(
     query: Any, kv_cache: Any, block_table: Any, pages: Any, seq_lens: Any, scale: float, softcap: float | None, isa: str,
+    fmt: Any = None,
 ) -> Any:
     """:func:`sparseattn.vllm.paged.attend_pages` computed by vLLM's own CPU paged-attention kernel.
 
@@ -89,11 +90,17 @@ def kernel_attend_pages(
     block: ``[N, H_kv, bs, 2 D]`` read as ``[N * H_kv, 1, bs, 2 D]`` (the same memory; block ``b``
     of head ``h`` is block ``b * H_kv + h``), its block table the listed pages (sinks, selected,
     tail: the partial last page last), its length the listed pages' tokens. The kernel reads the
-    bf16/fp16 pages in place and accumulates in float32, as it does for stock vLLM's decode.
+    bf16/fp16 pages in place and accumulates in float32, as it does for stock vLLM's decode; an fp8
+    cache (``fmt``: a :class:`~sparseattn.vllm.paged.KVFormat`) is read with its scales, as vLLM reads it.
     Tested against :func:`~sparseattn.vllm.paged.attend_pages` (tests/test_vllm_plugin.py).
     """
     import torch
     from vllm import _custom_ops as ops
+
+    from sparseattn.vllm.paged import KVFormat
+
+    fmt = KVFormat() if fmt is None else fmt
+    quant = {"k_scale": fmt.k_scale, "v_scale": fmt.v_scale, "kv_cache_dtype": fmt.dtype}
 
     B, H_q, D = query.shape
     N, H, bs, _ = kv_cache.shape
@@ -109,14 +116,15 @@ def kernel_attend_pages(
     q = query.reshape(V, g, D).contiguous()
     starts = torch.arange(V + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=V, num_heads=g, num_kv_heads=1, head_dim=D, seq_lens=lens, dtype=kv_cache.dtype,
+        num_reqs=V, num_heads=g, num_kv_heads=1, head_dim=D, seq_lens=lens, dtype=query.dtype,
         query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+        kv_cache_dtype=fmt.dtype,
     )
     out = torch.empty_like(q)
     ops.cpu_attention_with_kv_cache(
         query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts, seq_lens=lens,
         scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=softcap or 0.0,
-        scheduler_metadata=metadata, s_aux=None,
+        scheduler_metadata=metadata, s_aux=None, **quant,
     )
     return out.view(B, H_q, D)
 
@@ -348,7 +356,7 @@ def _classes() -> dict[str, type]:
     )
 
     from sparseattn.vllm.config import current_request
-    from sparseattn.vllm.paged import PageSummaries, select_pages
+    from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PageSummaries, select_pages
     from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, kernel_refusal
 
     logger = init_logger("vllm.sparseattn")  # under vLLM's logger, which has the handlers
@@ -404,7 +412,8 @@ def _classes() -> dict[str, type]:
                     ("ALiBi slopes", self.alibi_slopes is not None),
                     (f"a sliding window of {self.sliding_window}", self.sliding_window != -1),
                     ("attention sinks (s_aux)", self.sinks is not None),
-                    (f"the {self.kv_cache_dtype} KV cache", self.is_fp8_kv_cache),
+                    (f"the {self.kv_cache_dtype} KV cache (sparseattn reads {', '.join(sorted(FP8_FORMATS))})",
+                     self.is_fp8_kv_cache and self.kv_cache_dtype not in FP8_FORMATS),
                 )
                 if bad and self.attn_type == AttentionType.DECODER
             ]
@@ -415,6 +424,8 @@ def _classes() -> dict[str, type]:
             self._summaries: PageSummaries | None = None  # this layer's page summaries, per physical block
             # The fused C step where it knows the policy's parts (and builds here), else the generic path.
             refusal = kernel_refusal()
+            if refusal is None and self.is_fp8_kv_cache:
+                refusal = f"the fused kernel reads float32, bfloat16 and float16 pages, this cache is {self.kv_cache_dtype}"
             self._fused = None if refusal is not None else fused_mode(self.policy)
             self._store: PageStore | None = None  # the fused step's page summaries, per physical block
             self._announced = False  # the first decode step's log line (logged once, not looked up per layer and step)
@@ -481,9 +492,10 @@ def _classes() -> dict[str, type]:
             params, generator = self._prepared
             if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
                 self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
-            pages = select_pages(self.policy, params, generator, kv_cache, q, step.table, step.lens, self.scale, self._summaries)
+            fmt = KVFormat(self.kv_cache_dtype, layer._k_scale_float, layer._v_scale_float) if self.is_fp8_kv_cache else KVFormat()
+            pages = select_pages(self.policy, params, generator, kv_cache, q, step.table, step.lens, self.scale, self._summaries, fmt)
             _put_rows(out, rows, kernel_attend_pages(q, kv_cache, step.table, pages, step.lens, self.scale,
-                                                     self.logits_soft_cap or None, isa))  # fmt: skip
+                                                     self.logits_soft_cap or None, isa, fmt))  # fmt: skip
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

@@ -20,7 +20,9 @@ No vLLM import here: the engine reads a cache tensor and integer tables. The vLL
 layer is ``[num_blocks, H_kv, block_size, 2 * D]``; per (block, KV head) its ``2 * block_size * D``
 elements are the page's keys stored *transposed*, ``[D, block_size]``, then its values
 ``[block_size, D]`` (checked against ``cpu_attn_reshape_and_cache`` for the ``vec``/``vec16`` ISAs:
-see :func:`page_views`).
+see :func:`page_views`). An fp8 cache (vLLM's ``kv_cache_dtype="fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``)
+has the same layout in one byte per element, each the value divided by its layer's scale
+(:class:`KVFormat`): read as float8 views, dequantised by the scale where they are read.
 """
 
 from __future__ import annotations
@@ -41,13 +43,56 @@ from sparseattn.selectors.base import selector_seed
 from sparseattn.summaries.base import SegmentKeys, TopKAwareSummary
 
 __all__ = [
-    "PageKeys", "PageSummaries", "PagedPolicy", "attend_pages", "page_layout", "page_views", "paged_decode", "paged_decode_ref",
-    "select_pages",
+    "FP8_FORMATS", "KVFormat", "PageKeys", "PageSummaries", "PagedPolicy", "attend_pages", "page_layout", "page_views",
+    "paged_decode", "paged_decode_ref", "select_pages",
 ]
 
+#: vLLM's fp8 KV cache dtypes (``kv_cache_dtype``) and the float8 format its uint8 cache holds (checked against
+#: vLLM's CPU cache-update op: tests/test_vllm_plugin.py).
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``[N, H_kv, D, bs]`` (transposed) and values ``[N, H_kv, bs, D]`` of a CPU cache ``[N, H_kv, bs, 2 D]`` (views, no copy)."""
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a layer's paged cache stores its keys and values.
+
+    ``dtype``: vLLM's ``kv_cache_dtype``: ``"auto"`` (the cache holds the model's dtype) or one of
+    :data:`FP8_FORMATS` (a uint8 cache of float8 numbers); ``k_scale``, ``v_scale``: the layer's scales
+    (a stored number times its scale is the key or value; vLLM's ``layer._k_scale_float``).
+
+    Example:
+        >>> KVFormat("fp8_e5m2", 0.5).fp8
+        torch.float8_e5m2
+    """
+
+    dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in FP8_FORMATS:
+            raise ValueError(f"KVFormat.dtype must be 'auto' or one of {sorted(FP8_FORMATS)}, got {self.dtype!r}")
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"KVFormat.{name} must be a finite number > 0, got {value!r}")
+
+    @property
+    def fp8(self) -> torch.dtype | None:
+        """The float8 format of an fp8 cache, None for ``"auto"``."""
+        return FP8_FORMATS.get(self.dtype)
+
+
+def page_views(kv_cache: torch.Tensor, fmt: KVFormat = KVFormat()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[N, H_kv, D, bs]`` (transposed) and values ``[N, H_kv, bs, D]`` of a CPU cache ``[N, H_kv, bs, 2 D]`` (views, no copy).
+
+    An fp8 cache (uint8, ``fmt.dtype`` one of :data:`FP8_FORMATS`) is viewed as its float8 format: the
+    numbers as stored, which the reader multiplies by ``fmt.k_scale`` / ``fmt.v_scale``.
+    """
+    if (kv_cache.dtype == torch.uint8) != (fmt.fp8 is not None):
+        raise ValueError(f"a {kv_cache.dtype} KV cache read as {fmt.dtype!r}: an fp8 kv_cache_dtype needs vLLM's uint8 cache, and only it")
+    if fmt.fp8 is not None:
+        kv_cache = kv_cache.view(fmt.fp8)
     n, h, bs, two_d = kv_cache.shape
     d = two_d // 2
     pages = kv_cache.view(n, h, 2, bs * d)
@@ -271,7 +316,7 @@ class PageKeys(SegmentKeys):
 
 def _choose_pages(
     policy: PagedPolicy, params: Any, generator: torch.Generator, keys_t: torch.Tensor, block_table: torch.Tensor,
-    layouts: list[SegmentLayout], q: torch.Tensor, scale: float, cache: PageSummaries | None,
+    layouts: list[SegmentLayout], q: torch.Tensor, scale: float, cache: PageSummaries | None, k_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Per sequence, the logical pages it attends ``[H_kv, G', P_i]``: sinks, selected candidates, tail.
 
@@ -295,14 +340,15 @@ def _choose_pages(
         else:
             groups.setdefault((lay.sink_end // bs, lay.n_segments, k), []).append(i)
     root = math.sqrt(scale)
+    key_root = root * k_scale  # an fp8 cache's stored keys times its scale are the keys
     for (sink_pages, n_seg, k), members in groups.items():
         m = policy.method
         idx = torch.tensor(members)
         if m.selector.uses_scores:
             cand = block_table[idx, sink_pages : sink_pages + n_seg].long()  # [b, S] physical blocks
-            seg_keys = PageKeys(keys_t, cand, root)
+            seg_keys = PageKeys(keys_t, cand, key_root)
             if cache is not None:
-                summaries = cache.get(m.summary, params, keys_t, cand, root)
+                summaries = cache.get(m.summary, params, keys_t, cand, key_root)
             else:
                 summaries = m.summary.summarize(params, seg_keys.all())
             extra = {"top_k": k} if isinstance(m.summary, TopKAwareSummary) and m.summary.uses_top_k else {}
@@ -327,6 +373,7 @@ def _choose_pages(
 def select_pages(
     policy: PagedPolicy, params: Any, generator: torch.Generator, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, summaries: PageSummaries | None = None,
+    fmt: KVFormat = KVFormat(),
 ) -> torch.Tensor:
     """The logical pages each decode query attends: ``[B, H_kv, G', P]``, ``-1`` past a list's end.
 
@@ -334,7 +381,7 @@ def select_pages(
     group size. Each list is sinks, selected candidates, tail (:func:`_choose_pages`), so the
     sequence's partial last page is the list's last entry. Arguments as :func:`paged_decode`.
     """
-    keys_t = page_views(kv_cache)[0]
+    keys_t = page_views(kv_cache, fmt)[0]
     H_kv, D, bs = keys_t.shape[1], keys_t.shape[2], keys_t.shape[3]
     B, H_q = query.shape[0], query.shape[1]
     if policy.dense:  # every page of every sequence, in order: no per-sequence work
@@ -343,7 +390,7 @@ def select_pages(
         return torch.where(ar < n_pages[:, None], ar, -1).view(B, 1, 1, -1).expand(B, H_kv, 1, -1).contiguous()
     q = query.reshape(B, H_kv, H_q // H_kv, D)
     layouts = [policy.layout(length, bs) for length in seq_lens.tolist()]
-    lists = _choose_pages(policy, params, generator, keys_t, block_table, layouts, q, scale, summaries)
+    lists = _choose_pages(policy, params, generator, keys_t, block_table, layouts, q, scale, summaries, fmt.k_scale)
     pages = torch.full((B, *lists[0].shape[:2], max(p.shape[-1] for p in lists)), -1, dtype=torch.long)
     for i, p in enumerate(lists):
         pages[i, ..., : p.shape[-1]] = p
@@ -352,7 +399,7 @@ def select_pages(
 
 def attend_pages(
     query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, pages: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
+    seq_lens: torch.Tensor, scale: float, softcap: float | None = None, fmt: KVFormat = KVFormat(),
 ) -> torch.Tensor:
     """float32 softmax attention of ``query: [B, H_q, D]`` over the listed logical pages ``[B, H_kv, G', P]`` (-1: none).
 
@@ -360,8 +407,9 @@ def attend_pages(
     of the ``[N * H_kv, ...]`` views: indexing the bf16 cache per head then converting was ~20x
     slower), one product per page with the query rows broadcast, one softmax over every page of a
     row, the last page masked past the sequence's length. Returns ``[B, H_q, D]`` in the query's dtype.
+    An fp8 cache (``fmt``) is dequantised page by page as it is gathered.
     """
-    keys_t, values = page_views(kv_cache)
+    keys_t, values = page_views(kv_cache, fmt)
     B, H_q, D = query.shape
     H, bs = keys_t.shape[1], keys_t.shape[-1]
     Gs, P = pages.shape[2], pages.shape[3]
@@ -370,6 +418,8 @@ def attend_pages(
     rows = (phys * H + torch.arange(H).view(1, H, 1, 1)).flatten()
     k = keys_t.flatten(0, 1).index_select(0, rows).view(B, H, Gs, P, D, bs).float()
     v = values.flatten(0, 1).index_select(0, rows).view(B, H, Gs, P, bs, D).float()
+    if fmt.fp8 is not None:
+        k, v = k.mul_(fmt.k_scale), v.mul_(fmt.v_scale)
     positions = pages.unsqueeze(-1) * bs + torch.arange(bs)  # [B, H, G', P, bs]
     valid = (pages.unsqueeze(-1) >= 0) & (positions < seq_lens.view(B, 1, 1, 1, 1))
     q = query.float().reshape(B, H, Gs, 1, g, D)
@@ -385,7 +435,7 @@ def attend_pages(
 def paged_decode(
     policy: PagedPolicy, params: Any, generator: torch.Generator, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
-    summaries: PageSummaries | None = None,
+    summaries: PageSummaries | None = None, fmt: KVFormat = KVFormat(),
 ) -> torch.Tensor:
     """One decode token per sequence: ``query: [B, H_q, D]`` over the paged cache -> ``[B, H_q, D]`` (query's dtype).
 
@@ -396,23 +446,24 @@ def paged_decode(
     over the same page lists instead). ``summaries`` keeps page summaries between steps (None:
     summarise the candidate pages every step).
     """
-    pages = select_pages(policy, params, generator, kv_cache, query, block_table, seq_lens, scale, summaries)
-    return attend_pages(query, kv_cache, block_table, pages, seq_lens, scale, softcap)
+    pages = select_pages(policy, params, generator, kv_cache, query, block_table, seq_lens, scale, summaries, fmt)
+    return attend_pages(query, kv_cache, block_table, pages, seq_lens, scale, softcap, fmt)
 
 
 def paged_decode_ref(
     kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    mask: list[torch.Tensor] | None = None,
+    mask: list[torch.Tensor] | None = None, fmt: KVFormat = KVFormat(),
 ) -> torch.Tensor:
-    """Reference: gather each sequence's tokens contiguously and attend in float64 (``mask[i]: [H_q, L]`` optional)."""
-    keys_t, values = page_views(kv_cache)
+    """Reference: gather each sequence's tokens contiguously and attend in float64 (``mask[i]: [H_q, L]`` optional),
+    an fp8 cache dequantised (stored number times scale) in float64."""
+    keys_t, values = page_views(kv_cache, fmt)
     H_kv, D, bs = keys_t.shape[1], keys_t.shape[2], keys_t.shape[3]
     H_q = query.shape[1]
     out = torch.empty_like(query)
     for i, length in enumerate(seq_lens.tolist()):
         blocks = block_table[i, : -(-length // bs)].long()
-        k = keys_t[blocks].permute(1, 0, 3, 2).reshape(H_kv, -1, D)[:, :length].double()
-        v = values[blocks].permute(1, 0, 2, 3).reshape(H_kv, -1, D)[:, :length].double()
+        k = keys_t[blocks].permute(1, 0, 3, 2).reshape(H_kv, -1, D)[:, :length].double() * fmt.k_scale
+        v = values[blocks].permute(1, 0, 2, 3).reshape(H_kv, -1, D)[:, :length].double() * fmt.v_scale
         k = k.repeat_interleave(H_q // H_kv, dim=0)
         v = v.repeat_interleave(H_q // H_kv, dim=0)
         logits = torch.einsum("hd,htd->ht", query[i].double(), k) * scale
