@@ -55,16 +55,16 @@ def tail(path: Path, chars: int = 6000) -> str:
 
 class Server:
     """The README's server command, ``sparseattn serve`` (vLLM's OpenAI-compatible server in its place, with
-    the method in ``--additional-config``), on 127.0.0.1; its output in ``log``."""
+    the method in ``--additional-config``), on 127.0.0.1; its output in ``log``; ``extra``: more vLLM arguments."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.log = log
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
             sys.executable, "-m", "sparseattn.cli", "serve", "-m", METHOD["method"], "--budget", str(METHOD["budget"]),
             "--model", MODEL, "--port", str(self.port), "--kv-cache-gib", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-            "--", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
+            "--", "--block-size", str(BLOCK_SIZE), "--enforce-eager", *extra,
         ]  # fmt: skip
         env = dict(os.environ)
         self._out = log.open("w")
