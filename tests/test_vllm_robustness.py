@@ -82,7 +82,7 @@ def sparse_on_amx(prompts, tmp_path_factory):
     return run(tmp_path_factory.mktemp("amx"), "sparse-amx", config)
 
 
-def test_where_vllm_picks_amx_a_sparse_engine_runs_the_vec_layout_and_says_so(sparse_on_amx, stock):
+def test_where_vllm_picks_amx_a_sparse_engine_runs_the_vec_layout_and_says_so(sparse_on_amx):
     result, log = sparse_on_amx
     assert "vLLM picked its 'amx' CPU attention kernel for float32 here; the paged engine does not read that cache layout, " \
            "so this engine runs vLLM's 'vec' kernel and layout instead" in log  # fmt: skip

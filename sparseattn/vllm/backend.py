@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from sparseattn.vllm.paged import KVFormat
+
 __all__ = [
     "CPU_ATTN", "FALLBACKS", "SUPPORTED_ISAS", "DecodeStep", "Fallbacks", "SparseCPUAttentionBackend",
     "SparseCPUAttentionImpl", "SparseCPUAttentionMetadataBuilder", "decode_step", "kernel_attend_pages", "prefill_part",
@@ -80,7 +82,7 @@ def readable_isa(isa: str, dtype: str, block_size: int) -> str:
 
 def kernel_attend_pages(
     query: Any, kv_cache: Any, block_table: Any, pages: Any, seq_lens: Any, scale: float, softcap: float | None, isa: str,
-    fmt: Any = None,
+    fmt: KVFormat = KVFormat(),
 ) -> Any:
     """:func:`sparseattn.vllm.paged.attend_pages` computed by vLLM's own CPU paged-attention kernel.
 
@@ -97,9 +99,6 @@ def kernel_attend_pages(
     import torch
     from vllm import _custom_ops as ops
 
-    from sparseattn.vllm.paged import KVFormat
-
-    fmt = KVFormat() if fmt is None else fmt
     quant = {"k_scale": fmt.k_scale, "v_scale": fmt.v_scale, "kv_cache_dtype": fmt.dtype}
 
     B, H_q, D = query.shape
@@ -356,7 +355,7 @@ def _classes() -> dict[str, type]:
     )
 
     from sparseattn.vllm.config import current_request
-    from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PageSummaries, select_pages
+    from sparseattn.vllm.paged import FP8_FORMATS, PageSummaries, select_pages
     from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, kernel_refusal
 
     logger = init_logger("vllm.sparseattn")  # under vLLM's logger, which has the handlers
