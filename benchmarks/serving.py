@@ -1,86 +1,47 @@
-"""Decode speed inside vLLM: stock vLLM's dense kernel vs the sparseattn plugin's paged engine (issue 16, item 7).
+"""Decode speed with quality inside vLLM: ``sparseattn serving-bench``, its JSON written under benchmarks/results.
 
-Every sequence of a batch reads one shared document (the repository's README and docs, cut to
-``--context`` tokens) followed by its own short question; four engines (stock vLLM, the plugin's
-dense path, quest and radar+ at each of ``--budgets``) are started first and measured in alternation; each
-run's greedy tokens are compared with stock's before any speed is reported. The method and its
-details are in :mod:`sparseattn.evaluation.serving`; ``sparseattn serving-bench`` runs the same
-comparison from the command line.
+The comparison a user would make (docs/serving.md, "Measured"): 8 distinct 8000-token prompts decoded
+together, stock vLLM in bfloat16 (its attention on the CPU's best ISA) as the reference, stock float32
+as a labelled extra, the plugin's dense path beside quest and radar+ at budget 1024, 64 timed steps,
+3 alternating rounds, a shared-prefix workload as a labelled extra row, and quality at the same
+configuration. Every option of ``sparseattn serving-bench --help`` is taken, e.g.
 
-    .venv-vllm/bin/python benchmarks/serving.py --context 2048 --batches 1 8 --new-tokens 32 --runs 2
+    .venv-vllm/bin/python benchmarks/serving.py                       # the defaults: about 25 minutes on 2 cores
+    .venv-vllm/bin/python benchmarks/serving.py --batch 4 --no-float32 --no-shared
 
-Writes ``benchmarks/results/serving-cpu-c<context>.json``. Needs vLLM (docs/serving.md, the venv).
+Writes ``benchmarks/results/serving-cpu-c<context>-b<batch>[-<cpu kind>].json`` unless ``--out`` is given.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 from pathlib import Path
 
-from sparseattn.evaluation import serving
+from sparseattn.cli import app
+from sparseattn.machine import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=2048, help="tokens of the shared document")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=2, help="rounds of alternating measurements (median reported)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[1024], help="each method runs at each budget")
-    parser.add_argument("--only", nargs="+", default=None, help="run labels to keep (default: all)")
-    parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
-    parser.add_argument("--block-size", type=int, default=None, help="vLLM's page size for every engine (default: vLLM's, 128 "
-                        "on CPU; its CPU kernels take multiples of 16): the paged engine's segment size")
-    parser.add_argument("--yarn", type=float, default=None, help="stretch the model's RoPE window this many times by YaRN "
-                        "(vLLM hf_overrides): contexts beyond the trained 8k, e.g. --yarn 4 --context 32000")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the engines' dtype (float32 "
-                        "where the CPU has no fast bf16 matmul: AVX2-only x86 runs bf16 GEMMs on a slow fallback)")
-    parser.add_argument("--methods", nargs="+", default=["quest", "radar+"], help="sparse methods run beside stock and dense")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    # The sizes first; the model's window once the model is found (below).
-    for option, problem in serving.option_problems(args.context, args.batches, args.new_tokens, args.runs):
-        parser.error(f"{option}: {problem}")
-    for budget in args.budgets:
-        if budget < 1:
-            parser.error(f"--budgets: {budget} is out of range; allowed: >= 1")
-    if args.block_size is not None and (args.block_size < 16 or args.block_size % 16):
-        parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels: multiples of 32 through vec, of 16 through vec16)")
-    if args.kv_cache_gib < 1:
-        parser.error(f"--kv-cache-gib: {args.kv_cache_gib} is out of range; allowed: >= 1")
-    if args.yarn is not None and not args.yarn > 1:
-        parser.error(f"--yarn: {args.yarn} is out of range; allowed: > 1")
-    runs = serving.runs_for(args.budgets, args.methods)
-    if args.only:
-        runs = {k: v for k, v in runs.items() if k in args.only}
-    if serving.STOCK not in runs:
-        parser.error("the stock run is the reference: keep it in --only")
-    reason = serving.vllm_unavailable_reason()
-    if reason:
-        parser.error(reason)
+def default_out(argv: list[str]) -> Path:
+    """``benchmarks/results/serving-cpu-c<context>-b<batch>-<isa>.json`` (the ISA: amx, avx512 or avx2)."""
 
-    from rich.console import Console
-    from transformers import AutoConfig
+    def value(flag: str, default: str) -> str:
+        for i, word in enumerate(argv):
+            if word == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if word.startswith(flag + "="):
+                return word.split("=", 1)[1]
+        return default
 
-    from sparseattn.hf.models import local_model_dir
-
-    model = str(local_model_dir())
-    overrides = serving.yarn_overrides(model, args.yarn) if args.yarn else None
-    window = overrides["max_position_embeddings"] if overrides else getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
-    for option, problem in serving.option_problems(args.context, args.batches, args.new_tokens, args.runs, window):
-        parser.error(f"{option}: {problem}")
-    console = Console(width=160)
-    machine, rows = serving.run(
-        model, runs, context=args.context, batches=args.batches, new_tokens=args.new_tokens, rounds=args.runs,
-        kv_cache_gib=args.kv_cache_gib, block_size=args.block_size, hf_overrides=overrides, dtype=args.dtype, say=console.print,
-    )  # fmt: skip
-    console.print(serving.table(rows, args.context, args.new_tokens, args.runs))
-    out = args.out or REPO / "benchmarks" / "results" / f"serving-cpu-c{args.context}{'-yarn' if args.yarn else ''}{'-f32' if args.dtype == 'float32' else ''}.json"
-    serving.write(out, machine, model, vars(args), rows)
-    console.print(f"wrote {out}")
+    isa = cpu_model()["isa"]
+    kind = "amx" if any(f.startswith("amx") for f in isa) else "avx512" if any(f.startswith("avx512") for f in isa) else "avx2"
+    batch = value("--batch", value("-b", "8"))
+    return REPO / "benchmarks" / "results" / f"serving-cpu-c{value('--context', '8000')}-b{batch}-{kind}.json"
 
 
 if __name__ == "__main__":
-    main()
+    argv = sys.argv[1:]
+    if "--out" not in argv and not any(a.startswith("--out=") for a in argv):
+        argv += ["--out", str(default_out(argv))]
+    app(["serving-bench", *argv])

