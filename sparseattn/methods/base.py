@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -259,6 +259,12 @@ class KVState:
         layer: the layer's cache shape ``[batch, kv_heads, t, head_dim]``, device, dtype, logit
             scale and soft-cap, and index (which seeds per-layer randomness).
     """
+
+    #: True when the state never rewrites a stored token in place (only appends, or swaps its buffers
+    #: whole through ``GrowableBuffer.replace``/``apply_``): the keys and values of a prompt it shares
+    #: with other such states may then be stored once for all of them
+    #: (:func:`sparseattn.evaluation.shared_prefill.prefill_together`). Off unless a subclass opts in.
+    appends_only: ClassVar[bool] = False
 
     def __init__(self, layer: LayerSpec) -> None:
         if not isinstance(layer, LayerSpec):

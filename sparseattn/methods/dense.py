@@ -61,6 +61,8 @@ class Dense(StatefulMethod):
 class DenseState(KVState):
     """Every stored token, every step: one call of the backend's ``dense`` op per step (a KV group's query heads as rows)."""
 
+    appends_only = True  # stored tokens are read, never rewritten: a shared prefill may store the prompt once
+
     def __init__(self, method: Dense, layer: LayerSpec) -> None:
         super().__init__(layer)
         self.method = method

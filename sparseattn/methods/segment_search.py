@@ -362,6 +362,8 @@ class SegmentSearchState(KVState):
     per step unless the summary reads keys (:class:`ExactScore`, the oracle).
     """
 
+    appends_only = True  # keys and values are only read (summaries live in their own buffers)
+
     def __init__(self, method: SegmentSearch, layer: LayerSpec) -> None:
         super().__init__(layer)
         self.method = method
