@@ -1,4 +1,4 @@
-"""The ``sparseattn`` command line: ``compare`` (the main job), ``generate``, ``demo``, ``methods``, the evaluation
+"""The ``sparseattn`` command line: ``compare`` (the research view of the main job), ``generate``, ``demo``, ``methods``, the evaluation
 sub-commands, and ``serve`` / ``serving-bench`` (a method inside vLLM)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""``sparseattn compare``: the main job. Dense vs sparse decoding of a batch of long prompts, side by side.
+"""``sparseattn compare``: dense vs sparse decoding of a batch of long prompts, side by side, in transformers.
+
+The research view of the main job (scripts/demo.sh runs ``serving-bench``, the same question in vLLM).
 
 Every method decodes the same ``[batch, prefill + steps + 1]`` tokens (windows of CPython stdlib
 modules, one per row): the prompt is prefilled once for all methods (see
