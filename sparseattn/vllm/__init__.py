@@ -5,7 +5,12 @@
 * :mod:`sparseattn.vllm.paged`: the paged engine (pure torch, no vLLM import): a segment is one KV
   page (block) of one KV head;
 * :mod:`sparseattn.vllm.backend`: vLLM's CPU backend with the paged engine answering decode tokens;
-* :mod:`sparseattn.vllm.plugin`: the entry point.
+* :mod:`sparseattn.vllm.plugin`: the entry point;
+* :mod:`sparseattn.vllm.switch`: a worker extension that switches a running engine's method between
+  requests (one prefill, several methods: the serving benchmark);
+* :mod:`sparseattn.vllm.forcing`: a logits processor for teacher forcing through decode steps (quality
+  measured in the serving engine).
 
-Only ``backend`` and ``plugin`` need vLLM, and only when called. See docs/serving.md.
+``backend``, ``plugin`` and ``switch`` need vLLM only when called; ``forcing`` imports it (its class
+subclasses vLLM's). See docs/serving.md.
 """
