@@ -28,11 +28,14 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "MAX_COUNT",
     "MethodEntry",
+    "Spec",
     "Option",
     "OptionError",
     "PluginError",
     "Range",
     "all_options",
+    "label",
+    "parse",
     "build",
     "check",
     "get",
@@ -247,3 +250,88 @@ def all_options(entries: Iterable[MethodEntry] | None = None) -> dict[str, Optio
         for o in entry.options:
             union.setdefault(o.name, o)
     return union
+
+
+def label(name: str, options: Mapping[str, object]) -> str:
+    """A method's label: its name and the options given, sorted (``quest:budget=1024,sinks=128``).
+
+    >>> label("dense", {}), label("quest", {"sinks": 128, "budget": 1024})
+    ('dense', 'quest:budget=1024,sinks=128')
+    """
+    return name + ("" if not options else ":" + ",".join(f"{k}={v}" for k, v in sorted(options.items())))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A method spec, parsed and checked once: the registry name, the options given (typed), the method built."""
+
+    name: str
+    options: Mapping[str, Any]
+    method: Any
+
+    @property
+    def label(self) -> str:
+        return label(self.name, self.options)
+
+
+def parse(spec: str | Mapping[str, Any], budget: int | None = None) -> Spec:
+    """The one grammar of a method spec, for every front end (the CLI, the vLLM plugin, lm-eval, the benchmarks).
+
+    ``spec`` is ``"NAME[:key=value,...]"`` (values typed by the option's declaration) or a mapping
+    ``{"method": NAME, key: value, ...}`` (vLLM's ``additional_config``; string values typed the same
+    way). ``budget`` fills in the budget of a method that has one when the spec sets neither its
+    ``budget`` nor its ``top_k`` (the commands' ``--budget``). Everything is checked here, once: the
+    name, each option's name, type and range (:func:`check`), and what only building reveals (a
+    limit that depends on other fields). Raises ValueError with a message that quotes the spec.
+
+    >>> parse("quest:budget=1024").label, parse({"method": "radar+", "budget": "512"}).options
+    ('quest:budget=1024', {'budget': 512})
+    >>> parse("radar:top_k=x")
+    Traceback (most recent call last):
+    ...
+    ValueError: option top_k in 'radar:top_k=x' must be a int, got 'x'
+    """
+    if isinstance(spec, Mapping):
+        raw = dict(spec)
+        name = raw.pop("method", None)
+        if not isinstance(name, str):
+            raise ValueError(f'a method spec mapping needs "method": a method name, got {dict(spec)!r}; e.g. {{"method": "quest", "budget": 1024}}')
+        shown, rest = label(name, raw), None
+    elif isinstance(spec, str):
+        name, _, rest = spec.strip().partition(":")
+        shown = spec
+    else:
+        raise ValueError(f"a method spec is a 'NAME[:key=value,...]' string or a mapping with \"method\", got {spec!r}")
+    entry = get(name)  # an unknown name: the registry's message, listing the known ones
+    fields = all_options()
+    if rest is None:
+        items = list(raw.items())
+    else:
+        items = []
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in fields:
+                raise ValueError(f"bad option {item!r} in {spec!r}; options are key=value with key in {', '.join(fields)}")
+            items.append((key, value.strip()))
+    given: dict[str, Any] = {}
+    for key, value in items:
+        declared = entry.option(key) or fields.get(key)
+        if declared is not None and isinstance(value, str):
+            try:
+                value = declared.type(value)
+            except ValueError:
+                raise ValueError(f"option {key} in {shown!r} must be a {declared.type.__name__}, got {value!r}") from None
+        given[key] = value
+    if budget is not None and "budget" in entry.option_names and not {"budget", "top_k"} & set(given):
+        given["budget"] = budget
+    try:
+        check(name, given)
+    except ValueError as err:
+        raise ValueError(f"{shown!r}: {err}") from None
+    try:
+        method = entry.build(**given)
+    except ValueError as err:  # a limit that depends on other fields, e.g. SnapKV's budget > observation window
+        also = "" if budget is None or "budget" not in given else f" (budget {budget})"
+        raise ValueError(f"{shown!r}{also}: {err}") from None
+    return Spec(name, given, method)

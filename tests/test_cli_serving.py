@@ -43,7 +43,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
     serve = ["serve", "--model", model]
     bench = ["serving-bench", "--model", model]
     cases = {
-        "unknown method": (serve + ["-m", "qwest"], ["'--method'", "unknown method 'qwest'", "known: dense", "radar+"]),
+        "unknown method": (serve + ["-m", "qwest"], ["'--method'", "unknown method 'qwest'", "known methods: dense", "radar+"]),
         "budget 0": (serve + ["-m", "radar+", "--budget", "0"], ["'--budget'", "0 is out of range", "[1, "]),
         "spec budget not a number": (serve + ["-m", "radar+:budget=x"], ["'--method'", "budget", "must be a int", "'x'"]),
         "spec option the method does not take": (serve + ["-m", "quest:heavy_ratio=0.5"], ["'--method'", "heavy_ratio"]),

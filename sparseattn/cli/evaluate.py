@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sparseattn import registry
-from sparseattn.cli.methods import check_method_options, range_problem
+from sparseattn.cli.methods import range_problem
 from sparseattn.progress import forward_progress, progress
 
 #: The spec of the embedded default model: ``sparseattn.hf.DEFAULT_MODEL``, repeated rather than
@@ -219,43 +219,14 @@ def wrote(paths: Sequence[Path], what: str = "") -> None:
 def parse_method(spec: str, budget: int | None = None) -> tuple[str, object, dict]:
     """``"radar:top_k=8"`` -> ``(label, method instance, options given)``; ``budget`` fills in a missing budget.
 
-    The options must be ones the method takes, in range; ``budget`` (the commands' ``--budget``)
-    applies to every method that has a budget and whose spec sets neither its budget nor its
-    ``top_k`` (a method without a budget, dense, runs without one).
+    The grammar and every check are the registry's (:func:`sparseattn.registry.parse`, shared with the
+    vLLM plugin and lm-eval); a refusal becomes the ``--method`` option's error.
     """
-    name, _, rest = spec.partition(":")
     try:
-        known = registry.names()
-    except registry.PluginError as err:  # a broken third-party method package: say which, no traceback
+        parsed = registry.parse(spec, budget)
+    except (ValueError, registry.PluginError) as err:  # a bad spec, or a broken third-party method package
         raise bad("--method", str(err)) from None
-    if name not in known:
-        raise bad("--method", f"unknown method {name!r} in {spec!r}; known: {', '.join(known)}")
-    entry = registry.get(name)
-    fields = registry.all_options()
-    given: dict = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not eq or key not in fields:
-            raise bad("--method", f"bad option {item!r} in {spec!r}; options are key=value with key in {', '.join(fields)}")
-        kind = (entry.option(key) or fields[key]).type
-        try:
-            given[key] = kind(value)
-        except ValueError:
-            raise bad("--method", f"option {key} in {spec!r} must be a {kind.__name__}, got {value!r}") from None
-    try:
-        check_method_options(name, given, spell=str)
-    except ValueError as err:
-        raise bad("--method", f"{spec!r}: {err}") from None
-    if budget is not None and "budget" in entry.option_names and not {"budget", "top_k"} & set(given):
-        given["budget"] = budget
-    try:
-        method = registry.build(name, **given)
-    except ValueError as err:  # a limit that depends on other fields, e.g. SnapKV's budget > observation window
-        also = "" if budget is None or "budget" not in given else f" (--budget {budget})"
-        raise bad("--method", f"{spec!r}{also}: {err}") from None
-    label = name + ("" if not given else ":" + ",".join(f"{k}={v}" for k, v in sorted(given.items())))
-    return label, method, given
+    return parsed.label, parsed.method, dict(parsed.options)
 
 
 def parse_methods(specs: Sequence[str], budget: int | None) -> list[tuple[str, object, dict]]:

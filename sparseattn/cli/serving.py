@@ -54,20 +54,17 @@ def vllm_method(spec: str, budget: int | None, option: str = "--method") -> tupl
     """``(label, additional_config["sparseattn"])`` for a method spec, refused unless vLLM's paged engine runs it.
 
     The spec is the other commands' (``NAME[:key=value,...]``, ``--budget`` filling in a missing
-    budget); the dict is read back through the plugin's own parser, so what is served is what was checked.
+    budget), parsed by the registry's grammar, which the plugin reads ``additional_config`` with too
+    (:func:`sparseattn.registry.parse`): what is served is what was checked here.
     """
-    from sparseattn.vllm.config import CONFIG_KEY, request_from
     from sparseattn.vllm.paged import PagedPolicy
 
     ((label, built, given),) = parse_methods([spec], budget)
-    name = spec.partition(":")[0]
     try:
         PagedPolicy(built, label)  # eviction methods and always-kept parts are refused, saying why
-        config = {"method": name, **given}
-        request_from({CONFIG_KEY: config}, {})
     except ValueError as err:
         raise bad(option, str(err)) from None
-    return label, config
+    return label, {"method": label.partition(":")[0], **given}
 
 
 def serve(

@@ -38,13 +38,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import typer
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from sparseattn.cli.evaluate import parse_method
+from sparseattn import registry
 from sparseattn.hf import apply, cache_kwargs
 from sparseattn.hf.models import local_model_dir
 
@@ -65,13 +64,13 @@ def build_method(method: str | None, options: dict[str, Any]) -> tuple[str, obje
         )
     given = dict(options)
     budget = given.pop("budget", None)
-    spec = str(method) + ("" if not given else ":" + ",".join(f"{k}={v}" for k, v in given.items()))
     try:
-        label, built, _ = parse_method(spec, None if budget is None else int(budget))
-    except typer.BadParameter as err:
+        budget = None if budget is None else int(budget)
+        parsed = registry.parse({"method": str(method), **{k: str(v) for k, v in given.items()}}, budget)
+    except (ValueError, registry.PluginError) as err:
         given_args = ",".join([f"method={method}", *(f"{k}={v}" for k, v in options.items())])
-        raise ValueError(f"model_args {given_args}: {err.message}") from None
-    return label, built
+        raise ValueError(f"model_args {given_args}: {err}") from None
+    return parsed.label, parsed.method
 
 
 @register_model(MODEL_NAME)

@@ -52,50 +52,29 @@ class MethodRequest:
 
     @property
     def label(self) -> str:
-        return self.name + ("" if not self.options else ":" + ",".join(f"{k}={v}" for k, v in sorted(self.options.items())))
+        return registry.label(self.name, self.options)
 
 
 def parse_spec(spec: str) -> MethodRequest:
-    """``"quest:budget=1024,sinks=128"`` -> a request; option values are typed by the method's declared options.
+    """``"quest:budget=1024,sinks=128"`` -> a request, parsed and checked by the registry's one grammar.
 
     >>> parse_spec("dense")
     MethodRequest(name='dense', options={})
     >>> parse_spec("quest:budget=x")
     Traceback (most recent call last):
     ...
-    ValueError: sparseattn method spec 'quest:budget=x': option budget must be a int, got 'x'
+    ValueError: option budget in 'quest:budget=x' must be a int, got 'x'
     """
-    name, _, rest = spec.strip().partition(":")
-    entry = registry.get(name)  # unknown name: the registry's message, listing the known ones
-    options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        option = entry.option(key)
-        if not eq:
-            raise ValueError(f"sparseattn method spec {spec!r}: {item!r} is not key=value")
-        if option is None:  # let the registry say what the method takes
-            options[key] = value
-            continue
-        try:
-            options[key] = option.type(value)
-        except ValueError:
-            raise ValueError(f"sparseattn method spec {spec!r}: option {key} must be a {option.type.__name__}, got {value!r}") from None
-    return MethodRequest(name, options)
+    return _request(registry.parse(spec))
+
+
+def _request(parsed: registry.Spec) -> MethodRequest:
+    return MethodRequest(parsed.name, dict(parsed.options))
 
 
 def _from_config_value(value: Any) -> MethodRequest:
-    if isinstance(value, str):
-        return parse_spec(value)
-    if isinstance(value, Mapping):
-        options = dict(value)
-        name = options.pop("method", None)
-        if not isinstance(name, str):
-            raise ValueError(
-                f'additional_config["{CONFIG_KEY}"] needs "method": a method name, got {value!r}; '
-                f'e.g. {{"{CONFIG_KEY}": {{"method": "quest", "budget": 1024}}}}'
-            )
-        return MethodRequest(name, options)
+    if isinstance(value, (str, Mapping)):
+        return _request(registry.parse(value))  # the registry's message as it is: the engine's log shows it
     raise ValueError(f'additional_config["{CONFIG_KEY}"] must be a dict or a "name:key=value" string, got {value!r}')
 
 
@@ -106,14 +85,9 @@ def request_from(additional_config: Any, environ: Mapping[str, str] | None = Non
     """
     environ = os.environ if environ is None else environ
     if isinstance(additional_config, Mapping) and CONFIG_KEY in additional_config:
-        request = _from_config_value(additional_config[CONFIG_KEY])
-    else:
-        spec = environ.get(ENV_VAR, "").strip()
-        if not spec:
-            return None
-        request = parse_spec(spec)
-    request.check()
-    return request
+        return _from_config_value(additional_config[CONFIG_KEY])  # parsed and checked once, by the registry
+    spec = environ.get(ENV_VAR, "").strip()
+    return parse_spec(spec) if spec else None
 
 
 def current_request() -> MethodRequest | None:
