@@ -274,13 +274,13 @@ class Spec:
         return label(self.name, self.options)
 
 
-def parse(spec: str | Mapping[str, Any], budget: int | None = None) -> Spec:
+def parse(spec: str | Mapping[str, Any], budget: int | None = None, budget_option: str = "budget") -> Spec:
     """The one grammar of a method spec, for every front end (the CLI, the vLLM plugin, lm-eval, the benchmarks).
 
     ``spec`` is ``"NAME[:key=value,...]"`` (values typed by the option's declaration) or a mapping
     ``{"method": NAME, key: value, ...}`` (vLLM's ``additional_config``; string values typed the same
     way). ``budget`` fills in the budget of a method that has one when the spec sets neither its
-    ``budget`` nor its ``top_k`` (the commands' ``--budget``). Everything is checked here, once: the
+    ``budget`` nor its ``top_k`` (the commands' ``--budget``: ``budget_option`` names it in messages). Everything is checked here, once: the
     name, each option's name, type and range (:func:`check`), and what only building reveals (a
     limit that depends on other fields). Raises ValueError with a message that quotes the spec.
 
@@ -332,6 +332,6 @@ def parse(spec: str | Mapping[str, Any], budget: int | None = None) -> Spec:
     try:
         method = entry.build(**given)
     except ValueError as err:  # a limit that depends on other fields, e.g. SnapKV's budget > observation window
-        also = "" if budget is None or "budget" not in given else f" (budget {budget})"
+        also = "" if budget is None or "budget" not in given else f" ({budget_option} {budget})"
         raise ValueError(f"{shown!r}{also}: {err}") from None
     return Spec(name, given, method)

@@ -8,13 +8,13 @@ import sys
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 import sparseattn
 from sparseattn import registry
 from sparseattn.cli.compare import compare
+from sparseattn.cli.consoles import console
 from sparseattn.cli.demo import demo
 from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, ruler, sweep
 from sparseattn.cli.generate import generate
@@ -59,9 +59,6 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, cls=Group,
     help="sparseattn: composable sparse attention for long-context decoding.",
 )
-# Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
-# labels: lines stay whole (soft_wrap) and so do table cells (a wide width).
-console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 
 @app.callback()

@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from sparseattn.cli.consoles import console
 from sparseattn.methods import Dense
 from sparseattn.progress import progress
 
-# Not a terminal (a log, a pipe): no 80-column default, so table cells and long lines are never split.
-console = Console(width=None if sys.stdout.isatty() else 200)
 
 #: The baselines every comparison has: torch's SDPA over every token, and the cpu kernel's dense step.
 DENSE, KERNEL_DENSE = "dense (SDPA)", "dense (cpu kernel)"

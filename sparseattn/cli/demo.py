@@ -5,19 +5,16 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from sparseattn import RadarAlg1, Recent, SegmentSearch, attention_ref
+from sparseattn.cli.consoles import console
 
-# Not a terminal (a log, a pipe): no 80-column default, so table cells and long lines are never split.
-console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 
 def _retrieval_stream(length: int, steps: int, heads: int, kv_heads: int, head_dim: int, seed: int):

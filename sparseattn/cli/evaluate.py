@@ -17,7 +17,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,11 +25,11 @@ from typing import Any
 
 import torch
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from sparseattn import registry
+from sparseattn.cli.consoles import console
 from sparseattn.cli.methods import range_problem
 from sparseattn.progress import forward_progress, progress
 
@@ -39,9 +38,6 @@ from sparseattn.progress import forward_progress, progress
 #: option should not wait for.
 DEFAULT_MODEL = "default"
 
-# Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
-# labels: lines stay whole (soft_wrap) and so do table cells (a wide width).
-console = Console() if sys.stdout.isatty() else Console(soft_wrap=True, width=200)
 
 QUICK = "quick defaults finish in minutes on a 2-core CPU; raise them for full-size runs"
 
@@ -223,7 +219,7 @@ def parse_method(spec: str, budget: int | None = None) -> tuple[str, object, dic
     vLLM plugin and lm-eval); a refusal becomes the ``--method`` option's error.
     """
     try:
-        parsed = registry.parse(spec, budget)
+        parsed = registry.parse(spec, budget, budget_option="--budget")
     except (ValueError, registry.PluginError) as err:  # a bad spec, or a broken third-party method package
         raise bad("--method", str(err)) from None
     return parsed.label, parsed.method, dict(parsed.options)

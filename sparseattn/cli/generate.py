@@ -10,17 +10,14 @@ from pathlib import Path
 
 import torch
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from sparseattn.cli.evaluate import DEFAULT_MODEL, bad, check_dtype, check_range, inspect_model, read_text
 from sparseattn import registry
+from sparseattn.cli.consoles import err_console as console
+from sparseattn.cli.evaluate import DEFAULT_MODEL, bad, check_dtype, check_range, inspect_model, read_text
 from sparseattn.cli.methods import OptionError, check_method_options, flag, range_problem
 from sparseattn.progress import forward_progress
 
-# Not a terminal (a log, a pipe): nothing is wrapped at 80 columns, which splits values from their
-# labels: lines stay whole (soft_wrap) and so do table cells (a wide width).
-console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, soft_wrap=True, width=200)
 
 
 def timed_streamer(tokenizer, echo: bool = True, on_first_token: Callable[[], None] | None = None):
