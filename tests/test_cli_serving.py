@@ -66,6 +66,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "bench beyond the window": (bench + ["--context", "4050", "--steps", "32"],
                                     ["'--context' / '--steps'", "4115 positions", "model's 4096", "<= 4064"]),
         "bench block size": (bench + ["--block-size", "24"], ["'--block-size'", "24 is not allowed", "multiple of 16"]),
+        "bench unknown text": (bench + ["--text", "hamlett"], ["'--text'", "'hamlett'", "did you mean hamlet", "sparseattn data list"]),
         "bench budget 0": (bench + ["--budget", "0"], ["'--budget'", "0 is out of range"]),
         "bench dense as a method": (bench + ["-m", "dense"], ["'--method'", "dense path is always run"]),
         "bench eviction method": (bench + ["-m", "snapkv"], ["'--method'", "cannot run in vLLM"]),

@@ -156,6 +156,8 @@ def serving_bench(
     steps: int = typer.Option(64, help="timed decode steps per measurement"),
     runs: int = typer.Option(3, help="rounds of alternating measurements (median, min and max reported)"),
     held: int = typer.Option(32, help="true tokens after each prompt fed through decode steps (teacher-forced ppl, top-1)"),
+    texts: list[str] | None = typer.Option(None, "--text", help="texts the prompts cycle through (`sparseattn data list`; "
+                                          "repeatable; default: 7 CPython stdlib modules), e.g. --text hamlet --text pydecimal"),
     dtype: str = typer.Option("bfloat16", help="the engines' dtype: bfloat16 (what vLLM serves in on a CPU with bf16) or "
                               "float32 (AVX2-only x86, whose bf16 matmuls take a slow path)"),
     float32: bool = typer.Option(True, "--float32/--no-float32", help="also time stock vLLM in float32 (a labelled extra row)"),
@@ -174,13 +176,17 @@ def serving_bench(
     teacher-forced top-1 and perplexity of the files' true continuations, and pass keys hidden in the prompts.
     A few minutes per engine on 2 cores (an 8k prompt prefills in about 15 s on one core).
     """
-    from sparseattn.cli.evaluate import check_positions, wrote
+    from sparseattn.cli.evaluate import check_positions, read_text, wrote
     from sparseattn.evaluation import serving
 
     for option, problem in serving.option_problems(context, batch, steps, runs, held):
         raise bad(option.split(" / "), problem)
     check_range("--budget", budget, 1)
     check_range("--kv-cache-gib", kv_cache_gib, 1)
+    for name in texts or ():
+        if Path(name).expanduser().is_file():
+            raise bad("--text", f"{name!r} is a file; allowed: a name from `sparseattn data list` (the prompts are its windows)")
+        read_text(name, "--text")  # an unknown name refused (with close matches), a known one fetched now, not mid-run
     if dtype not in ("bfloat16", "float32"):
         raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
     if block_size is not None and (block_size < 16 or block_size % 16):
@@ -221,7 +227,7 @@ def serving_bench(
         raise refuse(reason)
 
     args = {"model": model, "method": method, "budget": budget, "context": context, "batch": batch, "steps": steps, "runs": runs,
-            "held": held, "dtype": dtype, "float32": float32, "shared": shared, "kv_cache_gib": kv_cache_gib,
+            "held": held, "texts": texts, "dtype": dtype, "float32": float32, "shared": shared, "kv_cache_gib": kv_cache_gib,
             "block_size": block_size, "yarn": yarn, "out": out}  # fmt: skip
 
     def checkpoint(machine, rows, complete=False):
@@ -230,7 +236,7 @@ def serving_bench(
     machine, rows = serving.run(
         str(info.directory), plan, context=context, batch=batch, steps=steps, rounds=runs, held=held, shared=shared, dtype=dtype,
         kv_cache_gib=kv_cache_gib, block_size=block_size, hf_overrides=overrides, say=lambda line: console.print(line, markup=False, highlight=False),
-        checkpoint=checkpoint,
+        checkpoint=checkpoint, texts=texts,
     )  # fmt: skip
     checkpoint(machine, rows, complete=True)
     console.print(serving.table(rows, rounds=runs))

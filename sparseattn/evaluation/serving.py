@@ -203,16 +203,19 @@ def _line_start(tokenizer, ids: Sequence[int], target: int) -> tuple[int, str]:
     return target, ""
 
 
-def workload(tokenizer, batch: int, context: int, held: int, *, seed: int = 0) -> list[Prompt]:
+def workload(tokenizer, batch: int, context: int, held: int, *, seed: int = 0, texts: Sequence[str] | None = None) -> list[Prompt]:
     """``batch`` distinct prompts of exactly ``context`` tokens, each with ``held`` true tokens after it.
 
-    Row ``i`` is window ``i // 7`` of stdlib module ``STDLIB_TEXTS[i % 7]`` (a different file for up to
+    ``texts``: text names (``sparseattn data list``) the rows cycle through, default the stdlib modules of
+    ``STDLIB_TEXTS``. Row ``i`` is window ``i // n`` of ``texts[i % n]``; by default (a different file for up to
     7 rows, then further windows), with the needle's tokens (a comment line, indented as the line it
     precedes) inserted where the line nearest its depth starts: the file's own tokens are kept on both
     sides, and the held tokens are the file's next ones.
     """
     from sparseattn.data.sources import load_text
     from sparseattn.evaluation.batches import STDLIB_TEXTS
+
+    texts = list(texts or STDLIB_TEXTS)
     from sparseattn.evaluation.ppl import tokenize
 
     if batch < 1 or context < 64 or held < 2:
@@ -223,7 +226,7 @@ def workload(tokenizer, batch: int, context: int, held: int, *, seed: int = 0) -
     for i, depth in enumerate(depths(batch)):
         key = str(rng.randint(10000, 99999))
         plain = len(tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"])
-        name, window = STDLIB_TEXTS[i % len(STDLIB_TEXTS)], i // len(STDLIB_TEXTS)
+        name, window = texts[i % len(texts)], i // len(texts)
         span = context + held
         ids = tokenize(tokenizer, load_text(name), (window + 1) * span, name=name)[window * span :].tolist()
         at, indent = _line_start(tokenizer, ids, round((context - plain) * depth / 100))
@@ -283,6 +286,10 @@ class Forced:
         """Perplexity of the tokens predicted by decode steps (each sequence's first is predicted by prefill)."""
         scored = [lp for seq in self.logprobs for lp in seq[1:]]
         return math.exp(-statistics.fmean(scored))
+
+    def sequence(self, i: int) -> Forced:
+        """Sequence ``i`` alone (its ppl and agreement, to see how much the figures move between texts)."""
+        return Forced([self.logprobs[i]], [self.top1[i]])
 
     def top1_agreement(self, ref: Forced) -> float:
         """How often this engine's most likely next token is ``ref``'s at the same decode step (the first left out)."""
@@ -380,10 +387,16 @@ def attention_isas(dtype: str, block_size: int, head_size: int) -> dict[str, str
     return {"stock": stock, "plugin": plugin}
 
 
-def _generate(llm, prompts: Sequence[Sequence[int]], tokens: int, **extra) -> tuple[float, list[Any]]:
+def _generate(llm, prompts: Sequence[Sequence[int]], tokens: int, forced: Sequence[Sequence[int]] | None = None,
+              **extra) -> tuple[float, list[Any]]:  # fmt: skip
+    """Greedy ``tokens`` per prompt, one batch: ``(seconds, completions)``; ``forced``: each prompt's forced tokens."""
     from vllm import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, **extra) for _ in prompts]
+    from sparseattn.vllm.forcing import FORCED
+
+    params = [SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, **extra,
+                             **({"extra_args": {FORCED: list(forced[i])}} if forced is not None else {}))
+              for i in range(len(prompts))]  # fmt: skip
     begin = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     return time.perf_counter() - begin, [o.outputs[0] for o in outs]
@@ -413,6 +426,7 @@ def run(
     hf_overrides: Mapping[str, Any] | None = None,
     say: Callable[[str], None] = print,
     checkpoint: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
+    texts: Sequence[str] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start the engines, time every run on every workload in alternation, then measure quality: ``(machine, rows)``.
 
@@ -424,12 +438,11 @@ def run(
     from transformers import AutoConfig, AutoTokenizer
     from vllm import LLM
 
-    from sparseattn.vllm.forcing import FORCED
     from sparseattn.vllm.switch import use_method
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     hf_config = AutoConfig.from_pretrained(model)
-    rows_in = workload(tokenizer, batch, context, held)
+    rows_in = workload(tokenizer, batch, context, held, texts=texts)
     workloads = {DISTINCT: [r.ids for r in rows_in]}
     if shared:
         workloads[SHARED] = shared_prompts(rows_in, tokenizer)
@@ -455,6 +468,7 @@ def run(
             first = next(r for r in runs if r.engine == "plugin")
             extra = {"additional_config": {"sparseattn": dict(first.method)}, "worker_extension_cls": "sparseattn.vllm.switch.MethodSwitch"}
         say(f"{name}: starting vLLM ({engine_dtype}, KV cache {gib} GiB) and prefilling {sum(len(p) for p in workloads[DISTINCT])} prompt tokens ...")
+        saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)  # read by the engine process it spawns
         begin = time.perf_counter()
         engines[name] = LLM(
@@ -464,6 +478,10 @@ def run(
             **({"block_size": block_size} if block_size else {}), **({"hf_overrides": dict(hf_overrides)} if hf_overrides else {}),
             **extra,
         )  # fmt: skip
+        if saved is None:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
         ready = time.perf_counter()
         for prompts in workloads.values():
             _generate(engines[name], prompts, 2)  # prefill into the prefix cache, and a first decode step
@@ -492,7 +510,7 @@ def run(
 
     def rows_now() -> list[dict[str, Any]]:
         return _rows(runs, measured, workloads, info, hf_config, batch=batch, context=context, steps=steps, dtype=dtype,
-                     started=started, block_size=block_size, hf_overrides=hf_overrides)  # fmt: skip
+                     started=started, block_size=block_size, hf_overrides=hf_overrides, prompts=rows_in)  # fmt: skip
 
     for r in range(rounds):
         order = labels if r % 2 == 0 else labels[::-1]
@@ -517,7 +535,7 @@ def run(
         llm = switch(run_)
         before = fallbacks(run_)
         m = measured[label, DISTINCT]
-        _, outs = _forced(llm, rows_in, held, FORCED)
+        _, outs = _generate(llm, [r.ids for r in rows_in], held, forced=[r.held for r in rows_in], logprobs=1)
         m.forced = Forced.from_outputs(outs, [r.held for r in rows_in])
         _, outs = _generate(llm, [r.ids + r.question for r in rows_in], ANSWER_TOKENS)
         m.answers = [tokenizer.decode(o.token_ids) for o in outs]
@@ -534,17 +552,8 @@ def run(
     return info, rows
 
 
-def _forced(llm, rows: Sequence[Prompt], held: int, key: str) -> tuple[float, list[Any]]:
-    from vllm import SamplingParams
-
-    params = [SamplingParams(temperature=0, max_tokens=held, min_tokens=held, ignore_eos=True, logprobs=1, extra_args={key: r.held[:held]})
-              for r in rows]  # fmt: skip
-    begin = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r.ids} for r in rows], params, use_tqdm=False)
-    return time.perf_counter() - begin, [o.outputs[0] for o in outs]
-
-
-def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, dtype, started, block_size, hf_overrides) -> list[dict[str, Any]]:
+def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, dtype, started, block_size, hf_overrides,
+          prompts: Sequence[Prompt] = ()) -> list[dict[str, Any]]:  # fmt: skip
     rows = []
     stock = {w: measured[STOCK, w] for w in workloads}
     dense = {w: measured.get((DENSE, w)) for w in workloads}
@@ -580,6 +589,12 @@ def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, 
             if m.passkey is not None:
                 row["passkey"] = m.passkey
                 row["answers"] = m.answers
+            if m.forced is not None and prompts:  # per prompt: how much the quality moves between texts
+                row["by_prompt"] = [
+                    {"source": p.source, "ppl": m.forced.sequence(i).ppl(), "passkey": p.key in (m.answers or [""] * len(prompts))[i],
+                     **({"top1_vs_stock": m.forced.sequence(i).top1_agreement(stock[w].forced.sequence(i))} if stock[w].forced else {})}
+                    for i, p in enumerate(prompts)
+                ]  # fmt: skip
             rows.append(row)
     return rows
 
