@@ -13,19 +13,33 @@ it to register); the first lookup imports :mod:`sparseattn.methods`, which regis
 A method is built from the options given, checked first: an option it does not take, a value of
 the wrong type or out of range, or ``budget`` with ``top_k`` is refused with one line naming the
 method, the option, the value and what is allowed. Options not given keep the builder's own
-defaults, which each :class:`Option` repeats for the listing (a test holds them equal).
+defaults: the registry reads them from the builder's signature (written once, in the builder).
+
+The catalogue: each entry declares a category (:data:`CATEGORIES`, the order ``sparseattn
+methods`` lists them in) and the engines that run it (:data:`ENGINES`). A variant of a method is
+an option of it (a choice, a flag, a number), not another name; names that were variants stay as
+aliases (:func:`alias`) that say what they are now when used.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
+import warnings
 from collections.abc import Callable, Iterable, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "CATEGORIES",
+    "ENGINES",
     "ENTRY_POINT_GROUP",
+    "Alias",
+    "alias",
+    "aliases",
+    "recommended",
     "MAX_COUNT",
     "MethodEntry",
     "Spec",
@@ -48,6 +62,16 @@ __all__ = [
 #: :class:`MethodEntry` (or an iterable of them), e.g. in ``pyproject.toml``
 #: ``[project.entry-points."sparseattn.methods"] mine = "mypkg.methods:MINE"``.
 ENTRY_POINT_GROUP = "sparseattn.methods"
+
+#: What a method is for, in the order the catalogue lists them: the presets to use first; the paper's
+#: methods as their authors ran or wrote them; the field's methods we compare with; one part of a
+#: paper's method swapped (its ablations); exact oracles that bound what a selector can reach (O(t)
+#: per step, not fast); variants kept for research (listed only with ``sparseattn methods --all``).
+CATEGORIES = ("recommended", "paper", "baseline", "ablation", "ceiling", "experimental")
+
+#: The engines a method may run in: the transformers engine (``model.generate``, every method) and
+#: vLLM's paged cache (:mod:`sparseattn.vllm`, the methods its paged engine supports).
+ENGINES = ("transformers", "vllm")
 
 #: Counts larger than this are no real run's and overflow torch's 64-bit sizes on the way (a budget
 #: of 1e23 died with "Overflow when unpacking long long"); 2**31 - 1 leaves that far behind.
@@ -73,37 +97,68 @@ class Range:
         return f"an integer in [{self.low}, {self.high}]" if self.integer else f"a number in ({self.low:g}, {self.high:g})"
 
 
+#: An option's default read from its builder's signature when the entry is registered.
+FROM_BUILDER: Any = type("FromBuilder", (), {"__repr__": lambda self: "FROM_BUILDER"})()
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
 @dataclass(frozen=True)
 class Option:
-    """One option of a method: its keyword, type (``int`` or ``float``), default, help and allowed values.
+    """One option of a method: its keyword, type, default, help and allowed values.
 
-    ``default`` is the builder's own default (None where the builder derives it from other options,
-    which ``help`` then says). ``allowed`` defaults to the counts ``[minimum, MAX_COUNT]`` for an
-    ``int`` and the open interval ``(0, 1)`` for a ``float``.
+    ``type`` is ``int``, ``float``, ``bool`` (a flag: ``true``/``false`` in a spec) or ``str`` (a
+    choice: ``allowed`` lists the words). ``default`` is the builder's own, read from its signature
+    when the entry is registered (None where the builder derives it from other options, which
+    ``help`` then says); giving it here as well is allowed and checked equal. ``allowed`` defaults to
+    the counts ``[minimum, MAX_COUNT]`` for an ``int`` and the open interval ``(0, 1)`` for a
+    ``float``.
     """
 
     name: str
     type: type
-    default: Any
-    help: str
+    default: Any = FROM_BUILDER
+    help: str = ""
     minimum: int = 1
-    allowed: Range | None = None
+    allowed: Range | tuple[Any, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.type not in (int, float):
-            raise TypeError(f"option {self.name}: type must be int or float, got {self.type!r}")
+        if self.type not in (int, float, bool, str):
+            raise TypeError(f"option {self.name}: type must be int, float, bool or str, got {self.type!r}")
+        if not self.help:
+            raise TypeError(f"option {self.name}: give a help line (what the option changes)")
         if self.allowed is None:
-            allowed = Range(self.minimum, MAX_COUNT) if self.type is int else Range(0.0, 1.0, integer=False)
+            if self.type is str:
+                raise TypeError(f"option {self.name}: a str option is a choice; give allowed=(the words it takes)")
+            allowed = {int: Range(self.minimum, MAX_COUNT), float: Range(0.0, 1.0, integer=False), bool: (False, True)}[self.type]
             object.__setattr__(self, "allowed", allowed)
 
+    def parse(self, text: str) -> Any:
+        """``text`` (a spec's value) as this option's type; ValueError if it is not one."""
+        if self.type is bool:
+            word = text.strip().lower()
+            if word in _TRUE or word in _FALSE:
+                return word in _TRUE
+            raise ValueError(f"{text!r} is not true or false")
+        return self.type(text)
+
     def problem(self, value: object) -> str | None:
-        """What is wrong with ``value`` for this option (the value and the allowed range), None if nothing."""
-        return None if value in self.allowed else f"{value!r} is out of range; allowed: {self.allowed}"
+        """What is wrong with ``value`` for this option (the value and what is allowed), None if nothing."""
+        if isinstance(self.allowed, Range):
+            return None if value in self.allowed else f"{value!r} is out of range; allowed: {self.allowed}"
+        if any(value is word or (type(value) is type(word) and value == word) for word in self.allowed):
+            return None
+        return f"{value!r} is not allowed; allowed: {', '.join(_spelled(word) for word in self.allowed)}"
+
+
+def _spelled(word: object) -> str:
+    return str(word).lower() if isinstance(word, bool) else str(word)
 
 
 @dataclass(frozen=True)
 class MethodEntry:
-    """A named method: a one-line description, how to build it, and the options the builder takes.
+    """A named method: a one-line description, how to build it, the options the builder takes, what it is
+    for (``category``, one of :data:`CATEGORIES`) and the engines that run it (:data:`ENGINES`).
 
     ``build`` is called with the options given as keywords (those not given keep its defaults).
     """
@@ -114,6 +169,8 @@ class MethodEntry:
     options: tuple[Option, ...] = ()
     #: Where it was registered from (a module, or an entry point): named when a name is taken twice.
     origin: str = field(default="", compare=False)
+    category: str = "experimental"
+    engines: tuple[str, ...] = ("transformers",)
 
     def option(self, key: str) -> Option | None:
         return next((o for o in self.options if o.name == key), None)
@@ -125,6 +182,15 @@ class MethodEntry:
     def takes(self, **options: Any) -> dict[str, Any]:
         """The options of ``options`` this method takes, for one set of options passed to many methods."""
         return {key: value for key, value in options.items() if key in self.option_names}
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A name that was a method of its own and is now ``spec`` (a method name with options): kept so
+    that scripts and results naming it keep working; each use says what it is now."""
+
+    name: str
+    spec: str
 
 
 class OptionError(ValueError):
@@ -140,36 +206,163 @@ class PluginError(RuntimeError):
 
 
 _ENTRIES: dict[str, MethodEntry] = {}
+_ALIASES: dict[str, Alias] = {}
 _plugins_loaded = False
 _plugin_errors: list[str] = []
+
+
+def _with_builder_defaults(entry: MethodEntry) -> MethodEntry:
+    """``entry`` with every option's default read from its builder's signature (checked where given twice)."""
+    try:
+        parameters = inspect.signature(entry.build).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: defaults must be given
+        parameters = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    options = []
+    for o in entry.options:
+        p = parameters.get(o.name)
+        if p is None and not takes_any and parameters:
+            raise ValueError(f"method {entry.name!r}: option {o.name!r} is not a keyword of its builder {entry.build!r}")
+        own = p.default if p is not None and p.default is not inspect.Parameter.empty else FROM_BUILDER
+        if o.default is FROM_BUILDER:
+            if own is FROM_BUILDER:
+                raise ValueError(f"method {entry.name!r}: option {o.name!r} has no default in its builder; give one")
+            o = Option(o.name, o.type, own, o.help, o.minimum, o.allowed)
+        elif own is not FROM_BUILDER and own != o.default:
+            raise ValueError(f"method {entry.name!r}: option {o.name!r} declares default {o.default!r}, its builder has {own!r}")
+        options.append(o)
+    return dataclasses.replace(entry, options=tuple(options))
 
 
 def register(entry: MethodEntry) -> MethodEntry:
     """Add ``entry`` to the registry and return it; a name already taken by another entry is refused (ValueError).
 
-    The entry returned carries its ``origin`` (the builder's module unless given), for messages.
+    The entry returned carries its ``origin`` (the builder's module unless given) and its options'
+    defaults read from the builder's signature.
     """
     if not isinstance(entry, MethodEntry):
         raise TypeError(f"register takes a MethodEntry, got {type(entry).__name__}")
-    old = _ENTRIES.get(entry.name)
-    if old == entry:  # the same entry again (a module imported twice, a plugin that also registers itself)
-        return old
-    if old is not None:
-        where = f" by {old.origin}" if old.origin else ""
-        raise ValueError(f"method {entry.name!r} is already registered{where}; unregister it first or pick another name")
+    if entry.category not in CATEGORIES:
+        raise ValueError(f"method {entry.name!r}: category {entry.category!r} is not one of {', '.join(CATEGORIES)}")
+    unknown = [e for e in entry.engines if e not in ENGINES]
+    if unknown or not entry.engines:
+        raise ValueError(f"method {entry.name!r}: engines {entry.engines!r} must be a non-empty tuple of {', '.join(ENGINES)}")
     seen = [o.name for o in entry.options]
     twice = sorted({k for k in seen if seen.count(k) > 1})
     if twice:
         raise ValueError(f"method {entry.name!r} declares the option(s) {', '.join(twice)} twice")
+    entry = _with_builder_defaults(entry)
+    old = _ENTRIES.get(entry.name)
+    if old == entry:  # the same entry again (a module imported twice, a plugin that also registers itself)
+        return old
+    if old is not None or entry.name in _ALIASES:
+        where = f" by {old.origin}" if old is not None and old.origin else " (as an alias)" if old is None else ""
+        raise ValueError(f"method {entry.name!r} is already registered{where}; unregister it first or pick another name")
     if not entry.origin:
-        entry = MethodEntry(entry.name, entry.description, entry.build, entry.options, getattr(entry.build, "__module__", ""))
+        entry = dataclasses.replace(entry, origin=getattr(entry.build, "__module__", ""))
     _ENTRIES[entry.name] = entry
     return entry
 
 
-def unregister(name: str) -> MethodEntry:
-    """Remove and return the entry called ``name`` (KeyError if there is none)."""
-    return _ENTRIES.pop(name)
+def alias(name: str, spec: str) -> Alias:
+    """Keep ``name`` working as ``spec`` (``"radar+:split=pooled,aspect=16"``): options given with the old
+    name are laid over the spec's; each use warns once (FutureWarning) with what it is now. The spec's
+    method must be registered first and its options valid: a bad alias fails here, not at its first use."""
+    if name in _ENTRIES or name in _ALIASES:
+        raise ValueError(f"{name!r} is already a method or an alias")
+    target, _, rest = spec.partition(":")
+    if target not in _ENTRIES:
+        raise ValueError(f"alias {name!r}: {target!r} is not a registered method")
+    entry = _ENTRIES[target]
+    _check(entry, _typed(entry, _items(rest, spec, entry.options), spec), str)
+    made = _ALIASES[name] = Alias(name, spec)
+    return made
+
+
+def aliases() -> dict[str, Alias]:
+    """Every alias, by its old name."""
+    _load_builtins_and_plugins()
+    return dict(_ALIASES)
+
+
+_WARNED: set[str] = set()
+
+
+def _resolve(name: str, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An alias's method name and its options with ``options`` laid over them; any other name as it is."""
+    made = _ALIASES.get(name)
+    if made is None:
+        return name, dict(options)
+    target, fixed = _split(made.spec)
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"method {name!r} is now {made.spec!r}; the old name will be removed in the next release", FutureWarning, stacklevel=3)
+    return target, {**fixed, **options}
+
+
+def _split(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"NAME:key=value,..."`` as the name and its typed options (no alias resolution, no range check)."""
+    name, _, rest = spec.strip().partition(":")
+    entry = get(name)
+    return name, _typed(entry, _items(rest, spec, all_options()), spec)
+
+
+def _items(rest: str, spec: object, fields: Iterable[Option] | Mapping[str, Option]) -> list[tuple[str, str]]:
+    """The ``key=value`` pairs of a spec's options part, each key one of ``fields``."""
+    known = [o.name for o in fields.values()] if isinstance(fields, Mapping) else [o.name for o in fields]
+    items = []
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in known:
+            raise ValueError(f"bad option {item!r} in {spec!r}; options are key=value with key in {', '.join(known)}")
+        items.append((key, value.strip()))
+    return items
+
+
+def _typed(entry: MethodEntry, items: Iterable[tuple[str, Any]], shown: object) -> dict[str, Any]:
+    """The option values of ``items`` typed by their declaration (``entry``'s, else any method's): strings parsed."""
+    fields = None
+    given: dict[str, Any] = {}
+    for key, value in items:
+        declared = entry.option(key)
+        if declared is None:
+            fields = fields if fields is not None else all_options(_ENTRIES.values())
+            declared = fields.get(key)
+        if declared is not None and isinstance(value, str):
+            try:
+                value = declared.parse(value)
+            except ValueError:
+                raise ValueError(f"option {key} in {shown!r} must be {_a(declared)}, got {value!r}") from None
+        given[key] = value
+    return given
+
+
+def _a(option: Option) -> str:
+    if option.type is str:
+        return "one of " + ", ".join(map(str, option.allowed))
+    return "true or false" if option.type is bool else f"a {option.type.__name__}"
+
+
+def recommended(engine: str = "transformers") -> MethodEntry:
+    """The recommended method of ``engine`` (one of :data:`ENGINES`): the first ``recommended`` entry that runs in it.
+
+    >>> recommended("vllm").name
+    'radar+'
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+    _load_builtins_and_plugins()
+    best = [e for e in _ENTRIES.values() if e.category == "recommended" and engine in e.engines]
+    if not best:
+        raise LookupError(f"no recommended method runs in {engine}")
+    # The engine's own preset (made for it alone) before a method recommended for every engine.
+    return min(best, key=lambda e: len(e.engines))
+
+
+def unregister(name: str) -> MethodEntry | Alias:
+    """Remove and return the entry (or alias) called ``name`` (KeyError if there is none)."""
+    return _ALIASES.pop(name) if name in _ALIASES else _ENTRIES.pop(name)
 
 
 def _load_builtins_and_plugins() -> None:
@@ -190,7 +383,7 @@ def _load_builtins_and_plugins() -> None:
             if bad:
                 raise TypeError(f"it loads to {type(bad[0]).__name__}, not a MethodEntry or an iterable of them")
             for e in entries:
-                register(e if e.origin else MethodEntry(e.name, e.description, e.build, e.options, origin=origin))
+                register(e if e.origin else dataclasses.replace(e, origin=origin))
         except Exception as err:  # a broken plugin: named, never a crash of the import
             _plugin_errors.append(f"{origin} failed: {type(err).__name__}: {err}")
     if _plugin_errors:
@@ -198,14 +391,16 @@ def _load_builtins_and_plugins() -> None:
 
 
 def names() -> list[str]:
-    """Every registered method name, in registration order (built-ins first)."""
+    """Every registered method name, in registration order (built-ins first); aliases are in :func:`aliases`."""
     _load_builtins_and_plugins()
     return list(_ENTRIES)
 
 
 def get(name: str) -> MethodEntry:
-    """The entry called ``name``; a ValueError lists the known names otherwise."""
+    """The entry called ``name`` (an alias: the entry of the method it is now); a ValueError lists the known names otherwise."""
     _load_builtins_and_plugins()
+    if name in _ALIASES:
+        name = _ALIASES[name].spec.partition(":")[0]
     try:
         return _ENTRIES[name]
     except KeyError:
@@ -218,9 +413,14 @@ def check(name: str, given: Mapping[str, object], spell: Callable[[str], str] = 
     ``spell`` names an option as the user wrote it (``--top-k`` on the command line, ``top_k``
     inside ``-m radar:top_k=8``). Raises a ValueError for an unknown method, an :class:`OptionError`
     for an option the method does not take, a value of the wrong type or out of range, or ``top_k``
-    together with ``budget``.
+    together with ``budget``. An alias is checked as the method it is now, with its options.
     """
-    entry = get(name)
+    target, options = _resolve(name, given)
+    return _check(get(target), options, spell)
+
+
+def _check(entry: MethodEntry, given: Mapping[str, object], spell: Callable[[str], str]) -> MethodEntry:
+    name = entry.name
     unused = tuple(key for key in given if key not in entry.option_names)
     if unused:
         takes = ", ".join(spell(o) for o in entry.option_names) if entry.options else "no options"
@@ -240,7 +440,8 @@ def check(name: str, given: Mapping[str, object], spell: Callable[[str], str] = 
 
 def build(name: str, **options: Any) -> Any:
     """The method ``name`` built with ``options`` (checked by :func:`check`; the others keep their defaults)."""
-    return check(name, options).build(**options)
+    target, options = _resolve(name, options)
+    return _check(get(target), options, str).build(**options)
 
 
 def all_options(entries: Iterable[MethodEntry] | None = None) -> dict[str, Option]:
@@ -302,31 +503,14 @@ def parse(spec: str | Mapping[str, Any], budget: int | None = None, budget_optio
         shown = spec
     else:
         raise ValueError(f"a method spec is a 'NAME[:key=value,...]' string or a mapping with \"method\", got {spec!r}")
-    entry = get(name)  # an unknown name: the registry's message, listing the known ones
-    fields = all_options()
-    if rest is None:
-        items = list(raw.items())
-    else:
-        items = []
-        for item in filter(None, (part.strip() for part in rest.split(","))):
-            key, eq, value = item.partition("=")
-            key = key.strip().replace("-", "_")
-            if not eq or key not in fields:
-                raise ValueError(f"bad option {item!r} in {spec!r}; options are key=value with key in {', '.join(fields)}")
-            items.append((key, value.strip()))
-    given: dict[str, Any] = {}
-    for key, value in items:
-        declared = entry.option(key) or fields.get(key)
-        if declared is not None and isinstance(value, str):
-            try:
-                value = declared.type(value)
-            except ValueError:
-                raise ValueError(f"option {key} in {shown!r} must be a {declared.type.__name__}, got {value!r}") from None
-        given[key] = value
+    get(name)  # an unknown name: the registry's message, listing the known ones
+    name, fixed = _resolve(name, {})
+    entry = get(name)
+    given = {**fixed, **_typed(entry, raw.items() if rest is None else _items(rest, spec, all_options()), shown)}
     if budget is not None and "budget" in entry.option_names and not {"budget", "top_k"} & set(given):
         given["budget"] = budget
     try:
-        check(name, given)
+        _check(entry, given, str)
     except ValueError as err:
         raise ValueError(f"{shown!r}: {err}") from None
     try:

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from sparseattn.backends import (  # noqa: E402
     BACKENDS,
+    EXTENSION_OPS,
     OPS,
     REFERENCES,
     AttentionBackend,
@@ -36,6 +37,7 @@ from sparseattn.backends.cpu_kernels import cpu_kernel_refusal, supported_dtypes
 from sparseattn.backends.triton_backend import interpreting, segment_decode_partials  # noqa: E402
 from sparseattn.ops.attention import segment_attention_ref, segment_mask  # noqa: E402
 from sparseattn.ops.layout import SegmentLayout  # noqa: E402
+from sparseattn.ops.segments import RestSums  # noqa: E402
 from sparseattn.testing import assert_close  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -182,6 +184,16 @@ def reference(case, q, keys, values, segments, softcap):
     return segment_attention_ref(q, keys, values, case.layout, segments, softcap=softcap)
 
 
+def check_against_reference(backend, case, dtype, softcap=None, seed=0, device="cpu"):
+    """``backend.segment_attention`` on ``case``'s poisoned inputs (moved to ``device``) is float32, shaped as
+    ``q``, and the float64 reference over the clean inputs."""
+    q, keys, values, segments, clean_k, clean_v = make_inputs(case, dtype, seed=seed)
+    dq, dk, dv, ds = (x.to(device) for x in (q, keys, values, segments))
+    out = backend.segment_attention(dq, dk, dv, case.layout, ds, softcap=softcap)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    assert_close(out.cpu(), reference(case, q, clean_k, clean_v, segments, softcap), dtype)
+
+
 # --- the float64 references agree with each other --------------------------------------------------
 
 
@@ -231,10 +243,7 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("case", CASES + SPLIT_CASES, ids=lambda c: c.id)
 def test_cpu_kernel_matches_reference(case, dtype, softcap):
     # Poisoned views: a token the selection does not attend, or the capacity slack, is NaN.
-    q, keys, values, segments, clean_k, clean_v = make_inputs(case, dtype)
-    out = CpuBackend().segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
-    assert out.dtype == torch.float32 and out.shape == q.shape
-    assert_close(out, reference(case, q, clean_k, clean_v, segments, softcap), dtype)
+    check_against_reference(CpuBackend(), case, dtype, softcap)
 
 
 @needs_cpu_kernel
@@ -243,13 +252,11 @@ def test_cpu_kernel_matches_reference(case, dtype, softcap):
 def test_cpu_kernel_any_thread_count_gives_the_reference(case, threads):
     # The thread count sets how a row is split into parts: every split must merge to the same softmax.
     before = torch.get_num_threads()
-    q, keys, values, segments, clean_k, clean_v = make_inputs(case, torch.float32, seed=threads)
     try:
         torch.set_num_threads(threads)
-        out = CpuBackend().segment_attention(q, keys, values, case.layout, segments)
+        check_against_reference(CpuBackend(), case, torch.float32, seed=threads)
     finally:
         torch.set_num_threads(before)
-    assert_close(out, reference(case, q, clean_k, clean_v, segments, None), torch.float32)
 
 
 @needs_cpu_kernel
@@ -492,6 +499,42 @@ def test_a_foreign_library_with_a_forged_manifest_is_refused_then_rebuilt(tmp_pa
     assert run_kernel_probe(cache)[:2] == ["refusal: None", "auto: cpu"]
 
 
+# Both C kernels (cpu_kernels.c, sparseattn/vllm/paged_kernels.c) include kernel_common.h by its name.
+
+
+@pytest.mark.skipif(CPU_KERNEL is not None and "compiler" in CPU_KERNEL, reason=f"needs a C compiler: {CPU_KERNEL}")
+def test_a_kernel_file_builds_with_the_shared_header_beside_it(tmp_path):
+    import ctypes
+    from importlib import resources
+
+    from sparseattn.backends import cpu_kernels
+
+    header = resources.files("sparseattn.backends").joinpath(cpu_kernels.HEADER).read_bytes()
+    source = b'#include "kernel_common.h"\nint sa_probe(void) { return 10 * SA_BAD_DTYPE + sa_float16_built(); }\n'
+    target = tmp_path / "probe.so"
+    assert cpu_kernels._ensure_built(cpu_kernels.find_compiler(), "cc", source, target, "probe", "probe.c", {cpu_kernels.HEADER: header})
+    assert ctypes.CDLL(str(target)).sa_probe() in (40, 41)  # SA_BAD_DTYPE, and float16 built or not
+
+
+def test_a_change_of_the_shared_header_rebuilds_every_kernel():
+    from sparseattn.backends.cpu_kernels import HEADER, build_key
+
+    source = b'#include "kernel_common.h"\n'
+    assert build_key(source, {HEADER: b"/* one */"}, "cc 12") != build_key(source, {HEADER: b"/* two */"}, "cc 12")
+
+
+def test_the_package_data_ships_the_shared_header():
+    import fnmatch
+    from pathlib import Path
+
+    from sparseattn.backends.cpu_kernels import HEADER
+
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["sparseattn.backends"]
+    assert any(fnmatch.fnmatch(HEADER, pattern) for pattern in shipped)
+
+
 # --- triton kernel, in the interpreter -------------------------------------------------------------
 
 
@@ -500,11 +543,8 @@ def test_a_foreign_library_with_a_forged_manifest_is_refused_then_rebuilt(tmp_pa
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_triton_kernel_matches_reference(case, dtype, softcap):
-    q, keys, values, segments, clean_k, clean_v = make_inputs(case, dtype)
     # block_n=16 with 3 splits: several blocks per split, blocks spanning segments, and merges.
-    out = TritonBackend(block_n=16, num_splits=3).segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
-    assert out.dtype == torch.float32 and out.shape == q.shape
-    assert_close(out, reference(case, q, clean_k, clean_v, segments, softcap), dtype)
+    check_against_reference(TritonBackend(block_n=16, num_splits=3), case, dtype, softcap)
 
 
 @needs_interpreter
@@ -580,9 +620,7 @@ def test_merge_partials_ref_of_disjoint_parts_is_the_whole_softmax():
 def test_triton_kernel_sweep(c, sinks, window, k, shared, dtype, softcap):
     buffer = 2 if sinks == window == 0 and k == "0" else 0  # an empty tail, unless nothing else is attended
     case = Case(2, 2, 3, 64, c=c, n_seg=5, sinks=sinks, window=window, buffer=buffer, k=k, shared=shared)
-    q, keys, values, segments, clean_k, clean_v = make_inputs(case, dtype, seed=c + 10 * sinks + window)
-    out = TritonBackend(block_n=16, num_splits=2).segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
-    assert_close(out, reference(case, q, clean_k, clean_v, segments, softcap), dtype)
+    check_against_reference(TritonBackend(block_n=16, num_splits=2), case, dtype, softcap, seed=c + 10 * sinks + window)
 
 
 COMPILE_FOR_SM90 = """
@@ -749,12 +787,12 @@ NO_SEGMENTS = torch.zeros(1, 2, 1, 0, dtype=torch.long)
     ids=["selection-groups", "float-indices", "short-cache", "softcap-0", "empty"],
 )
 def test_invalid_inputs_raise_whatever_the_backend(change, message):
+    # The shapes are checked before any backend's own refusal (BackendBase's op methods), so every backend says the same.
     call = {**small_call(), "layout": SMALL_LAYOUT, "segments": SMALL_SEGMENTS, "softcap": None, **change}
     values = torch.randn_like(call["keys"])
-    with pytest.raises(ValueError, match=message):
-        TorchBackend().segment_attention(
-            call["q"], call["keys"], values, call["layout"], call["segments"], softcap=call["softcap"]
-        )
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match=message):
+            backend.segment_attention(call["q"], call["keys"], values, call["layout"], call["segments"], softcap=call["softcap"])
 
 
 def test_backends_declare_what_they_support():
@@ -789,10 +827,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
 def test_compiled_kernel_matches_reference_on_gpu(case, dtype, softcap):
-    q, keys, values, segments, clean_k, clean_v = (x.cuda() for x in make_inputs(case, dtype))
-    out = TritonBackend().segment_attention(q, keys, values, case.layout, segments, softcap=softcap)
-    ref = reference(case, q.cpu(), clean_k.cpu(), clean_v.cpu(), segments.cpu(), softcap)
-    assert_close(out.cpu(), ref, dtype)
+    check_against_reference(TritonBackend(), case, dtype, softcap, device="cuda")
 
 
 @needs_compiled_gpu
@@ -935,6 +970,86 @@ def test_every_backend_that_accepts_an_op_matches_its_reference(op, case, dtype,
         assert "cpu" in ran
     if INTERPRETING and q.dtype in TritonBackend.CAPABILITIES[op].dtypes:
         assert "triton" in ran
+
+
+def as_tuple(result):
+    """An op's result as a tuple: ``(out,)``, ``(out, lse)`` or ``(out, probs)``."""
+    return result if isinstance(result, tuple) else (result,)
+
+
+def extension_call(op, case, dtype, softcap, seed):
+    """``(args, q, keys)`` of a fresh random call of the optional op ``op``: a segment attention step whose
+    selections attend only their listed segments flagged in ``valid``, and for the merged rest the segments'
+    and blocks' sums. The window reaches into no segment (the merged rest's one condition)."""
+    from sparseattn.methods.rest import block_sums, segment_sums
+
+    gen = torch.Generator().manual_seed(seed)
+    B, H, G, D, t = case.B, case.H, case.G, case.D, case.t
+    keys, values = capacity_view(gen, B, H, t, D, dtype), capacity_view(gen, B, H, t, D, dtype)
+    c, sinks = 5, 3
+    n_seg = (t - sinks - 2) // c  # at least 2 tokens of buffer after the segments
+    lay = SegmentLayout(length=t, sinks=sinks, segment_size=c, n_segments=n_seg)
+    q = torch.randn(B, H, G, D, generator=gen).to(dtype)
+    segments = torch.stack([torch.randperm(n_seg, generator=gen)[:3] for _ in range(B * H * G)]).view(B, H, G, 3)
+    valid = torch.rand(B, H, G, 3, generator=gen) < 0.6
+    if op != "segment_attention_merged":
+        return (q, keys, values, lay, segments, valid, 0.3, softcap), q, keys
+    grid = keys[:, :, sinks : lay.segment_end].float().unflatten(2, (n_seg, c)), values[:, :, sinks : lay.segment_end].float().unflatten(2, (n_seg, c))
+    seg_kv = torch.cat(segment_sums(*grid), dim=-1)
+    per_block = 2
+    sums = RestSums(seg_kv, *block_sums(*grid, per_block), per_block)
+    return (q, keys, values, lay, segments, valid, sums, 0.3, softcap), q, keys
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("op", EXTENSION_OPS)
+def test_every_backend_with_an_optional_op_matches_its_reference(op, case, dtype, softcap):
+    # The optional ops are unchecked: a backend runs them for inputs its segment_attention accepts.
+    args, q, keys = extension_call(op, case, dtype, softcap, seed=list(EXTENSION_OPS).index(op) + 7 * case.D)
+    want = as_tuple(REFERENCES[op](*args))
+    ran = []
+    for backend in BACKENDS:
+        if not isinstance(backend, EXTENSION_OPS[op]) or backend.refusal("segment_attention", q, keys, softcap) is not None:
+            continue
+        got = as_tuple(getattr(backend, op)(*args))
+        assert len(got) == len(want)
+        for part, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, dtype, what=f"{backend.name} {op} result {part}")
+        ran.append(backend.name)
+    if CPU_KERNEL is None and dtype in supported_dtypes():
+        assert "cpu" in ran  # the cpu backend has every optional op
+    if INTERPRETING and isinstance(TritonBackend(), EXTENSION_OPS[op]):
+        assert "triton" in ran
+
+
+def test_every_op_a_backend_can_run_has_its_float64_reference():
+    """REFERENCES is the one table of the references: every op of OPS, every optional op (one per protocol of
+    the interface besides AttentionBackend), and every op method of a registered backend has its entry."""
+    import inspect
+
+    import sparseattn.backends.base as base
+
+    def own_methods(cls):
+        return {name for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+
+    protocols = {
+        cls for cls in vars(base).values()
+        if inspect.isclass(cls) and getattr(cls, "_is_protocol", False) and cls.__module__ == base.__name__
+    }  # fmt: skip
+    assert own_methods(AttentionBackend) - {"refusal"} == set(OPS)
+    assert protocols - {AttentionBackend} == set(EXTENSION_OPS.values())
+    assert all(own_methods(protocol) == {op} for op, protocol in EXTENSION_OPS.items())
+    # Public methods of a backend that run no op: a new op method fails here until it is an op with a reference.
+    not_ops = {"refusal", "splits", *(f"run_{op}" for op in OPS)}
+    for backend in BACKENDS:
+        methods = {name for name in dir(type(backend)) if callable(getattr(type(backend), name)) and not name.startswith("_")}
+        assert methods - not_ops <= set(OPS) | set(EXTENSION_OPS), backend.name
+        assert set(backend.CAPABILITIES) <= set(OPS), backend.name
+    missing = (set(OPS) | set(EXTENSION_OPS)) - set(REFERENCES)
+    assert not missing, f"ops without a float64 reference in sparseattn.backends.naive.REFERENCES: {sorted(missing)}"
+    assert set(REFERENCES) <= set(OPS) | set(EXTENSION_OPS), "a reference of no op"
 
 
 # --- the registry: names once, dispatch by declared capability, no cycle ---------------------------

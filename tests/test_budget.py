@@ -35,14 +35,19 @@ def test_sqrt_schedule_attends_a_bounded_multiple_of_sqrt_t_up_to_1e5_tokens(top
         assert lay.max_attended(top_k) <= (top_k + 2) * math.sqrt(t) + sinks + window
 
 
+def step_after_prefill(method, t):
+    """What step ``t`` attends after a prefill of ``t - 1`` random tokens (one row, one KV head, d = 4)."""
+    state = method.new_state(1, 1, 4)
+    state.prefill(torch.randn(1, 1, t - 1, 4), torch.randn(1, 1, t - 1, 4))
+    _, info = state.step(torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    return info
+
+
 @pytest.mark.parametrize("t", [1_000, 10_000, 100_000])
 def test_reported_attention_counts_match_the_layout_at_long_contexts(t):
     # Cheap dims: the structure, not the arithmetic, is under test. Algorithm 1 over the t - 1 past
     # tokens (the current one is never sealed): sqrt(t - 1) segments of sqrt(t - 1) tokens.
-    method = RadarAlg1(top_k=4, n_features=8)
-    state = method.new_state(1, 1, 4)
-    state.prefill(torch.randn(1, 1, t - 1, 4), torch.randn(1, 1, t - 1, 4))
-    _, info = state.step(torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    info = step_after_prefill(RadarAlg1(top_k=4, n_features=8), t)
     lay = info.layout
     assert lay.segment_size == lay.n_segments == math.isqrt(t - 1)
     assert int(info.attended) == 4 * math.isqrt(t - 1) + lay.buffer_size
@@ -53,10 +58,7 @@ def test_reported_attention_counts_match_the_layout_at_long_contexts(t):
 def test_as_run_radar_attends_a_sink_k_segments_of_sqrt_t_over_4_the_window_and_the_remainder(t):
     # After a prefill of t - 1 and one step: t - 1 sink - 1024 window tokens are segmentable, cut
     # into segments of floor(sqrt(that) / 4) by the first (prefill) rebuild, then sealed as they fill.
-    method = Radar(top_k=4, n_features=8)
-    state = method.new_state(1, 1, 4)
-    state.prefill(torch.randn(1, 1, t - 1, 4), torch.randn(1, 1, t - 1, 4))
-    _, info = state.step(torch.randn(1, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    info = step_after_prefill(Radar(top_k=4, n_features=8), t)
     lay = info.layout
     c = math.isqrt(t - 2 - 1024) // 4
     remainder = (t - 1 - 1024) - lay.n_segments * c

@@ -182,7 +182,7 @@ def test_the_global_budget_applies_to_methods_with_a_budget_only(results):
 
 
 def test_parse_method_gives_the_spec_priority_over_the_global_budget():
-    from sparseattn.cli.evaluate import parse_method
+    from sparseattn.cli.common import parse_method
 
     assert parse_method("dense", budget=512)[2] == {}  # dense has no budget
     assert parse_method("radar", budget=512)[2] == {"budget": 512}

@@ -40,11 +40,7 @@ from sparseattn.data import (
 from sparseattn.data import sources
 from sparseattn.data.cli import app
 from sparseattn.data.needle import NOISE, NOISE_SENTENCES, PASSKEY_INSTRUCTION, _word_lists
-
-
-def words(text: str) -> int:
-    """The test tokenizer: one token per whitespace-separated word."""
-    return len(text.split())
+from word_tokens import words
 
 
 #: Made-up prose of uneven sentences (several sentence ends, a colon, a semicolon).
@@ -321,13 +317,8 @@ def test_bad_input_is_rejected_with_its_name(make, error, message):
         make()
 
 
-@given(
-    base=st.integers(0, 200),
-    per_unit=st.integers(1, 40),
-    jitter=st.integers(0, 30),
-    slack=st.integers(0, 100_000),
-    period=st.integers(2, 13),
-)
+@given(base=st.integers(0, 200), per_unit=st.integers(1, 40), jitter=st.integers(0, 30), slack=st.integers(0, 100_000),
+       period=st.integers(2, 13))
 def test_fit_units_returns_a_size_that_fits_with_the_next_one_not(base, per_unit, jitter, slack, period):
     """The bisection invariant holds even for a count that is not monotone in the haystack size."""
 

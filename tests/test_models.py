@@ -40,14 +40,8 @@ def save_tiny_llama(directory):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     config = LlamaConfig(
-        vocab_size=len(words),
-        hidden_size=24,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
+        vocab_size=len(words), hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory, safe_serialization=True)

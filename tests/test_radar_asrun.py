@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from parts import SEGMENT_PRESETS
 from sparseattn import (
     DoublingSchedule,
     FixedSchedule,
@@ -25,18 +26,7 @@ from sparseattn import (
     TopK,
     attention_ref,
 )
-from sparseattn.methods.presets import (
-    Quest,
-    Radar,
-    RadarAlg1,
-    RadarCentered,
-    RadarExact,
-    RadarLowest,
-    RadarPlus,
-    RadarRandom,
-    RadarRecent,
-    RadarRerank,
-)
+from sparseattn.methods.presets import Radar, RadarAlg1
 from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.testing import assert_close
 
@@ -94,19 +84,6 @@ def test_an_explicit_window_overrides_the_budget_rule():
 
 
 # -- a budget below what a method can honour -----------------------------------------------------
-
-SEGMENT_PRESETS = {
-    "radar": lambda **kw: Radar(n_features=16, **kw),
-    "radar-alg1": lambda **kw: RadarAlg1(n_features=16, **kw),
-    "quest": lambda **kw: Quest(page_size=4, **kw),
-    "radar+": lambda **kw: RadarPlus(**kw),
-    "radar-exact": lambda **kw: RadarExact(**kw),
-    "radar-lowest": lambda **kw: RadarLowest(n_features=16, **kw),
-    "radar-random": lambda **kw: RadarRandom(seed=1, **kw),
-    "radar-recent": lambda **kw: RadarRecent(**kw),
-    "radar-centered": lambda **kw: RadarCentered(n_features=16, **kw),
-    "radar-rerank": lambda **kw: RadarRerank(n_features=16, shortlist=2, **kw),
-}
 
 
 def test_radar_with_budget_1_says_it_attends_3_of_7_tokens():

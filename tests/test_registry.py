@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from sparseattn import Dense, SegmentSearch, registry
 from sparseattn.cli import app
-from sparseattn.cli.evaluate import parse_method
+from sparseattn.cli.common import parse_method
 from sparseattn.registry import MethodEntry, Option, OptionError, PluginError
 from sparseattn.schedules.fixed import FixedSchedule
 from sparseattn.testing import check_method
@@ -93,8 +93,8 @@ def test_a_method_registered_from_user_code_is_listed_and_built_by_the_cli(user_
     assert (label, given) == ("recent-pages:top_k=2", {"top_k": 2})  # the spec's top_k: --budget does not apply
     assert method == RecentPages(top_k=2)
     assert parse_method(user_method, budget=64)[1] == RecentPages(budget=64)
-    result = CliRunner().invoke(app, ["methods"], terminal_width=200)
-    assert result.exit_code == 0 and "recent-pages" in result.output and "--top-k" in result.output
+    result = CliRunner().invoke(app, ["methods", "--all"], terminal_width=200)  # a new entry is experimental unless it says
+    assert result.exit_code == 0 and "recent-pages" in result.output and "top_k (4)" in result.output
 
 
 def test_a_method_registered_from_user_code_passes_the_contract_tests(user_method):

@@ -52,6 +52,7 @@ from sparseattn.methods.rest import (
 )
 from sparseattn.ops.attention import segment_mask, soft_cap
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.segments import RestSums
 from sparseattn.backends.cpu_backend import CpuBackend
 from sparseattn.backends.cpu_kernels import cpu_kernel_refusal, merged_rest_cpu
 from sparseattn.methods import rest as rest_module
@@ -142,13 +143,13 @@ def test_the_rest_from_segment_sums_is_the_float64_reference(seed, lists, per_bl
     valid = torch.rand(segments.shape, generator=gen) < 0.6
     grid = lambda x: x[:, :, sinks : lay.segment_end].reshape(B, H, S, c, D)  # noqa: E731
     seg_kv = torch.cat(segment_sums(grid(keys), grid(values)), dim=-1)
-    block_k, block_v = block_sums(grid(keys), grid(values), per_block)
+    sums = RestSums(seg_kv, *block_sums(grid(keys), grid(values), per_block), per_block)
     scale = D**-0.5
     mask = segment_mask(lay, segments, G, valid)
     attended = soft_cap(torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale, softcap)
     lse = torch.logsumexp(attended.masked_fill(~mask, float("-inf")), dim=-1).float()
     selection = attention_ref(q, keys, values, mask, softcap=softcap).float()
-    out = add_merged_rest(selection, lse, q, keys, values, lay, segments, valid, seg_kv, block_k, block_v, per_block, scale, softcap)
+    out = add_merged_rest(selection, lse, q, keys, values, lay, segments, valid, sums, scale, softcap)
     ref = merged_attention_ref(q, keys, values, mask, sinks, lay.segment_end, per_block * c, scale, softcap)
     assert out.dtype == torch.float32
     assert_close(out, ref.float(), torch.float32)
@@ -195,7 +196,8 @@ def test_the_c_kernels_merged_rest_is_the_float64_reference(seed, lists, per_blo
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out = CpuBackend().segment_attention_merged(q, keys, values, lay, segments, valid, *map(in_capacity, sums), per, D**-0.5, softcap)
+        sums = RestSums(*map(in_capacity, sums), per)
+        out = CpuBackend().segment_attention_merged(q, keys, values, lay, segments, valid, sums, D**-0.5, softcap)
     finally:
         torch.set_num_threads(before)
     mask = segment_mask(lay, segments, G, valid)
@@ -210,18 +212,18 @@ def test_the_c_kernels_merged_rest_refuses_what_it_cannot_do():
     if CPU_KERNEL is not None:
         pytest.skip(f"the C kernel is unavailable here: {CPU_KERNEL}")
     B, H, G, D, c, S = 1, 1, 2, 8, 4, 6
-    sums = (torch.zeros(B, H, S, 2 * D), torch.zeros(B, H, 2, D, dtype=torch.float64), torch.zeros(B, H, 2, D, dtype=torch.float64))
+    sums = RestSums(torch.zeros(B, H, S, 2 * D), torch.zeros(B, H, 2, D, dtype=torch.float64), torch.zeros(B, H, 2, D, dtype=torch.float64), 3)
     q, kv = torch.randn(B, H, G, D), torch.randn(B, H, 1 + S * c + 2, D)
     reaching = SegmentLayout(length=1 + S * c + 2, sinks=1, segment_size=c, n_segments=S, window=5)
     with pytest.raises(ValueError, match="window that reaches into no segment"):
-        CpuBackend().segment_attention_merged(q, kv, kv, reaching, torch.zeros(B, H, 1, 2, dtype=torch.long), None, *sums, 3, 1.0)
+        CpuBackend().segment_attention_merged(q, kv, kv, reaching, torch.zeros(B, H, 1, 2, dtype=torch.long), None, sums, 1.0)
     lay = SegmentLayout(length=1 + S * c + 2, sinks=1, segment_size=c, n_segments=S, window=2)
     out, lse = torch.zeros(B, H, G, D), torch.zeros(B, H, G)
     with pytest.raises(ValueError, match="cpu merged rest failed: a segment index is outside"):
-        merged_rest_cpu(out, lse, q, lay, torch.full((B, H, 1, 2), S, dtype=torch.long), None, *sums, 3, 1.0)
+        merged_rest_cpu(out, lse, q, lay, torch.full((B, H, 1, 2), S, dtype=torch.long), None, sums, 1.0)
     assert bool((out == 0).all())  # the input is not written
     with pytest.raises(ValueError, match="per_block .* must be >= 1"):
-        merged_rest_cpu(out, lse, q, lay, torch.zeros(B, H, 1, 2, dtype=torch.long), None, *sums, 0, 1.0)
+        merged_rest_cpu(out, lse, q, lay, torch.zeros(B, H, 1, 2, dtype=torch.long), None, dataclasses.replace(sums, per_block=0), 1.0)
 
 
 def run_steps(method, budget, steps=4, seed=0, B=2, H=2, G=3, D=16, T=400):

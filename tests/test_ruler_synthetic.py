@@ -24,11 +24,9 @@ from sparseattn.data.ruler import (
     zeta,
 )
 from sparseattn.testing import char_tokenizer, save_tiny_checkpoint
+from word_tokens import words
 
 
-def WORDS(text: str) -> int:
-    """One token per whitespace-separated word."""
-    return len(text.split())
 runner = CliRunner()
 
 
@@ -56,7 +54,7 @@ def resolve(text: str) -> dict[str, str]:
 @pytest.mark.parametrize("chains, hops", [(1, 4), (2, 3), (3, 1)])
 def test_vt_chain_resolves_to_exactly_the_answer_variables(chains, hops):
     task = VariableTracking(num_chains=chains, num_hops=hops)
-    s = task.sample(1500, WORDS, seed=7)
+    s = task.sample(1500, words, seed=7)
     values = resolve(context(s))
     (query,) = s.queries
     assert sorted(v for v, value in values.items() if value == query) == sorted(s.answers)
@@ -91,11 +89,11 @@ def test_vt_starts_with_a_one_shot_example_of_its_own_chain(chars):
 
 @pytest.mark.parametrize("target, freq_cw, freq_ucw", [(3000, 6, 1), (6000, 30, 3)])  # RULER's rule below 4096
 def test_cwe_common_words_appear_exactly_freq_cw_times_and_more_than_any_other(target, freq_cw, freq_ucw):
-    s = CommonWords().sample(target, WORDS, seed=11, reserve_tokens=120)
+    s = CommonWords().sample(target, words, seed=11, reserve_tokens=120)
     entries = context(s).split()
-    numbers, words = entries[::2], entries[1::2]
-    assert numbers == [f"{i}." for i in range(1, len(words) + 1)]  # "1. w 2. w ...", RULER's format
-    counts = Counter(words)
+    numbers, listed = entries[::2], entries[1::2]
+    assert numbers == [f"{i}." for i in range(1, len(listed) + 1)]  # "1. w 2. w ...", RULER's format
+    counts = Counter(listed)
     assert len(s.answers) == 10 and all(counts[w] == freq_cw for w in s.answers)
     others = [n for w, n in counts.items() if w not in s.answers]
     assert set(others) == {freq_ucw} and len(others) == s.haystack_units
@@ -111,14 +109,14 @@ def test_cwe_refuses_a_length_beyond_its_word_list():
     task = CommonWords()
     assert task.max_units == len(common_words()) - 10 - 40 > 7000  # wonderwords' nouns, adjectives and verbs
     with pytest.raises(ValueError, match=r"needs more than the \d+ haystack units"):
-        task.sample(10**6, WORDS)
+        task.sample(10**6, words)
 
 
 # -- frequent words -----------------------------------------------------------------------------------------
 
 
 def test_fwe_counts_follow_the_zeta_distribution_and_the_answer_is_the_top_three():
-    s = FrequentWords().sample(6000, WORDS, seed=5, reserve_tokens=50)
+    s = FrequentWords().sample(6000, words, seed=5, reserve_tokens=50)
     counts = Counter(context(s).split())
     n = s.haystack_units
     ranked = [w for w, _ in counts.most_common()]
@@ -159,9 +157,9 @@ def test_samples_are_deterministic_by_seed_and_fitted_to_the_length(name, chars)
 def test_tasks_refuse_depths_and_haystack_text(name):
     task = RULER_TASKS[name]
     with pytest.raises(ValueError, match="depth"):
-        task.sample(900, WORDS, depths=[50])
+        task.sample(900, words, depths=[50])
     with pytest.raises(ValueError, match="haystack_text"):
-        task.sample(900, WORDS, haystack_text="A book.")
+        task.sample(900, words, haystack_text="A book.")
 
 
 def test_bad_settings_are_refused_naming_the_field():

@@ -8,20 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parts import SCHEDULES, SELECTORS, SUMMARIES, part_id
+from parts import SCHEDULES, SEGMENT_PRESETS, SELECTORS, SUMMARIES, part_id, random_decode
 from sparseattn import Centroid, SegmentSearch, TopK, attention_ref, segment_attention_ref
-from sparseattn.methods.presets import (
-    Quest,
-    Radar,
-    RadarAlg1,
-    RadarCentered,
-    RadarExact,
-    RadarLowest,
-    RadarPlus,
-    RadarRandom,
-    RadarRecent,
-    RadarRerank,
-)
+from sparseattn.methods.presets import Radar, RadarAlg1
 from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.testing import assert_close
 
@@ -37,15 +26,8 @@ SHAPES = [
 
 def decode(method, shape, dtype=torch.float32, seed=0):
     """Prefill then decode with fresh random tokens; yield (state, query, output, selection) per step."""
-    B, H, G, D, T0, steps, _, _ = shape
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
-    state = method.new_state(B, H, D, dtype=dtype)
-    state.prefill(rand(B, H, T0, D), rand(B, H, T0, D))
-    for _ in range(steps):
-        q = rand(B, H * G, D)
-        out, info = state.step(q, rand(B, H, D), rand(B, H, D))
-        yield state, q, out, info
+    *dims, prefill, steps, _, _ = shape
+    return random_decode(method, dims, prefill, steps, dtype, seed)
 
 
 def method_for(summary, selector, schedule, shape, top_k):
@@ -53,10 +35,15 @@ def method_for(summary, selector, schedule, shape, top_k):
     return SegmentSearch(summary, selector, schedule, top_k=top_k, sinks=sinks, window=window)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=part_id)
-@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
-@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+def over_every_part_and_shape(test):
+    """``test`` parametrized by every summary x selector x schedule, at every shape."""
+    test = pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)(test)
+    test = pytest.mark.parametrize("selector", SELECTORS, ids=part_id)(test)
+    test = pytest.mark.parametrize("schedule", SCHEDULES, ids=part_id)(test)
+    return pytest.mark.parametrize("shape", SHAPES)(test)
+
+
+@over_every_part_and_shape
 def test_full_budget_equals_dense_attention(summary, selector, schedule, shape):
     B, H, G, D = shape[:4]
     for state, q, out, info in decode(method_for(summary, selector, schedule, shape, top_k=10**6), shape):
@@ -83,10 +70,7 @@ def test_a_selector_returning_a_segment_twice_is_an_error_not_a_wrong_answer():
         state.attend(torch.randn(1, 1, 8))
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=part_id)
-@pytest.mark.parametrize("selector", SELECTORS, ids=part_id)
-@pytest.mark.parametrize("summary", SUMMARIES, ids=part_id)
+@over_every_part_and_shape
 def test_sparse_output_is_attention_over_the_reported_selection(summary, selector, schedule, shape):
     B, H, G, D = shape[:4]
     for state, q, out, info in decode(method_for(summary, selector, schedule, shape, top_k=2), shape):
@@ -243,18 +227,10 @@ def test_the_current_token_is_attended_at_every_t_even_without_a_window(schedule
         assert info.layout.n_segments == 0 or info.layout.segment_end < state.length  # never sealed
 
 
-WINDOWLESS_PRESETS = {
-    "radar-alg1": RadarAlg1(top_k=1, n_features=16),
-    "radar": Radar(top_k=1, n_features=16, sinks=0, window=0),
-    "quest": Quest(top_k=1, page_size=4),
-    "radar+": RadarPlus(top_k=1, sinks=0),
-    "radar-exact": RadarExact(top_k=1),
-    "radar-lowest": RadarLowest(top_k=1, n_features=16),
-    "radar-random": RadarRandom(top_k=1, seed=1),
-    "radar-recent": RadarRecent(top_k=1),
-    "radar-centered": RadarCentered(top_k=1, n_features=16),
-    "radar-rerank": RadarRerank(top_k=1, n_features=16, shortlist=1, factor=0.0),
-}
+# Every segment preset at k = 1, with the sinks and window that radar and radar+ have by default turned off,
+# so that nothing but the preset's own rule attends the current token; radar-rerank shortlists just its one segment.
+WINDOWLESS_OPTIONS = {"radar": {"sinks": 0, "window": 0}, "radar+": {"sinks": 0}, "radar-rerank": {"shortlist": 1, "factor": 0.0}}
+WINDOWLESS_PRESETS = {name: make(top_k=1, **WINDOWLESS_OPTIONS.get(name, {})) for name, make in SEGMENT_PRESETS.items()}
 
 
 @pytest.mark.parametrize("name", WINDOWLESS_PRESETS)

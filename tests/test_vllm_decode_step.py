@@ -1,16 +1,19 @@
-"""Which rows of a vLLM step are decode tokens (sparseattn.vllm.backend.decode_step), what a sparse engine runs on
+"""Which rows of a vLLM step are decode tokens (sparseattn.vllm.step.decode_step), what a sparse engine runs on
 each CPU (readable_isa), and how a decode step the paged engine cannot answer is counted (Fallbacks).
 
 No vLLM needed: ``decode_step`` reads the metadata's ``query_start_loc``, ``seq_lens``, ``block_table`` and
-vLLM's ``is_prefilling``. The engine-level checks are in tests/test_vllm_robustness.py.
+vLLM's ``is_prefilling``. The backend module itself (which imports vLLM) is read as source: it keeps no
+module-level state. The engine-level checks are in tests/test_vllm_robustness.py.
 """
 
+import ast
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
-from sparseattn.vllm.backend import SUPPORTED_ISAS, Fallbacks, decode_step, readable_isa
+from sparseattn.vllm.step import SUPPORTED_ISAS, Fallbacks, decode_step, readable_isa
 
 
 def step_of(query_lengths, seq_lens, prefilling=None, blocks=6):
@@ -79,3 +82,15 @@ def test_fallbacks_log_each_cause_once_and_count_every_one(caplog):
     assert text.count("answered by the paged engine again") == 1  # once per return, not per step
     assert "3 decode layer-steps answered by the paged engine, 3 by vLLM's dense kernel after a failure" in counts.metrics()
     assert "2 x RuntimeError: plan does not fit; 1 x ValueError: kernel refused" in counts.metrics()
+
+
+def test_the_backend_keeps_no_module_state_and_defines_its_classes_at_module_level():
+    """Per-step and per-engine state lives on the builder, the metadata and the impls, never in module globals."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "sparseattn" / "vllm" / "backend.py").read_text())
+    assigned = {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}  # fmt: skip
+    assert assigned == {"__all__", "logger"}
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    assert {"SparseCPUAttentionBackend", "SparseCPUAttentionMetadataBuilder", "SparseCPUAttentionMetadata",
+            "SparseCPUAttentionImpl"} <= classes  # fmt: skip

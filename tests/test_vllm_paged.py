@@ -113,8 +113,14 @@ def test_segment_search_presets_over_pages_equal_segment_search(name):
 
     from sparseattn.schedules.fixed import FixedSchedule
 
-    bs, H, G, D, lengths, budget = 16, 2, 3, 8, (211, 150), 96
-    method = dataclasses.replace(registry.build(name, budget=budget), schedule=FixedSchedule(bs), sinks=bs, window=0)
+    bs = 16
+    method = dataclasses.replace(registry.build(name, budget=96), schedule=FixedSchedule(bs), sinks=bs, window=0)
+    assert_pages_equal_state(method, bs, (211, 150), name)
+
+
+def assert_pages_equal_state(method, bs: int, lengths, name: str, H: int = 2, G: int = 3, D: int = 8) -> None:
+    """``method`` (pages of ``bs`` tokens, one sink page) over a shuffled paged cache gives each sequence's
+    decode-state output on the same tokens, with the same layout."""
     keys, values = sequences(lengths, H, D)
     cache, table = paged_cache(keys, values, bs)
     query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(2))

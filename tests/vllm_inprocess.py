@@ -1,7 +1,7 @@
 """One vLLM engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), for tests that must reach inside it.
 
 Run as a script by tests/test_vllm_robustness.py, one fresh process per engine (vLLM's plugins and
-``sparseattn.vllm.backend``'s classes load once per process): ``python tests/vllm_inprocess.py CONFIG``
+its choice of attention backend load once per process): ``python tests/vllm_inprocess.py CONFIG``
 with a JSON config:
 
 ``engine``
@@ -17,7 +17,7 @@ with a JSON config:
     per request.
 
 Prints one JSON line last: per batch, each request's tokens and its first token's logprob; and the
-process's :data:`sparseattn.vllm.backend.FALLBACKS` counts.
+engine's fallback counts (its metadata builders' :class:`sparseattn.vllm.step.Fallbacks`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ def main(config: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     import sparseattn.vllm.backend as backend
-    import sparseattn.vllm.paged as paged
-    import sparseattn.vllm.paged_kernel as paged_kernel
     from sparseattn.hf.models import local_model_dir
 
     if config.get("fake_isa"):
@@ -57,9 +55,9 @@ def main(config: dict) -> dict:
 
         return step
 
-    # Replaced before the backend's classes are built (they import these on first use, in this process).
-    paged_kernel.fused_decode = failing_step(paged_kernel.fused_decode)
-    paged.select_pages = failing_step(paged.select_pages)
+    # Replaced where the backend's impl looks them up (the engine runs in this process).
+    backend.fused_decode = failing_step(backend.fused_decode)
+    backend.select_pages = failing_step(backend.select_pages)
     llm = LLM(model=str(local_model_dir()), **config["engine"])
     params = SamplingParams(temperature=0, max_tokens=config.get("new_tokens", 8), ignore_eos=True, logprobs=config.get("logprobs", 1))
     results = []
@@ -71,8 +69,19 @@ def main(config: dict) -> dict:
              "first_logprob": o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob if o.outputs[0].logprobs else None}
             for o in outs
         ])  # fmt: skip
-    counts = backend.FALLBACKS
-    return {"batches": results, "fallbacks": counts.total, "answered": counts.answered_steps, "causes": counts.causes}
+    return {"batches": results, **llm.collective_rpc(fallback_counts)[0]}
+
+
+def fallback_counts(worker) -> dict:
+    """The worker's fallback counts, summed over its sparse metadata builders (none in a stock engine)."""
+    from sparseattn.vllm.backend import sparse_builders
+
+    counts = [builder.fallbacks for builder in sparse_builders(worker.model_runner)]
+    causes: dict[str, int] = {}
+    for count in counts:
+        for cause, n in count.causes.items():
+            causes[cause] = causes.get(cause, 0) + n
+    return {"fallbacks": sum(c.total for c in counts), "answered": sum(c.answered_steps for c in counts), "causes": causes}
 
 
 if __name__ == "__main__":

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from sparseattn.allocations.base import Selection, split_segments
 from sparseattn.validation import check_real
+
+if TYPE_CHECKING:
+    from sparseattn.methods.segment_search import SegmentStep
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,9 @@ class PooledMass:
 
     def width(self, k: int, n_segments: int) -> int:
         return min(n_segments, max(k, math.ceil(self.cap * k)))
+
+    def select_segments(self, step: SegmentStep) -> Selection:
+        return split_segments(self, step)
 
     def floor_count(self, k: int) -> int:
         return min(k, math.ceil(self.floor * k))

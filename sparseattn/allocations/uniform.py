@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from sparseattn.allocations.base import Selection
+
+if TYPE_CHECKING:
+    from sparseattn.methods.segment_search import SegmentStep
 
 
 @dataclass(frozen=True)
 class Uniform:
-    """``k`` segments for every head (the default)."""
+    """``k`` segments for every head (the default): each selection attends the selector's ``k`` picks, whole
+    segments, so the step runs a backend's fused segment kernel."""
 
     uniform = True
+
+    def select_segments(self, step: SegmentStep) -> Selection:
+        return Selection(step.picks(step.k))
 
     def width(self, k: int, n_segments: int) -> int:
         return min(k, n_segments)

@@ -9,7 +9,8 @@ there is no silent fallback to a slower path.
 
 This module imports no backend: the backends import it, and the registry imports them.
 
-The ops, their shapes, and their float64 references (:mod:`sparseattn.backends.naive` lists them):
+The ops, their shapes, and their float64 references (:data:`sparseattn.backends.naive.REFERENCES` lists
+them, and those of the optional ops of :data:`EXTENSION_OPS`):
 
 * ``segment_attention``: one decode step over sinks, selected segments and tail.
   ``q: [B, H_kv, G, D]``, ``keys, values: [B, H_kv, t_cap, D]`` (usually a view of a larger
@@ -28,9 +29,10 @@ The ops, their shapes, and their float64 references (:mod:`sparseattn.backends.n
   ``keys = low``.
 
 Every op method takes ``checked``: with ``checked=True`` (the default) it validates the inputs and
-raises ValueError with the backend's reason if it refuses; a decode state that had the backend
-accept its inputs once (:func:`~sparseattn.backends.registry.select_backend`) passes
-``checked=False`` on every later step, so the hot path pays for no checks.
+raises ValueError with the backend's reason if it refuses (:class:`BackendBase` does both, for every
+backend that subclasses it); a decode state that had the backend accept its inputs once
+(:func:`~sparseattn.backends.registry.select_backend`) passes ``checked=False`` on every later step,
+so the hot path pays for no checks.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 import torch
 
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.segments import check_segment_lists
 
 if TYPE_CHECKING:  # the op's argument type only; ops never import backends at run time
     from sparseattn.ops.buffers import Workspace
-    from sparseattn.ops.segments import SegmentKeys
+    from sparseattn.ops.segments import RestSums, SegmentKeys
 
 #: The hot-path ops, in the order the docs list them; a backend's method for each has the op's name.
 OPS = ("segment_attention", "segment_log_mass", "slot_attention", "dense", "bound_scores")
@@ -85,18 +88,10 @@ class AttentionBackend(Protocol):
         ...
 
     def segment_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        workspace: Workspace | None = None,
-        checked: bool = True,
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: SegmentLayout,
+        segments: torch.Tensor, scale: float | None = None, softcap: float | None = None, *,
+        workspace: Workspace | None = None, checked: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
         """``[B, H_kv, G, D]`` float32 (float64 for float64 inputs). ``workspace``: scratch a backend may reuse."""
         ...
 
@@ -107,31 +102,17 @@ class AttentionBackend(Protocol):
         ...
 
     def slot_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        den_weight: torch.Tensor | None = None,
-        num_weight: torch.Tensor | None = None,
-        scale: float | None = None,
-        softcap: float | None = None,
-        floor_weight: torch.Tensor | None = None,
-        *,
-        checked: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, den_weight: torch.Tensor | None = None,
+        num_weight: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
+        floor_weight: torch.Tensor | None = None, *, checked: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(out [B, H_kv, G, T, D], probs [B, H_kv, G, T, S])`` in the compute dtype."""
         ...
 
     def dense(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        checked: bool = True,
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None = None,
+        softcap: float | None = None, *, checked: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
         """``[B, H_kv, G, D]`` float32 (float64 for float64 inputs)."""
         ...
 
@@ -148,8 +129,7 @@ class MaskedSegmentAttention(Protocol):
     ``segments[b, h, s, i]`` with ``valid[b, h, s, i]`` (a budget allocation gives heads different
     numbers); the others are not read (any index). A decode state asks with ``isinstance``; without
     it, it gathers the tokens (torch). The float64 reference:
-    :func:`~sparseattn.ops.attention.attention_ref` under :func:`~sparseattn.ops.attention.segment_mask`
-    with ``valid``.
+    :func:`~sparseattn.ops.attention.segment_attention_masked_ref`.
     """
 
     def segment_attention_masked(
@@ -173,8 +153,7 @@ class SegmentAttentionLSE(Protocol):
     (soft-capped logits, as the output's softmax), so a caller can add more tokens to the softmax by
     log-sum-exp without reading the attended ones again (a merged rest,
     :class:`~sparseattn.methods.rest.MergedRest`). ``valid`` as :class:`MaskedSegmentAttention` (None:
-    every listed segment). The float64 reference: ``torch.logsumexp`` of the logits under
-    :func:`~sparseattn.ops.attention.segment_mask`.
+    every listed segment). The float64 reference: :func:`~sparseattn.ops.attention.segment_attention_lse_ref`.
     """
 
     def segment_attention_lse(
@@ -195,12 +174,13 @@ class MergedRestAttention(Protocol):
     """Optional capability: masked segment attention with the merged rest of
     :class:`~sparseattn.methods.rest.MergedRest` joined to each query head's softmax, in one call.
 
-    ``seg_kv: [B, H_kv, S, 2 D]`` float32 each segment's key sum then value sum, ``block_k, block_v:
-    [B, H_kv, n, D]`` float64 each block's (``per_block`` segments), as the decode state keeps them. Only
-    for a layout whose window reaches into no segment (``layout.tail_start >= layout.segment_end``, as a
-    segment search's state always has it); the caller checks. The torch form is
-    :func:`~sparseattn.methods.rest.add_merged_rest` over :class:`SegmentAttentionLSE`'s output, the float64
-    reference :func:`~sparseattn.methods.rest.merged_attention_ref`.
+    ``sums``: the segments' and blocks' key and value sums and the block size, as the decode state keeps
+    them (:class:`~sparseattn.ops.segments.RestSums`). Only for a layout whose window reaches into no
+    segment (``layout.tail_start >= layout.segment_end``, as a segment search's state always has it); the
+    caller checks. The torch form is :func:`~sparseattn.methods.rest.add_merged_rest` over
+    :class:`SegmentAttentionLSE`'s output, the float64 reference
+    :func:`~sparseattn.backends.naive.segment_attention_merged_ref` (the op's arguments handed to
+    :func:`~sparseattn.methods.rest.merged_attention_ref`).
     """
 
     def segment_attention_merged(
@@ -211,13 +191,20 @@ class MergedRestAttention(Protocol):
         layout: SegmentLayout,
         segments: torch.Tensor,
         valid: torch.Tensor | None,
-        seg_kv: torch.Tensor,
-        block_k: torch.Tensor,
-        block_v: torch.Tensor,
-        per_block: int,
+        sums: RestSums,
         scale: float,
         softcap: float | None = None,
     ) -> torch.Tensor: ...
+
+
+#: The optional ops beyond :data:`OPS`: each is the one method of a protocol above, which a backend has
+#: or not (a decode state asks with ``isinstance``); they are unchecked, for inputs ``segment_attention``
+#: accepted. Their references are in :data:`~sparseattn.backends.naive.REFERENCES` with the others'.
+EXTENSION_OPS: Mapping[str, type] = {
+    "segment_attention_masked": MaskedSegmentAttention,
+    "segment_attention_lse": SegmentAttentionLSE,
+    "segment_attention_merged": MergedRestAttention,
+}
 
 
 def describe(x: torch.Tensor) -> str:
@@ -266,13 +253,9 @@ def declared_refusal(
 
 
 def check_inputs(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: SegmentLayout,
-    segments: torch.Tensor,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor,
     softcap: float | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Raise ValueError for a ``segment_attention`` call no backend could run (bad shapes), whatever the backend.
 
     Segment indices must be distinct and in ``[0, n_segments)``; that is not checked here (it would
@@ -340,12 +323,22 @@ def refuse(backend: AttentionBackend, op: str, q: torch.Tensor, keys: torch.Tens
         raise ValueError(f"the {backend.name} backend cannot run {op} for q {describe(q)}: {reason}")
 
 
+def every_token_a_sink(q: torch.Tensor, keys: torch.Tensor) -> tuple[SegmentLayout, torch.Tensor]:
+    """``dense`` as ``segment_attention``: a layout whose every stored token is a sink, and the empty
+    selection ``[B, H_kv, 1, 0]`` (on ``q``'s device), for a backend whose dense op is its segment kernel."""
+    every = SegmentLayout(length=keys.shape[2], sinks=keys.shape[2], segment_size=1, n_segments=0)
+    return every, torch.zeros(*q.shape[:2], 1, 0, dtype=torch.long, device=q.device)
+
+
 class BackendBase:
-    """What every backend shares: the op methods of the ops it does not implement raise with its reason.
+    """What every backend shares: the op methods, which check a call and hand it to the backend's ``run_<op>``.
 
     A backend subclasses this, declares ``name``, ``REQUIRES`` and ``CAPABILITIES``, writes
-    :meth:`refusal` (usually :func:`declared_refusal` plus what only it knows) and overrides the
-    methods of the ops it declares.
+    :meth:`refusal` (usually :func:`declared_refusal` plus what only it knows) and, for each op it
+    declares, ``run_<op>``: the op on inputs already checked, with the op method's arguments less
+    ``checked``. With ``checked=True`` an op method first raises ValueError for shapes no backend could
+    run, then with the backend's reason if it refuses; with ``checked=False`` it only runs. An op the
+    backend does not run is refused either way.
     """
 
     name: ClassVar[str]
@@ -356,21 +349,58 @@ class BackendBase:
         return not_installed(self) or declared_refusal(self, op, q)
 
     def segment_attention(self, q, keys, values, layout, segments, scale=None, softcap=None, *, workspace=None, checked=True):
+        """:class:`AttentionBackend`'s ``segment_attention``: the checks when ``checked``, then ``run_segment_attention``."""
+        if checked:
+            check_inputs(q, keys, values, layout, segments, softcap)
+            refuse(self, "segment_attention", q, keys, softcap)
+        return self.run_segment_attention(q, keys, values, layout, segments, scale, softcap, workspace)
+
+    def segment_log_mass(self, segment_keys, queries, index, *, checked=True):
+        """:class:`AttentionBackend`'s ``segment_log_mass``: the checks when ``checked``, then ``run_segment_log_mass``."""
+        if checked:
+            check_segment_lists(queries, index)
+            refuse(self, "segment_log_mass", queries, segment_keys.raw)
+        return self.run_segment_log_mass(segment_keys, queries, index)
+
+    def slot_attention(self, q, keys, values, den_weight=None, num_weight=None, scale=None, softcap=None, floor_weight=None, *, checked=True):
+        """:class:`AttentionBackend`'s ``slot_attention``: the checks when ``checked``, then ``run_slot_attention``."""
+        if checked:
+            check_slots(q, keys, values)
+            refuse(self, "slot_attention", q, keys, softcap)
+        return self.run_slot_attention(q, keys, values, den_weight, num_weight, scale, softcap, floor_weight)
+
+    def dense(self, q, keys, values, scale=None, softcap=None, *, checked=True):
+        """:class:`AttentionBackend`'s ``dense``: the checks when ``checked``, then ``run_dense``."""
+        if checked:
+            check_cache(q, keys, values, keys.shape[2] if keys.dim() == 4 else 0, softcap)
+            refuse(self, "dense", q, keys, softcap)
+        return self.run_dense(q, keys, values, scale, softcap)
+
+    def bound_scores(self, low, high, queries, *, checked=True):
+        """:class:`AttentionBackend`'s ``bound_scores``: the checks when ``checked``, then ``run_bound_scores``."""
+        if checked:
+            check_bounds(low, high, queries)
+            refuse(self, "bound_scores", queries, low)
+        return self.run_bound_scores(low, high, queries)
+
+    # Where an op the backend does not run lands, checked or not: refused with its reason, never a fallback.
+
+    def run_segment_attention(self, q, keys, values, layout, segments, scale, softcap, workspace):
         refuse(self, "segment_attention", q, keys, softcap)
         raise AssertionError(f"unreachable: the {self.name} backend declares segment_attention but does not define it")
 
-    def segment_log_mass(self, segment_keys, queries, index, *, checked=True):
+    def run_segment_log_mass(self, segment_keys, queries, index):
         refuse(self, "segment_log_mass", queries, segment_keys.raw)
         raise AssertionError(f"unreachable: the {self.name} backend declares segment_log_mass but does not define it")
 
-    def slot_attention(self, q, keys, values, den_weight=None, num_weight=None, scale=None, softcap=None, floor_weight=None, *, checked=True):
+    def run_slot_attention(self, q, keys, values, den_weight, num_weight, scale, softcap, floor_weight):
         refuse(self, "slot_attention", q, keys, softcap)
         raise AssertionError(f"unreachable: the {self.name} backend declares slot_attention but does not define it")
 
-    def dense(self, q, keys, values, scale=None, softcap=None, *, checked=True):
+    def run_dense(self, q, keys, values, scale, softcap):
         refuse(self, "dense", q, keys, softcap)
         raise AssertionError(f"unreachable: the {self.name} backend declares dense but does not define it")
 
-    def bound_scores(self, low, high, queries, *, checked=True):
+    def run_bound_scores(self, low, high, queries):
         refuse(self, "bound_scores", queries, low)
         raise AssertionError(f"unreachable: the {self.name} backend declares bound_scores but does not define it")

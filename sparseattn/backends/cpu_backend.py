@@ -20,18 +20,16 @@ from typing import ClassVar
 
 import torch
 
-from sparseattn.backends.base import BackendBase, Capability, check_cache, check_inputs, declared_refusal, refuse
+from sparseattn.backends.base import BackendBase, Capability, declared_refusal, every_token_a_sink
 from sparseattn.backends.cpu_kernels import (
     MAX_GROUP,
     cpu_kernel_refusal,
+    kernel_operands,
     merged_rest_cpu,
     segment_attention_cpu,
     segment_log_mass_cpu,
     supported_dtypes,
 )
-from sparseattn.ops.buffers import Workspace
-from sparseattn.ops.layout import SegmentLayout
-from sparseattn.ops.segments import SegmentKeys, check_segment_lists
 
 _ATTENTION = Capability(devices=("cpu",), dtypes=(torch.float32, torch.bfloat16, torch.float16))
 
@@ -65,114 +63,53 @@ class CpuBackend(BackendBase):
             return f"the cache's head dim is not contiguous (stride {keys.stride(-1)})"
         return None
 
-    def segment_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        workspace: Workspace | None = None,
-        checked: bool = True,
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out. No scratch: ``workspace`` is unused."""
-        if checked:
-            check_inputs(q, keys, values, layout, segments, softcap)
-            refuse(self, "segment_attention", q, keys, softcap)
-            check_values(values)
+    def run_segment_attention(self, q, keys, values, layout, segments, scale, softcap, workspace):
+        """Float32 out. No scratch: ``workspace`` is unused."""
+        check_values(values)
         return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap)
 
-    def segment_attention_masked(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        valid: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
+    # The optional ops of base.EXTENSION_OPS: their arguments are typed once, in their protocols (as the op
+    # methods' are in AttentionBackend). Unchecked: the decode state had ``segment_attention`` accept these
+    # inputs; a flagged index outside [0, n_segments) is refused by the kernel.
+
+    def segment_attention_masked(self, q, keys, values, layout, segments, valid, scale=None, softcap=None):
         """:class:`~sparseattn.backends.base.MaskedSegmentAttention`: the kernel builds each row's spans from
-        the listed segments flagged in ``valid``. Unchecked: the decode state had ``segment_attention``
-        accept these inputs; a flagged index outside ``[0, n_segments)`` is refused by the kernel."""
+        the listed segments flagged in ``valid``."""
         return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid)
 
-    def segment_attention_lse(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        valid: torch.Tensor | None = None,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def segment_attention_lse(self, q, keys, values, layout, segments, valid=None, scale=None, softcap=None):
         """:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the same kernel, also writing each query
-        head's log-sum-exp. Unchecked, as :meth:`segment_attention_masked`."""
+        head's log-sum-exp."""
         return segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid, lse=True)
 
-    def segment_attention_merged(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        valid: torch.Tensor | None,
-        seg_kv: torch.Tensor,
-        block_k: torch.Tensor,
-        block_v: torch.Tensor,
-        per_block: int,
-        scale: float,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
+    def segment_attention_merged(self, q, keys, values, layout, segments, valid, sums, scale, softcap=None):
         """:class:`~sparseattn.backends.base.MergedRestAttention`: the kernel with its log-sum-exp, then the
         merged rest in C from the segments' and blocks' sums (no token read twice, no tensor operation
-        between). Unchecked, as :meth:`segment_attention_masked`."""
+        between)."""
         if layout.tail_start < layout.segment_end:
             raise ValueError(f"segment_attention_merged needs a window that reaches into no segment: tail_start "
                              f"{layout.tail_start} < segment_end {layout.segment_end}")  # fmt: skip
         # Converted once for both calls (each would otherwise convert its own copy every step).
-        q, segments = q.to(torch.float32).contiguous(), segments.to(torch.int64).contiguous()
-        valid = None if valid is None else valid.to(torch.uint8).contiguous()
+        q, segments, valid = kernel_operands(q, segments, valid)
         out, lse = segment_attention_cpu(q, keys, values, layout, segments, scale, softcap, valid, lse=True)
-        return merged_rest_cpu(out, lse, q, layout, segments, valid, seg_kv, block_k, block_v, per_block, scale, softcap)
+        return merged_rest_cpu(out, lse, q, layout, segments, valid, sums, scale, softcap)
 
-    def dense(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        checked: bool = True,
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out. The segment kernel with every token a sink."""
-        if checked:
-            check_cache(q, keys, values, keys.shape[2] if keys.dim() == 4 else 0, softcap)
-            refuse(self, "dense", q, keys, softcap)
-            check_values(values)
-        every = SegmentLayout(length=keys.shape[2], sinks=keys.shape[2], segment_size=1, n_segments=0)
-        none = torch.zeros(*q.shape[:2], 1, 0, dtype=torch.long)
+    def run_dense(self, q, keys, values, scale, softcap):
+        """Float32 out: the segment kernel with every token a sink."""
+        check_values(values)
+        every, none = every_token_a_sink(q, keys)
         return segment_attention_cpu(q, keys, values, every, none, scale, softcap)
 
-    def segment_log_mass(
-        self, segment_keys: SegmentKeys, queries: torch.Tensor, index: torch.Tensor, *, checked: bool = True
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out, the keys read in place."""
-        if checked:
-            check_segment_lists(queries, index)
-            refuse(self, "segment_log_mass", queries, segment_keys.raw)
+    def run_segment_log_mass(self, segment_keys, queries, index):
+        """Float32 out, the keys read in place."""
         return segment_log_mass_cpu(queries, segment_keys.raw, segment_keys.factor, index)
 
 
 def check_values(values: torch.Tensor) -> None:
-    """The kernel reads value rows in place: their head dim must be contiguous (keys are checked by the refusal)."""
+    """The kernel reads value rows in place: their head dim must be contiguous (keys are checked by the refusal).
+
+    Checked on unchecked calls too (it runs in ``run_segment_attention`` and ``run_dense``): one stride
+    comparison, where a strided head dim would be read wrong.
+    """
     if values.stride(-1) != 1:
         raise ValueError(f"the cpu backend needs the values' head dim contiguous, got stride {values.stride(-1)}")

@@ -17,23 +17,15 @@
  * Built with -ffast-math (vectorised expf/tanhf from libmvec), which assumes finite numbers: the
  * running maximum therefore starts at a finite -1e30, never at -inf.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kernel_common.h"
 
 #ifndef SA_BLOCK
 #define SA_BLOCK 32 /* tokens per online-softmax update */
 #endif
-#define SA_MIN_PART 512      /* fewest tokens worth a part of its own */
-#define SA_NO_SCORE (-1e30f) /* the running maximum before any token (finite: see above) */
-#define SA_MAX_ROWS 64       /* query heads per KV head (one bit each in a 64-bit mask) */
+#define SA_MIN_PART 512 /* fewest tokens worth a part of its own */
+#define SA_MAX_ROWS 64  /* query heads per KV head (one bit each in a 64-bit mask) */
 
-enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2 };
-enum { SA_OK = 0, SA_BAD_SEGMENT = 1, SA_NO_MEMORY = 2, SA_EMPTY_HEAD = 3, SA_BAD_DTYPE = 4, SA_TOO_MANY_ROWS = 5, SA_BAD_BLOCK = 6 };
+enum { SA_BAD_SEGMENT = 1, SA_EMPTY_HEAD = 3, SA_TOO_MANY_ROWS = 5, SA_BAD_BLOCK = 6 }; /* besides kernel_common.h's */
 
 typedef struct {
     int64_t start, end; /* token range */
@@ -44,13 +36,7 @@ typedef struct {
     int64_t row, first, last; /* tokens [first, last) of the row's concatenated spans */
 } sa_part;
 
-int sa_float16_supported(void) {
-#ifdef SA_NO_FLOAT16
-    return 0;
-#else
-    return 1;
-#endif
-}
+int sa_float16_supported(void) { return sa_float16_built(); }
 
 /* Rows [j0, j0 + n) of a cache as float32: a pointer into the cache itself for float32, else a
  * converted copy in buf (row stride D). Returns the row stride through *stride. */
@@ -65,10 +51,7 @@ static const float *load_rows(const void *base, int dtype, int64_t row_stride, i
         float *dst = buf + (int64_t)j * D;
         if (dtype == SA_BF16) {
             const uint16_t *src = (const uint16_t *)base + (j0 + j) * row_stride;
-            for (int d = 0; d < D; ++d) {
-                uint32_t bits = (uint32_t)src[d] << 16;
-                memcpy(dst + d, &bits, 4);
-            }
+            for (int d = 0; d < D; ++d) sa_bf16_to_float(dst + d, src[d]);
         }
 #ifndef SA_NO_FLOAT16
         else {
@@ -120,16 +103,7 @@ typedef struct {
             }                                                                                                  \
             float top = SA_NO_SCORE;                                                                           \
             for (int j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;                                       \
-            const float m_new = m[g] > top ? m[g] : top;                                                       \
-            const float alpha = expf(m[g] - m_new);                                                            \
-            float sum = 0.f;                                                                                   \
-            for (int j = 0; j < n; ++j) {                                                                      \
-                const float p = expf(sg[j] - m_new);                                                           \
-                sg[j] = p;                                                                                     \
-                sum += p;                                                                                      \
-            }                                                                                                  \
-            l[g] = l[g] * alpha + sum;                                                                         \
-            m[g] = m_new;                                                                                      \
+            SA_SOFTMAX_STEP(sg, n, top, m[g], l[g], alpha);                                                    \
             if (alpha != 1.f) {                                                                                \
                 float *ag = acc + (int64_t)g * D;                                                              \
                 for (int d = 0; d < D; ++d) ag[d] *= alpha;                                                    \

@@ -1,5 +1,8 @@
 """The CPU kernel of the ``cpu`` backend: built from ``cpu_kernels.c`` on first use, called through ctypes.
 
+The build (:func:`build_library`) serves every C kernel of the package: this one and the paged engine's
+(:mod:`sparseattn.vllm.paged_kernel`), both including ``kernel_common.h`` (:data:`HEADER`), the code they share.
+
 No library offers decode attention over a list of token ranges read in place on the CPU (torch's
 SDPA needs the tokens as one tensor, so the torch backend gathers a copy first; FlexAttention's CPU
 template skips blocks but measured 3x slower per byte here), so the kernel is ours: C with OpenMP,
@@ -10,7 +13,7 @@ where that older variable is set). The shared library links the ``libgomp.so.1``
 already loaded, so the kernel runs on torch's own OpenMP threads (``torch.get_num_threads()``).
 
 A cached library is not trusted by its name: the build writes a manifest beside it
-(``cpu_kernels-<key>.json``: the build key over source, compiler, flags and CPU, and the library's
+(``cpu_kernels-<key>.json``: the build key over source, header, compiler, flags and CPU, and the library's
 sha256), and a library whose manifest is missing or does not match is rebuilt (to a temporary name,
 then renamed), under a file lock so that two processes build once. After loading, the entry points
 are looked up; a library without them is refused.
@@ -32,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 
@@ -39,6 +43,7 @@ import torch
 
 from sparseattn.machine import cpu_flags
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.segments import RestSums
 from sparseattn.paths import file_lock, kernel_cache_dir
 from sparseattn.progress import progress
 
@@ -72,6 +77,10 @@ class KernelBuildError(RuntimeError):
 
 #: The entry points the library must export; a library without one of them is not this kernel.
 SYMBOLS = ("sa_segment_attention", "sa_segment_log_mass", "sa_merged_rest", "sa_float16_supported")
+
+#: The header every C kernel of the package includes (dtype and status codes, loaders, the online-softmax
+#: step), a file of this package: each build copies it beside the kernel's source.
+HEADER = "kernel_common.h"
 
 
 def cache_dir() -> Path:
@@ -157,9 +166,15 @@ def _write_manifest(library: Path, key: str, compiler: str, version: str, extra:
         raise
 
 
-def _build(compiler: str, version: str, source_text: bytes, target: Path, key: str, name: str = "cpu_kernels.c") -> None:
-    """Compile ``source_text`` (the file ``name``) to ``target`` and write its manifest; raises :class:`KernelBuildError`."""
+def _build(
+    compiler: str, version: str, source_text: bytes, target: Path, key: str, name: str = "cpu_kernels.c",
+    headers: Mapping[str, bytes] | None = None,
+) -> None:  # fmt: skip
+    """Compile ``source_text`` (the file ``name``, with ``headers`` beside it: file name -> text) to ``target``
+    and write its manifest; raises :class:`KernelBuildError`."""
     with tempfile.TemporaryDirectory() as tmp, progress(f"compiling {name} with {Path(compiler).name}"):
+        for header, text in (headers or {}).items():
+            (Path(tmp) / header).write_bytes(text)
         source = Path(tmp) / name
         source.write_bytes(source_text)
         extra: tuple[str, ...] = ()
@@ -172,15 +187,18 @@ def _build(compiler: str, version: str, source_text: bytes, target: Path, key: s
     _write_manifest(target, key, compiler, version, extra)
 
 
-def _ensure_built(compiler: str, version: str, source_text: bytes, target: Path, key: str, name: str = "cpu_kernels.c") -> bool:
-    """Make ``target`` a verified build of ``source_text``; True when this call built it."""
+def _ensure_built(
+    compiler: str, version: str, source_text: bytes, target: Path, key: str, name: str = "cpu_kernels.c",
+    headers: Mapping[str, bytes] | None = None,
+) -> bool:  # fmt: skip
+    """Make ``target`` a verified build of ``source_text`` (with ``headers``, as :func:`_build`); True when this call built it."""
     if _is_verified(target, key):
         return False
     # Another process may be building the same key right now: wait for it rather than build twice.
     with file_lock(target.with_suffix(".lock"), f"another process building the cpu kernel {target.name}"):
         if _is_verified(target, key):  # it finished while we waited
             return False
-        _build(compiler, version, source_text, target, key, name)
+        _build(compiler, version, source_text, target, key, name, headers)
         return True
 
 
@@ -196,26 +214,31 @@ def _open(target: Path, symbols: tuple[str, ...] = SYMBOLS, name: str = "cpu_ker
     return lib
 
 
+def build_key(source_text: bytes, headers: Mapping[str, bytes], compiler_version: str) -> str:
+    """The cache key of a build: sha256 over the source, its headers, the compiler, the flags and this CPU."""
+    parts = [source_text, *headers.values(), compiler_version.encode(), " ".join(CFLAGS + LDFLAGS + LIBS).encode()]
+    return hashlib.sha256(b"\0".join([*parts, _host_signature().encode()])).hexdigest()
+
+
 def build_library(package: str, name: str, symbols: tuple[str, ...]) -> ctypes.CDLL:
     """Build (once per machine and source) and load the C file ``name`` of ``package``; raises :class:`KernelBuildError`.
 
-    The same build for every C kernel of the package: compiled for this CPU with :data:`CFLAGS`, cached
-    under a key of source, compiler, flags and CPU with a manifest, built once under a file lock, and
-    checked to export ``symbols`` after loading.
+    The same build for every C kernel of the package: compiled for this CPU with :data:`CFLAGS`, the
+    shared :data:`HEADER` beside the source, cached under a key of source, header, compiler, flags and
+    CPU with a manifest, built once under a file lock, and checked to export ``symbols`` after loading.
     """
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc or clang)")
     source_text = resources.files(package).joinpath(name).read_bytes()
+    headers = {HEADER: resources.files(__package__).joinpath(HEADER).read_bytes()}
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise KernelBuildError(f"the C compiler {compiler!r} does not run: {err}") from err
-    key = hashlib.sha256(b"\0".join(
-        [source_text, version.encode(), " ".join(CFLAGS + LDFLAGS + LIBS).encode(), _host_signature().encode()]
-    )).hexdigest()
+    key = build_key(source_text, headers, version)
     target = cache_dir() / f"{Path(name).stem}-{key[:16]}.so"
-    built = _ensure_built(compiler, version, source_text, target, key, name)
+    built = _ensure_built(compiler, version, source_text, target, key, name, headers)
     try:
         return _open(target, symbols, name)
     except KernelBuildError as err:
@@ -251,14 +274,19 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def cpu_kernel_refusal() -> str | None:
-    """Why the kernel is unavailable on this machine, in words; None when it loads."""
+def build_refusal(load: Callable[[], object]) -> str | None:
+    """Why ``load`` (a library loader) fails on this machine, in words; None when it loads."""
     try:
-        load_library()
+        load()
     except KernelBuildError as err:
         return str(err)
     return None
+
+
+@functools.cache
+def cpu_kernel_refusal() -> str | None:
+    """Why the kernel is unavailable on this machine, in words; None when it loads."""
+    return build_refusal(load_library)
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
@@ -269,17 +297,24 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(dt for dt, code in DTYPE_CODES.items() if code != 2 or lib.sa_float16_supported())
 
 
+def kernel_operands(
+    q: torch.Tensor, segments: torch.Tensor, valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``q, segments, valid`` as the kernels read them: contiguous float32, int64 and uint8 (no copy when they are)."""
+    flags = None if valid is None else valid.to(torch.uint8).contiguous()
+    return q.to(torch.float32).contiguous(), segments.to(torch.int64).contiguous(), flags
+
+
+def check_status(status: int, what: str) -> None:
+    """Raise ValueError saying why the kernel ``what`` returned a nonzero ``status``."""
+    if status:
+        raise ValueError(f"cpu {what} failed: {_ERRORS.get(status, f'status {status}')}")
+
+
 def segment_attention_cpu(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: SegmentLayout,
-    segments: torch.Tensor,
-    scale: float | None = None,
-    softcap: float | None = None,
-    valid: torch.Tensor | None = None,
-    lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor,
+    scale: float | None = None, softcap: float | None = None, valid: torch.Tensor | None = None, lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`~sparseattn.ops.attention.segment_attention` by the C kernel, reading the cache in place.
 
     ``q: [B, H_kv, G, D]`` (any float dtype; converted to float32, it is small), ``keys, values:
@@ -293,9 +328,7 @@ def segment_attention_cpu(
     lib = load_library()
     B, H, G, D = q.shape
     scale = D**-0.5 if scale is None else scale
-    qf = q.to(torch.float32).contiguous()
-    seg = segments.to(torch.int64).contiguous()
-    flags = None if valid is None else valid.to(torch.uint8).contiguous()
+    qf, seg, flags = kernel_operands(q, segments, valid)
     out = torch.empty(B, H, G, D, dtype=torch.float32)
     norm = torch.empty(B, H, G, dtype=torch.float32) if lse else None
     ks, vs = keys.stride(), values.stride()
@@ -307,8 +340,7 @@ def segment_attention_cpu(
         float(scale), float(softcap or 0.0), out.data_ptr(), None if norm is None else norm.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        raise ValueError(f"cpu segment attention failed: {_ERRORS.get(status, f'status {status}')}")
+    check_status(status, "segment attention")
     return (out, norm) if lse else out
 
 
@@ -332,8 +364,7 @@ def segment_log_mass_cpu(queries: torch.Tensor, segment_keys: torch.Tensor, fact
         q.data_ptr(), segment_keys.data_ptr(), DTYPE_CODES[segment_keys.dtype], st[0], st[1], st[2], st[3],
         B, H, R, D, idx.data_ptr(), idx.shape[2], idx.shape[3], c, S, float(factor), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        raise ValueError(f"cpu segment log-mass failed: {_ERRORS.get(status, f'status {status}')}")
+    check_status(status, "segment log-mass")
     return out
 
 
@@ -344,44 +375,30 @@ def rows_in_place(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def merged_rest_cpu(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q: torch.Tensor,
-    layout: SegmentLayout,
-    segments: torch.Tensor,
-    valid: torch.Tensor | None,
-    seg_kv: torch.Tensor,
-    block_k: torch.Tensor,
-    block_v: torch.Tensor,
-    per_block: int,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
+    out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor,
+    valid: torch.Tensor | None, sums: RestSums, scale: float, softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """:func:`~sparseattn.methods.rest.add_merged_rest` by the C kernel, for a layout whose window reaches
     into no segment (``layout.tail_start >= layout.segment_end``: the caller checks).
 
     ``out, lse``: :func:`segment_attention_cpu`'s output and log-sum-exp (``lse=True``) for the same
-    ``q, segments, valid``; ``seg_kv: [B, H_kv, S, 2 D]`` float32, ``block_k, block_v: [B, H_kv, n, D]``
-    float64, as ``add_merged_rest``: read in place when their rows are contiguous (a view of the decode
-    state's capacity buffers is: copying them would cost more than the step), else copied. Returns a
-    new ``[B, H_kv, G, D]`` float32 tensor (``out`` is not written). Reference:
-    :func:`~sparseattn.methods.rest.merged_attention_ref`.
+    ``q, segments, valid``; ``sums`` as ``add_merged_rest`` takes them, its tensors read in place when their
+    rows are contiguous (views of the decode state's capacity buffers are: copying them would cost more
+    than the step), else copied. Returns a new ``[B, H_kv, G, D]`` float32 tensor (``out`` is not
+    written). Reference: :func:`~sparseattn.methods.rest.merged_attention_ref`.
     """
     lib = load_library()
     B, H, G, D = q.shape
     result = out.to(torch.float32).contiguous().clone()
-    qf = q.to(torch.float32).contiguous()
-    seg = segments.to(torch.int64).contiguous()
-    flags = None if valid is None else valid.to(torch.uint8).contiguous()
-    kv = rows_in_place(seg_kv, torch.float32)
-    bk, bv = rows_in_place(block_k, torch.float64), rows_in_place(block_v, torch.float64)
+    qf, seg, flags = kernel_operands(q, segments, valid)
+    kv = rows_in_place(sums.seg_kv, torch.float32)
+    bk, bv = rows_in_place(sums.block_k, torch.float64), rows_in_place(sums.block_v, torch.float64)
     norm = lse.to(torch.float32).contiguous()
     status = lib.sa_merged_rest(
         qf.data_ptr(), result.data_ptr(), norm.data_ptr(), seg.data_ptr(), None if flags is None else flags.data_ptr(),
         seg.shape[2], seg.shape[3], kv.data_ptr(), kv.stride(0), kv.stride(1),
         bk.data_ptr(), bk.stride(0), bk.stride(1), bv.data_ptr(), bv.stride(0), bv.stride(1), B, H, G, D,
-        layout.n_segments, layout.segment_size, per_block, float(scale), float(softcap or 0.0), torch.get_num_threads(),
+        layout.n_segments, layout.segment_size, sums.per_block, float(scale), float(softcap or 0.0), torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        raise ValueError(f"cpu merged rest failed: {_ERRORS.get(status, f'status {status}')}")
+    check_status(status, "merged rest")
     return result

@@ -17,12 +17,10 @@ from typing import ClassVar
 
 import torch
 
-from sparseattn.backends.base import BackendBase, Capability, check_bounds, check_cache, check_inputs, check_slots, refuse
+from sparseattn.backends.base import BackendBase, Capability
 from sparseattn.ops.attention import dense_decode_attention, segment_attention
 from sparseattn.ops.bounds import bound_scores
-from sparseattn.ops.buffers import Workspace
-from sparseattn.ops.layout import SegmentLayout
-from sparseattn.ops.segments import SegmentKeys, check_segment_lists, segment_log_mass
+from sparseattn.ops.segments import segment_log_mass
 from sparseattn.ops.slots import slot_attention
 
 _EVERYWHERE = Capability(
@@ -32,7 +30,13 @@ _EVERYWHERE = Capability(
 
 @dataclass(frozen=True)
 class TorchBackend(BackendBase):
-    """Plain torch ops; runs everywhere torch does, in every float dtype."""
+    """Plain torch ops; runs everywhere torch does, in every float dtype.
+
+    Each op method (:class:`~sparseattn.backends.base.BackendBase`'s: the checks, then ``run_<op>``) returns
+    its ops function's result: ``segment_attention`` and ``dense`` float32 (float64 for float64 inputs),
+    ``segment_log_mass`` and ``bound_scores`` in the queries' dtype, ``slot_attention`` ``(out, probs)``
+    in the compute dtype.
+    """
 
     name: ClassVar[str] = "torch"
     CAPABILITIES: ClassVar[Mapping[str, Capability]] = {
@@ -43,72 +47,17 @@ class TorchBackend(BackendBase):
         "bound_scores": _EVERYWHERE,
     }
 
-    def segment_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        workspace: Workspace | None = None,
-        checked: bool = True,
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out (float64 for float64 in)."""
-        if checked:
-            check_inputs(q, keys, values, layout, segments, softcap)
-            refuse(self, "segment_attention", q, keys, softcap)
+    def run_segment_attention(self, q, keys, values, layout, segments, scale, softcap, workspace):
         return segment_attention(q, keys, values, layout, segments, scale, softcap, workspace)
 
-    def segment_log_mass(
-        self, segment_keys: SegmentKeys, queries: torch.Tensor, index: torch.Tensor, *, checked: bool = True
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; in the queries' dtype."""
-        if checked:
-            check_segment_lists(queries, index)
-            refuse(self, "segment_log_mass", queries, segment_keys.raw)
+    def run_segment_log_mass(self, segment_keys, queries, index):
         return segment_log_mass(segment_keys, queries, index)
 
-    def slot_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        den_weight: torch.Tensor | None = None,
-        num_weight: torch.Tensor | None = None,
-        scale: float | None = None,
-        softcap: float | None = None,
-        floor_weight: torch.Tensor | None = None,
-        *,
-        checked: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; ``(out, probs)`` in the compute dtype."""
-        if checked:
-            check_slots(q, keys, values)
-            refuse(self, "slot_attention", q, keys, softcap)
+    def run_slot_attention(self, q, keys, values, den_weight, num_weight, scale, softcap, floor_weight):
         return slot_attention(q, keys, values, den_weight, num_weight, scale, softcap, floor_weight)
 
-    def dense(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        checked: bool = True,
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out (float64 for float64 in)."""
-        if checked:
-            check_cache(q, keys, values, keys.shape[2] if keys.dim() == 4 else 0, softcap)
-            refuse(self, "dense", q, keys, softcap)
+    def run_dense(self, q, keys, values, scale, softcap):
         return dense_decode_attention(q, keys, values, scale, softcap)
 
-    def bound_scores(self, low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; in the queries' dtype."""
-        if checked:
-            check_bounds(low, high, queries)
-            refuse(self, "bound_scores", queries, low)
+    def run_bound_scores(self, low, high, queries):
         return bound_scores(low, high, queries)

@@ -31,20 +31,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from sparseattn.backends.base import (
-    BackendBase,
-    Capability,
-    check_bounds,
-    check_cache,
-    check_inputs,
-    check_slots,
-    declared_refusal,
-    package_missing,
-    refuse,
-)
-from sparseattn.ops.buffers import Workspace
+from sparseattn.backends.base import BackendBase, Capability, declared_refusal, every_token_a_sink, package_missing
 from sparseattn.ops.layout import SegmentLayout
-from sparseattn.ops.segments import SegmentKeys, check_segment_lists
 
 #: Splits per row are capped so the merge kernel holds all of a row's states in one tile.
 MAX_SPLITS = 64
@@ -283,48 +271,6 @@ def bound_scores_triton(low: torch.Tensor, high: torch.Tensor, queries: torch.Te
     return out
 
 
-def slot_attention_triton(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    den_weight: torch.Tensor | None = None,
-    num_weight: torch.Tensor | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    floor_weight: torch.Tensor | None = None,
-    *,
-    block_s: int = 64,
-    num_warps: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sparseattn.ops.slots.slot_attention` by one kernel: ``(out [B, H, G, T, D], probs [B, H, G, T, S])`` float32. Unchecked."""
-    B, H, G, T, D = q.shape
-    S = keys.shape[2]
-    scale = D**-0.5 if scale is None else scale
-    out = torch.empty(B, H, G, T, D, dtype=torch.float32, device=q.device)
-    probs = torch.empty(B, H, G, T, S, dtype=torch.float32, device=q.device)
-    weighted = den_weight is not None or num_weight is not None or floor_weight is not None
-    ones = None
-    if weighted and (den_weight is None or num_weight is None):
-        ones = torch.ones(B, H, S, dtype=torch.float32, device=q.device)
-    a = den_weight if den_weight is not None else ones
-    b = num_weight if num_weight is not None else ones
-    weights = [w.to(torch.float32).contiguous() if w is not None else None for w in (a, b, floor_weight)]
-    a, b, f = (w if w is not None else keys for w in weights)  # a stand-in pointer for an unused weight: never read
-    w_stride = a.stride() if weighted else (0, 0, 0)
-    rows = G * T
-    q2, out2, probs2 = q.reshape(B, H, rows, D), out.view(B, H, rows, D), probs.view(B, H, rows, S)
-    block_m = triton_block(rows, 16) if rows <= 64 else 64
-    with on_device(q.device):
-        kernels(interpreting()).slot_attention[(B * H, -(-rows // block_m))](
-            q2, keys, values, a, b, f, out2, probs2,
-            *q2.stride(), *keys.stride(), *values.stride(), *w_stride, *out2.stride(), *probs2.stride(),
-            H, rows, T, S, D, float(scale), float(softcap or 0.0),
-            WEIGHTED=weighted, HAS_FLOOR=floor_weight is not None, HAS_SOFTCAP=softcap is not None,
-            BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=triton_block(D, 16), num_warps=num_warps,
-        )  # fmt: skip
-    return out, probs
-
-
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: tl.dot needs K >= 16; dims that are not powers of two are padded to one and masked.
 _HEAD_DIMS = range(16, 257)
@@ -398,53 +344,22 @@ class TritonBackend(BackendBase):
             return f"q is {q.dtype} but keys are {keys.dtype}; the kernel needs one dtype for q, keys and values"
         return None
 
-    def segment_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        workspace: Workspace | None = None,
-        checked: bool = True,
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; returns ``[B, H_kv, G, D]`` float32. ``workspace`` is unused."""
-        if checked:
-            check_inputs(q, keys, values, layout, segments, softcap)
-            refuse(self, "segment_attention", q, keys, softcap)
+    def run_segment_attention(self, q, keys, values, layout, segments, scale, softcap, workspace):
+        """``[B, H_kv, G, D]`` float32. ``workspace`` is unused."""
         return self._attend(q, keys, values, layout, segments, None, scale, softcap)[0]
 
-    def segment_attention_masked(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        valid: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
+    # The optional ops of base.EXTENSION_OPS: their arguments are typed once, in their protocols (as the op
+    # methods' are in AttentionBackend). Unchecked: the decode state had ``segment_attention`` accept these
+    # inputs.
+
+    def segment_attention_masked(self, q, keys, values, layout, segments, valid, scale=None, softcap=None):
         """:class:`~sparseattn.backends.base.MaskedSegmentAttention`: the listed segments not flagged in ``valid``
-        are masked in the kernel and not read. Unchecked: the decode state had ``segment_attention`` accept these inputs."""
+        are masked in the kernel and not read."""
         return self._attend(q, keys, values, layout, segments, valid, scale, softcap)[0]
 
-    def segment_attention_lse(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        layout: SegmentLayout,
-        segments: torch.Tensor,
-        valid: torch.Tensor | None = None,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def segment_attention_lse(self, q, keys, values, layout, segments, valid=None, scale=None, softcap=None):
         """:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the output and each query head's log-sum-exp
-        ``[B, H_kv, G]`` (the merge of the splits computes it). Unchecked, as :meth:`segment_attention_masked`."""
+        ``[B, H_kv, G]`` (the merge of the splits computes it)."""
         return self._attend(q, keys, values, layout, segments, valid, scale, softcap)
 
     def _attend(self, q, keys, values, layout, segments, valid, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,58 +377,48 @@ class TritonBackend(BackendBase):
             return out.view(B, H, G, D), lse.view(B, H, G)
         return merge_partials(out, lse)
 
-    def dense(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        *,
-        checked: bool = True,
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out. The split kernel with every token a sink."""
-        if checked:
-            check_cache(q, keys, values, keys.shape[2] if keys.dim() == 4 else 0, softcap)
-            refuse(self, "dense", q, keys, softcap)
-        every = SegmentLayout(length=keys.shape[2], sinks=keys.shape[2], segment_size=1, n_segments=0)
-        none = torch.zeros(*q.shape[:2], 1, 0, dtype=torch.long, device=q.device)
+    def run_dense(self, q, keys, values, scale, softcap):
+        """Float32 out: the split kernel with every token a sink."""
+        every, none = every_token_a_sink(q, keys)
         return self._attend(q, keys, values, every, none, None, scale, softcap)[0]
 
-    def segment_log_mass(
-        self, segment_keys: SegmentKeys, queries: torch.Tensor, index: torch.Tensor, *, checked: bool = True
-    ) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out, the keys read in place."""
-        if checked:
-            check_segment_lists(queries, index)
-            refuse(self, "segment_log_mass", queries, segment_keys.raw)
+    def run_segment_log_mass(self, segment_keys, queries, index):
+        """Float32 out, the keys read in place."""
         return segment_log_mass_triton(segment_keys.raw, segment_keys.factor, queries, index)
 
-    def bound_scores(self, low: torch.Tensor, high: torch.Tensor, queries: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; float32 out."""
-        if checked:
-            check_bounds(low, high, queries)
-            refuse(self, "bound_scores", queries, low)
+    def run_bound_scores(self, low, high, queries):
+        """Float32 out."""
         return bound_scores_triton(low, high, queries)
 
-    def slot_attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        den_weight: torch.Tensor | None = None,
-        num_weight: torch.Tensor | None = None,
-        scale: float | None = None,
-        softcap: float | None = None,
-        floor_weight: torch.Tensor | None = None,
-        *,
-        checked: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :class:`sparseattn.backends.base.AttentionBackend`; ``(out, probs)`` float32."""
-        if checked:
-            check_slots(q, keys, values)
-            refuse(self, "slot_attention", q, keys, softcap)
-        return slot_attention_triton(q, keys, values, den_weight, num_weight, scale, softcap, floor_weight)
+    def run_slot_attention(self, q, keys, values, den_weight, num_weight, scale, softcap, floor_weight):
+        """:func:`sparseattn.ops.slots.slot_attention` by one kernel: ``(out [B, H, G, T, D], probs [B, H, G, T, S])``
+        float32. Blocks of 64 slots, 4 warps (not the backend's ``block_n`` and ``num_warps``)."""
+        B, H, G, T, D = q.shape
+        S = keys.shape[2]
+        scale = D**-0.5 if scale is None else scale
+        out = torch.empty(B, H, G, T, D, dtype=torch.float32, device=q.device)
+        probs = torch.empty(B, H, G, T, S, dtype=torch.float32, device=q.device)
+        weighted = den_weight is not None or num_weight is not None or floor_weight is not None
+        ones = None
+        if weighted and (den_weight is None or num_weight is None):
+            ones = torch.ones(B, H, S, dtype=torch.float32, device=q.device)
+        a = den_weight if den_weight is not None else ones
+        b = num_weight if num_weight is not None else ones
+        weights = [w.to(torch.float32).contiguous() if w is not None else None for w in (a, b, floor_weight)]
+        a, b, f = (w if w is not None else keys for w in weights)  # a stand-in pointer for an unused weight: never read
+        w_stride = a.stride() if weighted else (0, 0, 0)
+        rows = G * T
+        q2, out2, probs2 = q.reshape(B, H, rows, D), out.view(B, H, rows, D), probs.view(B, H, rows, S)
+        block_m = triton_block(rows, 16) if rows <= 64 else 64
+        with on_device(q.device):
+            kernels(interpreting()).slot_attention[(B * H, -(-rows // block_m))](
+                q2, keys, values, a, b, f, out2, probs2,
+                *q2.stride(), *keys.stride(), *values.stride(), *w_stride, *out2.stride(), *probs2.stride(),
+                H, rows, T, S, D, float(scale), float(softcap or 0.0),
+                WEIGHTED=weighted, HAS_FLOOR=floor_weight is not None, HAS_SOFTCAP=softcap is not None,
+                BLOCK_M=block_m, BLOCK_S=64, BLOCK_D=triton_block(D, 16), num_warps=4,
+            )  # fmt: skip
+        return out, probs
 
     def splits(self, programs: int, n_blocks: int, device: torch.device, interpret: bool) -> int:
         """How many splits to cut ``n_blocks`` blocks into, so that no split is empty."""

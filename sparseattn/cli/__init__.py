@@ -1,5 +1,9 @@
-"""The ``sparseattn`` command line: ``compare`` (the research view of the main job), ``generate``, ``demo``, ``methods``, the evaluation
-sub-commands, and ``serve`` / ``serving-bench`` (a method inside vLLM)."""
+"""The ``sparseattn`` command line: ``compare`` (the research view of the main job), ``generate``, ``demo``,
+``methods``, the evaluation commands (``ppl``, ``plot``, ``needle``, ``ruler``, ``diagnose``, ``sweep``,
+``longbench``), and ``serve`` / ``serving-bench`` (a method inside vLLM).
+
+Each command is a module of its own, named after it; what several commands share is in
+:mod:`sparseattn.cli.common`, and their consoles in :mod:`sparseattn.cli.consoles`."""
 
 from __future__ import annotations
 
@@ -8,26 +12,19 @@ import sys
 
 import torch
 import typer
-from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 import sparseattn
-from sparseattn import registry
-from sparseattn.cli.compare import compare
+from sparseattn.cli import catalogue, compare, demo, diagnose, generate, longbench, needle, plot, ppl, ruler, serve, serving_bench, sweep
 from sparseattn.cli.consoles import console
-from sparseattn.cli.demo import demo
-from sparseattn.cli.evaluate import diagnose, longbench_run, needle, plot, ppl, ruler, sweep
-from sparseattn.cli.generate import generate
-from sparseattn.cli.serving import serve, serving_bench
 from sparseattn.data.cli import app as data_app
-from sparseattn.evaluation.longbench_cli import app as longbench_app
 
 
 class _Layout:
     """What every command and group of the CLI shares: how its help and its errors are laid out.
 
     * Typer 0.29 vendors its own copy of click (``typer._click``; the installed click is not used)
-      and prints every option's type in help, flags included, so ``--help`` read ``--help <bool>``
+      and prints every option's type in help, flags included, so that ``--help`` would read ``--help <bool>``
       as if it took a value. A flag takes none: its type column is left empty.
     * Rich's boxes are for a terminal. In a log or a pipe they wrap at 80 columns and split an error
       message from its values, so there help and errors are plain click text: an error is then the
@@ -77,25 +74,16 @@ def version() -> None:
     )
 
 
-@app.command("methods", cls=Command)
-def list_methods() -> None:
-    """List the method names --method accepts, with the options each takes and a one-line description."""
-    table = Table(title="methods")
-    for column in ("name", "options", "description"):
-        table.add_column(column)
-    for name in registry.names():
-        entry = registry.get(name)
-        table.add_row(name, ", ".join(f"--{o.replace('_', '-')}" for o in entry.option_names) or "-", entry.description)
-    console.print(table)
+app.command("methods", cls=Command)(catalogue.list_methods)
 
 
-for command in (compare, demo, generate, ppl, plot, needle, ruler, diagnose, sweep):
+for command in (compare.compare, demo.demo, generate.generate, ppl.ppl, plot.plot, needle.needle, ruler.ruler,
+                diagnose.diagnose, sweep.sweep, serve.serve):
     app.command(cls=Command)(command)
-app.command(cls=Command)(serve)
-app.command("serving-bench", cls=Command)(serving_bench)
-longbench_app.command("run", cls=Command)(longbench_run)
-for sub_app in (data_app, longbench_app):
+app.command("serving-bench", cls=Command)(serving_bench.serving_bench)
+for sub_app in (data_app, longbench.app):
     for info in sub_app.registered_commands:
-        info.cls = info.cls or Command  # registered in their own modules, which cannot import this one
+        if info.cls in (None, TyperCommand):  # typer's default: their modules cannot import this one to name Command
+            info.cls = Command
 app.add_typer(data_app, name="data", cls=Group)
-app.add_typer(longbench_app, name="longbench", cls=Group)
+app.add_typer(longbench.app, name="longbench", cls=Group)

@@ -28,6 +28,7 @@ import torch
 import typer
 from rich.table import Table
 
+from sparseattn.cli.common import MODEL, bad, check_dtype, check_out, check_positions, inspect_model, parse_methods, wrote
 from sparseattn.cli.consoles import console
 from sparseattn.methods import Dense
 from sparseattn.progress import progress
@@ -37,13 +38,8 @@ from sparseattn.progress import progress
 DENSE, KERNEL_DENSE = "dense (SDPA)", "dense (cpu kernel)"
 
 
-def _attended(cache) -> float:
-    layers = [layer for layer in cache.sparse_layers if layer.stats.history]
-    return sum(layer.stats.history[-1] for layer in layers) / len(layers) if layers else float("nan")
-
-
 def compare(
-    model: str = typer.Option("default", help="'default' (SmolLM2-135M-Instruct), a local HF directory or a .gguf file"),
+    model: str = MODEL,
     method: list[str] = typer.Option(
         ["radar+", "quest", "streamingllm"], "--method", "-m", help="sparse methods NAME[:key=value,...] (repeatable)"
     ),
@@ -56,16 +52,14 @@ def compare(
 ) -> None:
     """Dense vs sparse decoding of a batch of long prompts: tokens/s, speed vs dense, ppl and agreement, one table."""
     # transformers is imported only when a command runs, so that every refusal before it is quick.
-    from sparseattn.cli.evaluate import check_out, check_positions, inspect_model, parse_methods, wrote
     from sparseattn.evaluation.batches import stdlib_rows
+    from sparseattn.evaluation.ppl import step_attended
     from sparseattn.evaluation.runs import environment, write_json
     from sparseattn.evaluation.shared_prefill import prefill_together
     from sparseattn.hf import apply, cache_kwargs
 
     # Every check comes before the weights load: a mistake costs seconds, not a prefill.
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        raise typer.BadParameter(f"{dtype!r} is not one of float32, bfloat16", param_hint="'--dtype'")
+    torch_dtype = check_dtype(dtype, ("float32", "bfloat16"))
     # parse_methods refuses a name given twice; a row is labelled with the name as given (the budget is in the title).
     sparse = {spec: built for spec, (_, built, _) in zip(method, parse_methods(method, budget))}
     methods = {DENSE: Dense(), KERNEL_DENSE: Dense(backend="cpu"), **sparse}
@@ -78,7 +72,7 @@ def compare(
     try:
         ids = stdlib_rows(tokenizer, batch, prefill + steps + 1)  # [B, T]
     except ValueError as err:
-        raise typer.BadParameter(f"{err}; use a smaller batch or fewer tokens", param_hint=["'--batch'", "'--prefill'"]) from None
+        raise bad(["--batch", "--prefill"], f"{err}; use a smaller batch or fewer tokens") from None
     console.print(
         f"[bold]compare[/]: {batch} sequences x {prefill} prompt tokens, {steps} decode steps, budget {budget} "
         f"for the sparse methods; {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {dtype}"
@@ -102,7 +96,7 @@ def compare(
                     seconds[label] += time.perf_counter() - begin
                 nll[label] += torch.nn.functional.cross_entropy(logits, target, reduction="none").tolist()
                 top1[label] = logits.argmax(-1)
-                attended[label].append(_attended(caches[label]))
+                attended[label].append(step_attended(caches[label]))
                 bar.advance()
             for label in labels:
                 agree[label] += (top1[label] == top1[DENSE]).tolist()

@@ -13,8 +13,8 @@ import typer
 from rich.table import Table
 
 from sparseattn import RadarAlg1, Recent, SegmentSearch, attention_ref
+from sparseattn.cli.common import wrote
 from sparseattn.cli.consoles import console
-
 
 
 def _retrieval_stream(length: int, steps: int, heads: int, kv_heads: int, head_dim: int, seed: int):
@@ -121,5 +121,5 @@ def demo(
         out.write_text(json.dumps({"config": {"length": length, "steps": steps, "heads": heads, "kv_heads": kv_heads,
                                               "head_dim": head_dim, "top_k": top_k, "n_features": n_features},
                                    "rows": rows}, indent=2))
-        console.print(f"wrote {out}")
+        wrote([out])
 

@@ -13,11 +13,9 @@ import typer
 from rich.markup import escape
 
 from sparseattn import registry
+from sparseattn.cli.common import MODEL, bad, check_dtype, check_range, flag, inspect_model, range_problem, read_text
 from sparseattn.cli.consoles import err_console as console
-from sparseattn.cli.evaluate import DEFAULT_MODEL, bad, check_dtype, check_range, inspect_model, read_text
-from sparseattn.cli.methods import OptionError, check_method_options, flag, range_problem
 from sparseattn.progress import forward_progress
-
 
 
 def timed_streamer(tokenizer, echo: bool = True, on_first_token: Callable[[], None] | None = None):
@@ -70,7 +68,9 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, text: str | None) 
 
 
 def method_options(method: str, options: dict[str, object]) -> tuple[dict[str, object], str]:
-    """The options given (not None) for ``--method``, refused where the method would ignore or misread them.
+    """The options given (not None) for ``--method``, refused where the method would ignore or misread them
+    (:func:`sparseattn.registry.check`: an option the method does not take, a value out of its range,
+    ``--top-k`` together with ``--budget``).
 
     ``--budget`` is the one option shared by every method, to compare them at one setting; a method
     without a budget (dense attends every past token) runs without it, and the returned note says so.
@@ -87,14 +87,14 @@ def method_options(method: str, options: dict[str, object]) -> tuple[dict[str, o
         if problem:
             raise bad(flag(key), problem)
     try:
-        check_method_options(method, given)
-    except OptionError as err:
+        registry.check(method, given, flag)
+    except registry.OptionError as err:
         raise bad([flag(key) for key in err.options], str(err)) from None
     return given, note
 
 
 def generate(
-    model: str = typer.Option(DEFAULT_MODEL, help="'default' (SmolLM2-135M-Instruct), a local HF directory or a .gguf file"),
+    model: str = MODEL,
     method: str = typer.Option("radar", help="method name (see `sparseattn methods`)"),
     prompt: str | None = typer.Option(None, help="the prompt text"),
     prompt_file: Path | None = typer.Option(None, help="read the prompt from this file"),
@@ -167,7 +167,8 @@ def generate(
         )
     sparse_method = registry.build(method, **options)
 
-    from sparseattn.hf import apply, cache_kwargs
+    from sparseattn.evaluation.generation import generate_greedy
+    from sparseattn.hf import apply
 
     hf_model = info.load(torch_dtype)
     console.print(f"[bold]{method}[/]: {escape(repr(sparse_method))}{escape(note)}\nprompt: {ids.shape[1]} tokens; "
@@ -179,16 +180,7 @@ def generate(
         with apply(hf_model, sparse_method) as sparse:
             cache = sparse.new_cache()
             start = time.perf_counter()
-            with torch.no_grad():
-                out = hf_model.generate(
-                    ids.to(hf_model.device),
-                    attention_mask=torch.ones_like(ids).to(hf_model.device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    **cache_kwargs(hf_model, cache),
-                    streamer=streamer,
-                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                )
+            out = generate_greedy(hf_model, tokenizer, cache, ids, max_new_tokens, streamer=streamer)
     new_tokens = out.shape[1] - ids.shape[1]
     first = streamer.arrivals[0] - start if streamer.arrivals else float("nan")
     decode_s = streamer.arrivals[-1] - streamer.arrivals[0] if len(streamer.arrivals) > 1 else float("nan")

@@ -42,6 +42,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import ClassVar
 
 from sparseattn.data.needle import (
     NOISE,
@@ -118,8 +119,22 @@ def _insert_chains(lines: list[str], chains: list[list[str]], rng: random.Random
     return out, depths
 
 
+class _SelfContained(RetrievalTask):
+    """A task that places its needles and builds its whole text itself, so it takes neither ``depths`` nor
+    ``haystack_text``; ``refusals`` say why, as templates of ``{name}`` (and ``{depths}``)."""
+
+    refusals: ClassVar[tuple[str, str]]
+
+    def _check_inputs(self, depths: list[float] | None, haystack_text: str | None) -> None:
+        no_depths, no_haystack_text = self.refusals
+        if depths is not None:
+            raise ValueError(no_depths.format(name=self.name, depths=depths))
+        if haystack_text is not None:
+            raise ValueError(no_haystack_text.format(name=self.name))
+
+
 @dataclass(frozen=True)
-class VariableTracking(RetrievalTask):
+class VariableTracking(_SelfContained):
     """RULER's variable tracking (``vt``): find every variable a chain of assignments gives one value.
 
     Each of ``num_chains`` chains is ``VAR X0 = v`` (``v`` a 5-digit number) followed by
@@ -162,11 +177,10 @@ class VariableTracking(RetrievalTask):
         """Every assignment is a needle; RULER spreads them at random (no depth is asked for)."""
         return self.num_chains * (self.num_hops + 1)
 
-    def _check_inputs(self, depths: list[float] | None, haystack_text: str | None) -> None:
-        if depths is not None:
-            raise ValueError(f"{self.name} places its chain at random lines as RULER does; it takes no depths, got {depths}")
-        if haystack_text is not None:
-            raise ValueError(f"{self.name} always uses the noise haystack; haystack_text is for NIAH tasks with prose")
+    refusals = (
+        "{name} places its chain at random lines as RULER does; it takes no depths, got {depths}",
+        "{name} always uses the noise haystack; haystack_text is for NIAH tasks with prose",
+    )
 
     def _resolved(self, count: Callable[[str], int], target_tokens: int | None) -> VariableTracking:
         if self.example_lines is not None or self.example_tokens == 0:
@@ -232,7 +246,7 @@ def common_words() -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class CommonWords(RetrievalTask):
+class CommonWords(_SelfContained):
     """RULER's common-word extraction (``cwe``): the ``num_cw`` words that appear most often in a list.
 
     The list is ``1. w 2. w ...`` over ``num_cw`` common words repeated ``freq_cw`` times each and
@@ -281,11 +295,10 @@ class CommonWords(RetrievalTask):
         """Uncommon words available after the common and the example words."""
         return len(common_words()) - self.num_cw - self.num_fewshot * self.example_words
 
-    def _check_inputs(self, depths: list[float] | None, haystack_text: str | None) -> None:
-        if depths is not None:
-            raise ValueError(f"{self.name} has no needle depth (the common words are everywhere); got depths={depths}")
-        if haystack_text is not None:
-            raise ValueError(f"{self.name} builds its own word list; it takes no haystack_text")
+    refusals = (
+        "{name} has no needle depth (the common words are everywhere); got depths={depths}",
+        "{name} builds its own word list; it takes no haystack_text",
+    )
 
     def _resolved(self, count: Callable[[str], int], target_tokens: int | None) -> CommonWords:
         if target_tokens is None or target_tokens >= self.short_below:
@@ -341,7 +354,7 @@ def zeta(s: float) -> float:
 
 
 @dataclass(frozen=True)
-class FrequentWords(RetrievalTask):
+class FrequentWords(_SelfContained):
     """RULER's frequent-word extraction (``fwe``): the three most frequent coded words of a text.
 
     A vocabulary of ``vocab_size`` distinct random lower-case words of ``coded_wordlen`` letters is
@@ -375,11 +388,10 @@ class FrequentWords(RetrievalTask):
         """No depth: the frequent words are spread over the whole text."""
         return 0
 
-    def _check_inputs(self, depths: list[float] | None, haystack_text: str | None) -> None:
-        if depths is not None:
-            raise ValueError(f"{self.name} has no needle depth (the frequent words are everywhere); got depths={depths}")
-        if haystack_text is not None:
-            raise ValueError(f"{self.name} builds its own coded text; it takes no haystack_text")
+    refusals = (
+        "{name} has no needle depth (the frequent words are everywhere); got depths={depths}",
+        "{name} builds its own coded text; it takes no haystack_text",
+    )
 
     def sample(self, target_tokens: int, tokenizer, *, reserve_tokens: int = 0, **kwargs):
         if self.vocab_size is None and isinstance(target_tokens, int) and isinstance(reserve_tokens, int):

@@ -1,6 +1,8 @@
-"""Evaluation harness: benchmark prompts, data loading and scoring.
+"""Evaluation harness: what the evaluation commands run, importable without the command line.
 
-``sparseattn.evaluation.longbench`` holds LongBench v1 (English and code tasks): the official prompt
-templates and generation lengths, the official metrics re-implemented for exact parity, and the
-scoring of prediction files. Nothing here runs a model.
+``ppl`` (perplexity runs), ``generation`` (greedy generation, retrieval and RULER tasks, LongBench
+predictions), ``longbench`` (LongBench v1's prompts, lengths and official metrics, re-implemented for
+exact parity), ``diagnose`` (selection against exact attention), ``shared_prefill`` (one prefill for
+several methods), ``runs`` (resumable run directories), ``plots``, ``serving`` (the vLLM benchmark)
+and ``lm_eval_model`` (the lm-evaluation-harness model).
 """

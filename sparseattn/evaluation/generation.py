@@ -57,10 +57,22 @@ def check_window(model, prompt_tokens: int, max_new_tokens: int) -> None:
         raise ValueError(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model's {window} positions")
 
 
-def sample_ids(tokenizer, sample: NeedleSample, chat: bool) -> torch.Tensor:
-    """A retrieval sample's prompt ids; with ``chat`` the answer prefix goes after the chat template."""
-    prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if chat else sample.prompt
-    return encode_prompt(tokenizer, prompt, chat, sample.answer_prefix if chat else "")
+def generate_greedy(model, tokenizer, cache, ids: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
+    """``model.generate`` without sampling from ``ids: [1, n]`` through ``cache``: ``[1, n + new]`` ids.
+
+    ``options`` go to ``generate`` as they are (``eos_token_id``, ``streamer``, ...).
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        return model.generate(
+            ids.to(model.device),
+            attention_mask=torch.ones_like(ids).to(model.device),
+            **cache_kwargs(model, cache),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad if pad is not None else 0,
+            **options,
+        )
 
 
 def greedy(model, tokenizer, sparse, ids: torch.Tensor, max_new_tokens: int, stop_at_newline: bool = False) -> Generation:
@@ -71,16 +83,7 @@ def greedy(model, tokenizer, sparse, ids: torch.Tensor, max_new_tokens: int, sto
     if stop_at_newline:
         eos += [i for i in (tokenizer.convert_tokens_to_ids(t) for t in ("\n", "Ċ")) if isinstance(i, int) and i >= 0]
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids.to(model.device),
-            attention_mask=torch.ones_like(ids).to(model.device),
-            **cache_kwargs(model, cache),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos or None,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0),
-        )
+    out = generate_greedy(model, tokenizer, cache, ids, max_new_tokens, eos_token_id=eos or None)
     seconds = time.perf_counter() - start
     new = out[0, ids.shape[1] :]
     return Generation(
@@ -119,10 +122,18 @@ def continue_greedy(model, tokenizer, cache, logits: torch.Tensor, prompt_tokens
     )
 
 
-def needle_plan(
-    task: RetrievalTask, lengths: Sequence[int], depths: Sequence[float], samples: int, seed: int
-) -> list[tuple[int, float, int]]:
-    """The ``(length, depth, seed)`` of every sample :func:`run_needle` runs, in order.
+#: The depth recorded for tasks with several needles, whose depths RULER spreads over the haystack, and
+#: for one-needle tasks run without a depth (RULER's random depth).
+SPREAD = -1.0
+#: The depth recorded for tasks whose answer has no depth (``cwe``, ``fwe``: spread over the whole text).
+NO_DEPTH = -2.0
+
+#: A planned sample: ``(length, depth, seed)``.
+Key = tuple[int, float, int]
+
+
+def needle_plan(task: RetrievalTask, lengths: Sequence[int], depths: Sequence[float], samples: int, seed: int) -> list[Key]:
+    """The ``(length, depth, seed)`` of every sample of a length x depth grid, in order.
 
     A distinct seed per sample, so cells do not share needles. Tasks with several needles (and, when
     no depth is given, every task) have one depth, :data:`SPREAD`: the task draws its depths as RULER
@@ -155,156 +166,138 @@ def depth_label(task: RetrievalTask, depth: float) -> str:
     return f"{depth:g}%"
 
 
-def _counter(tokenizer, chat: bool) -> Callable[[str], int] | Any:
-    """What the needle tasks count prompt tokens with: the tokenizer, or the length of the chat prompt."""
-    return tokenizer if chat is False else (lambda s: len(encode_prompt(tokenizer, s, True)[0]))
+def _key(record: dict[str, Any]) -> Key:
+    return record["length"], record["depth"], record["seed"]
 
 
-def shortest_lengths(
-    task: RetrievalTask,
-    tokenizer,
-    plan: Sequence[tuple[int, float, int]],
-    *,
-    max_new_tokens: int,
-    haystack_text: str | None = None,
-    chat: bool = False,
-) -> dict[int, int]:
-    """Per planned length, the fewest tokens its samples need: a prompt without haystack + the answer.
+@dataclass(frozen=True)
+class RetrievalPrompts:
+    """How a retrieval task's prompts are built for one tokenizer.
 
-    A shorter length cannot be built (:meth:`RetrievalTask.sample` refuses it); the needles and keys
-    drawn from each sample's seed change the count by a few tokens, so every planned sample is counted.
+    A planned ``(length, depth, seed)`` becomes a prompt of ``length`` tokens less ``max_new_tokens``
+    (the answer's room), with its needles at ``depth`` percent, its haystack from ``haystack_text``
+    where the task's haystack is prose, and, with ``chat``, as one user turn of the chat template.
     """
-    count = _counter(tokenizer, chat)
-    shortest: dict[int, int] = {}
-    for length, depth, s in plan:
-        bare = task.render(0, count, seed=s, depths=_task_depths(depth), haystack_text=haystack_text, target_tokens=length)
-        shortest[length] = max(shortest.get(length, 0), bare.num_tokens + max_new_tokens)
-    return shortest
 
+    task: RetrievalTask
+    tokenizer: Any
+    max_new_tokens: int
+    haystack_text: str | None = None
+    chat: bool = False
 
-def build_samples(
-    task: RetrievalTask,
-    tokenizer,
-    plan: Sequence[tuple[int, float, int]],
-    *,
-    max_new_tokens: int,
-    haystack_text: str | None = None,
-    chat: bool = False,
-) -> list[tuple[tuple[int, float, int], NeedleSample]]:
-    """Every planned ``(length, depth, seed)`` with its sample, fitted to ``length`` less the answer budget.
+    def _counter(self) -> Callable[[str], int] | Any:
+        """What the task counts prompt tokens with: the tokenizer, or the length of the chat prompt."""
+        if not self.chat:
+            return self.tokenizer
+        return lambda s: len(encode_prompt(self.tokenizer, s, True)[0])
 
-    Cheap (the tokenizer only), so a command builds them all before it loads the model: a length a task
-    cannot be built at fails first. Raises the task's ValueError.
-    """
-    counter = _counter(tokenizer, chat)
-    return [
-        ((length, depth, s), task.sample(length, counter, seed=s, depths=_task_depths(depth), haystack_text=haystack_text,
-                                         reserve_tokens=max_new_tokens))
-        for length, depth, s in plan
-    ]
+    def shortest_lengths(self, plan: Sequence[Key]) -> dict[int, int]:
+        """Per planned length, the fewest tokens its samples need: a prompt without haystack + the answer.
+
+        A shorter length cannot be built (:meth:`RetrievalTask.sample` refuses it); the needles and keys
+        drawn from each sample's seed change the count by a few tokens, so every planned sample is counted.
+        """
+        count = self._counter()
+        shortest: dict[int, int] = {}
+        for length, depth, s in plan:
+            bare = self.task.render(0, count, seed=s, depths=_task_depths(depth), haystack_text=self.haystack_text,
+                                    target_tokens=length)  # fmt: skip
+            shortest[length] = max(shortest.get(length, 0), bare.num_tokens + self.max_new_tokens)
+        return shortest
+
+    def sample(self, key: Key, counter: Callable[[str], int] | Any = None) -> NeedleSample:
+        """The sample of a planned key; raises the task's ValueError for a length it cannot build."""
+        length, depth, seed = key
+        counter = self._counter() if counter is None else counter
+        return self.task.sample(length, counter, seed=seed, depths=_task_depths(depth), haystack_text=self.haystack_text,
+                                reserve_tokens=self.max_new_tokens)
+
+    def samples(self, plan: Sequence[Key]) -> list[tuple[Key, NeedleSample]]:
+        """Every planned key with its sample: cheap (the tokenizer only), so a command builds them all before
+        it loads the model, and a length a task cannot be built at fails first."""
+        counter = self._counter()
+        return [(key, self.sample(key, counter)) for key in plan]
+
+    def ids(self, sample: NeedleSample) -> torch.Tensor:
+        """A sample's prompt ids ``[1, n]``; with ``chat`` the answer prefix goes after the chat template."""
+        prompt = sample.prompt[: len(sample.prompt) - len(sample.answer_prefix)] if self.chat else sample.prompt
+        return encode_prompt(self.tokenizer, prompt, self.chat, sample.answer_prefix if self.chat else "")
+
+    def record(self, key: Key, sample: NeedleSample, gen: Generation) -> dict[str, Any]:
+        """The record of one answer, scored with RULER's ``string_match_all`` (percent)."""
+        length, depth, seed = key
+        prediction = clean_prediction(gen.text)
+        return {
+            "length": length, "depth": depth, "seed": seed, "task": self.task.name, "prediction": prediction,
+            "answers": sample.answers, "score": string_match_all([prediction], [sample.answers]),
+            "prompt_tokens": gen.prompt_tokens, "seconds": gen.seconds, "attended": gen.mean_attended,
+        }  # fmt: skip
 
 
 def run_needle(
-    model,
-    tokenizer,
-    method,
-    task: RetrievalTask,
-    lengths: Sequence[int],
-    depths: Sequence[float],
-    samples: int,
-    run: RunDir,
-    *,
-    max_new_tokens: int = 32,
-    haystack_text: str | None = None,
-    chat: bool = False,
-    seed: int = 0,
-    progress: bool = True,
+    model, method, prompts: RetrievalPrompts, plan: Sequence[Key], run: RunDir, *, progress: bool = True
 ) -> list[dict[str, Any]]:
-    """Generate and score ``samples`` prompts per (length, depth); returns the records of that grid.
+    """Generate and score the planned samples (:func:`needle_plan`) under ``method``; returns their records.
 
-    Each prompt is fitted to ``length`` tokens including its ``max_new_tokens`` answer budget and has
-    its needle at ``depth`` percent (tasks with several needles spread them as RULER does and record
-    depth :data:`SPREAD`); scored with RULER's ``string_match_all`` (percent).
+    Each prompt is generated by a prefill of its own (:func:`greedy`); records go to the run's
+    ``samples.jsonl`` as they come, and the samples recorded there already are skipped.
     """
     records = run.records("samples.jsonl")
-    done = {(r["length"], r["depth"], r["seed"]) for r in records}
-    plan = needle_plan(task, lengths, depths, samples, seed)
-    counter = _counter(tokenizer, chat)
-    todo = [p for p in plan if p not in done]
+    done = {_key(r) for r in records}
+    todo = [key for key in plan if key not in done]
     with apply(model, method) as sparse, run.appender("samples.jsonl") as out, \
-            show_progress(f"{task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
-        for length, depth, s in todo:
-            sample = task.sample(length, counter, seed=s, depths=_task_depths(depth),
-                                 haystack_text=haystack_text, reserve_tokens=max_new_tokens)
-            ids = sample_ids(tokenizer, sample, chat)
-            gen = greedy(model, tokenizer, sparse, ids, max_new_tokens)
-            prediction = clean_prediction(gen.text)
-            record = {
-                "length": length, "depth": depth, "seed": s, "task": task.name, "prediction": prediction,
-                "answers": sample.answers, "score": string_match_all([prediction], [sample.answers]),
-                "prompt_tokens": gen.prompt_tokens, "seconds": gen.seconds, "attended": gen.mean_attended,
-            }
+            show_progress(f"{prompts.task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
+        for key in todo:
+            sample = prompts.sample(key)
+            gen = greedy(model, prompts.tokenizer, sparse, prompts.ids(sample), prompts.max_new_tokens)
+            record = prompts.record(key, sample, gen)
             out.write(record)
             records.append(record)
             bar.advance()
     planned = set(plan)  # earlier runs may hold more of the grid than asked for now
-    return [r for r in records if (r["length"], r["depth"], r["seed"]) in planned]
-
-
-#: The depth recorded for tasks with several needles, whose depths RULER spreads over the haystack, and
-#: for one-needle tasks run without a depth (RULER's random depth).
-SPREAD = -1.0
-#: The depth recorded for tasks whose answer has no depth (``cwe``, ``fwe``: spread over the whole text).
-NO_DEPTH = -2.0
+    return [r for r in records if _key(r) in planned]
 
 
 def run_shared(
     model,
-    tokenizer,
-    task: RetrievalTask,
     runs: dict[str, tuple[Any, RunDir]],
-    samples: Sequence[tuple[tuple[int, float, int], NeedleSample]],
+    prompts: RetrievalPrompts,
+    samples: Sequence[tuple[Key, NeedleSample]],
     *,
-    max_new_tokens: int,
-    chat: bool = False,
     progress: bool = True,
 ) -> dict[str, list[dict[str, Any]]]:
     """Generate and score each of ``samples`` under every method of ``runs``, prefilling each prompt once.
 
-    ``runs`` maps a label to ``(method, run directory)``; ``samples`` are ``((length, depth, seed),
-    sample)`` pairs (:func:`needle_plan`'s keys, built by the task). A prompt is prefilled once for
-    the methods that have not yet recorded it (:func:`~sparseattn.evaluation.shared_prefill.prefill_shared`),
-    then each method decodes its answer greedily from its own cache (:func:`continue_greedy`: the
-    same tokens as a prefill of its own, tested); records go to each run's ``samples.jsonl`` as they
-    come, so an interrupted run resumes. Returns each method's records of these samples.
+    ``runs`` maps a label to ``(method, run directory)``; ``samples`` are ``(key, sample)`` pairs
+    (:meth:`RetrievalPrompts.samples`). A prompt is prefilled once for the methods that have not yet
+    recorded it (:func:`~sparseattn.evaluation.shared_prefill.prefill_shared`), then each method
+    decodes its answer greedily from its own cache (:func:`continue_greedy`: the same tokens as a
+    prefill of its own, tested); records go to each run's ``samples.jsonl`` as they come, so an
+    interrupted run resumes. Returns each method's records of these samples.
     """
     from sparseattn.evaluation.shared_prefill import prefill_shared
 
     records = {label: run.records("samples.jsonl") for label, (_, run) in runs.items()}
-    done = {label: {(r["length"], r["depth"], r["seed"]) for r in rs} for label, rs in records.items()}
+    done = {label: {_key(r) for r in rs} for label, rs in records.items()}
     todo = [(key, sample) for key, sample in samples if any(key not in done[label] for label in runs)]
     appenders = {label: run.appender("samples.jsonl") for label, (_, run) in runs.items()}
     try:
-        with show_progress(f"{task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
-            for (length, depth, seed), sample in todo:
-                labels = [label for label in runs if (length, depth, seed) not in done[label]]
-                ids = sample_ids(tokenizer, sample, chat)
+        with show_progress(f"{prompts.task.name} samples", total=len(todo), unit="samples", enabled=progress) as bar:
+            for key, sample in todo:
+                labels = [label for label in runs if key not in done[label]]
+                ids = prompts.ids(sample)
                 begin = time.perf_counter()
                 prefilled = prefill_shared(model, {label: runs[label][0] for label in labels}, ids, progress=progress)
                 prefill_seconds = time.perf_counter() - begin
                 for label in labels:
                     cache = prefilled.caches.pop(label)  # freed once decoded: one method's cache at a time grows
                     with apply(model, runs[label][0]):
-                        gen = continue_greedy(model, tokenizer, cache, prefilled.logits, ids.shape[1], max_new_tokens)
+                        gen = continue_greedy(model, prompts.tokenizer, cache, prefilled.logits, ids.shape[1],
+                                              prompts.max_new_tokens)  # fmt: skip
                     del cache
-                    prediction = clean_prediction(gen.text)
-                    record = {
-                        "length": length, "depth": depth, "seed": seed, "task": task.name, "prediction": prediction,
-                        "answers": sample.answers, "score": string_match_all([prediction], [sample.answers]),
-                        "prompt_tokens": gen.prompt_tokens, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
-                        "prefill_seconds": prefill_seconds, "prefilled_with": len(labels), "attended": gen.mean_attended,
-                        "needle_depths": sample.depths,
-                    }  # fmt: skip
+                    record = {**prompts.record(key, sample, gen), "new_tokens": gen.new_tokens,
+                              "prefill_seconds": prefill_seconds, "prefilled_with": len(labels),
+                              "needle_depths": sample.depths}  # fmt: skip
                     appenders[label].write(record)
                     records[label].append(record)
                 bar.advance()
@@ -312,7 +305,7 @@ def run_shared(
         for appender in appenders.values():
             appender.close()
     planned = {key for key, _ in samples}  # earlier runs may hold more of the grid than asked for now
-    return {label: [r for r in rs if (r["length"], r["depth"], r["seed"]) in planned] for label, rs in records.items()}
+    return {label: [r for r in rs if _key(r) in planned] for label, rs in records.items()}
 
 
 def accuracy_grid(records: Sequence[dict[str, Any]], lengths: Sequence[int], depths: Sequence[float]) -> list[list[float]]:
@@ -324,6 +317,17 @@ def accuracy_grid(records: Sequence[dict[str, Any]], lengths: Sequence[int], dep
             scores = [r["score"] for r in records if r["length"] == n and r["depth"] == d]
             row.append(sum(scores) / len(scores) if scores else float("nan"))
         grid.append(row)
+    return grid
+
+
+def finish_grid(
+    run: RunDir, records: Sequence[dict[str, Any]], lengths: Sequence[int], depths: Sequence[float], samples: int
+) -> list[list[float]]:
+    """The :func:`accuracy_grid` of a run's records, written with the run's config and means as its summary."""
+    grid = accuracy_grid(records, lengths, depths)
+    run.finish({**run.config, "lengths": list(lengths), "depths": list(depths), "samples": samples, "grid": grid,
+                "accuracy": sum(r["score"] for r in records) / len(records), "n_samples": len(records),
+                "mean_attended_tokens": sum(r["attended"] for r in records) / len(records)})  # fmt: skip
     return grid
 
 

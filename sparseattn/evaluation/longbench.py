@@ -28,7 +28,7 @@ import json
 import re
 import string
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -413,11 +413,8 @@ def _task_of_file(path: Path) -> str:
         raise ValueError(f"{path}: {err}") from None
 
 
-def read_predictions(path: str | Path, task: str | None = None) -> list[Prediction]:
-    """Read a prediction file (JSON lines; blank lines are skipped); errors name the file and line."""
-    path = Path(path)
-    task = check_task(task) if task is not None else _task_of_file(path)
-    predictions = []
+def _json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """Every non-blank line of a JSON-lines file, decoded, with where it stands (``file:line``) for errors."""
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -426,7 +423,14 @@ def read_predictions(path: str | Path, task: str | None = None) -> list[Predicti
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}): {line.strip()!r:.80}") from None
-            predictions.append(_prediction_from_mapping(obj, task, f"{path}:{number}"))
+            yield f"{path}:{number}", obj
+
+
+def read_predictions(path: str | Path, task: str | None = None) -> list[Prediction]:
+    """Read a prediction file (JSON lines; blank lines are skipped); errors name the file and line."""
+    path = Path(path)
+    task = check_task(task) if task is not None else _task_of_file(path)
+    predictions = [_prediction_from_mapping(obj, task, where) for where, obj in _json_lines(path)]
     if not predictions:
         raise ValueError(f"{path}: no predictions (the file is empty)")
     return predictions
@@ -507,20 +511,13 @@ def load_task(data_dir: str | Path, task: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"no LongBench data for {task!r}: {path} does not exist")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}): {line.strip()!r:.80}") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
-            missing = [key for key in DATA_FIELDS if key not in obj]
-            if missing:
-                raise ValueError(f"{path}:{number}: missing field(s) {', '.join(missing)}")
-            examples.append(obj)
+    for where, obj in _json_lines(path):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        missing = [key for key in DATA_FIELDS if key not in obj]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+        examples.append(obj)
     if not examples:
         raise ValueError(f"{path}: no examples (the file is empty)")
     return examples

@@ -44,7 +44,8 @@ def tokenize(tokenizer, text: str, n_tokens: int, name: str = "text") -> torch.T
     return ids[:n_tokens]
 
 
-def _step_attended(cache: SparseCache) -> float:
+def step_attended(cache: SparseCache) -> float:
+    """The KV tokens the last decode step attended, mean over the layers that decoded (NaN before any step)."""
     layers = [layer for layer in cache.sparse_layers if layer.stats.history]
     return sum(layer.stats.history[-1] for layer in layers) / len(layers) if layers else float("nan")
 
@@ -178,7 +179,7 @@ def _decode_together(model, pending, done, rows, prefill, steps, progress) -> di
                         continue
                     elapsed[label] += seconds
                     record = {"position": position + 1, "token": int(rows[0, position + 1]), "nll": nll,
-                              "elapsed": elapsed[label], "seconds": seconds, "attended": _step_attended(caches[label]),
+                              "elapsed": elapsed[label], "seconds": seconds, "attended": step_attended(caches[label]),
                               "context": position + 1}  # fmt: skip
                     if rows.shape[0] > 1:
                         record["nlls"] = row_nlls.tolist()

@@ -184,6 +184,24 @@ class RowwiseState:
         return sum_nbytes(self.states)
 
 
+def _state_tensor(which: int, name: str) -> property:
+    """A :class:`SparseLayer` attribute ``name`` (``keys``: ``which=0``, ``values``: 1) read from the decode
+    state, or from the first block while it waits for the state; setting it to anything but None is refused."""
+
+    def get(layer: SparseLayer) -> torch.Tensor | None:
+        state = getattr(layer, "state", None)
+        if state is None:
+            pending = getattr(layer, "_pending", None)
+            return None if pending is None else pending[which]
+        return state.keys if which == 0 else state.values
+
+    def accept_none(layer: SparseLayer, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise NotImplementedError(f"a SparseLayer's {name} live in its decode state; offloading is not supported")
+
+    return property(get, accept_none)
+
+
 class SparseLayer(DynamicLayer):
     """A full-attention cache layer backed by a :class:`~sparseattn.methods.base.DecodeState`.
 
@@ -206,30 +224,8 @@ class SparseLayer(DynamicLayer):
         self._returned: torch.Tensor | None = None  #: the keys update() returned, until the attention function takes them
 
     # transformers' base classes assign ``keys``/``values`` (None on init and reset): accept only that.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._stored(0)
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise NotImplementedError("a SparseLayer's keys live in its decode state; offloading is not supported")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._stored(1)
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise NotImplementedError("a SparseLayer's values live in its decode state; offloading is not supported")
-
-    def _stored(self, which: int) -> torch.Tensor | None:
-        state = getattr(self, "state", None)
-        if state is None:
-            pending = getattr(self, "_pending", None)
-            return None if pending is None else pending[which]
-        return state.keys if which == 0 else state.values
+    keys = _state_tensor(0, "keys")
+    values = _state_tensor(1, "values")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

@@ -49,43 +49,43 @@ class _Union:
 
 
 @dataclass(frozen=True)
-class Sinks(_Union):
-    """The first ``n`` tokens of the sequence (StreamingLLM's attention sinks)."""
+class _Counted(_Union):
+    """A part that keeps ``n`` tokens (its ``size``); ``n`` is checked once, named after the part."""
 
-    n: int = 4
-    observation = None
+    n: int
 
     def __post_init__(self) -> None:
-        check_int("Sinks", "n", self.n, 0)
+        check_int(type(self).__name__, "n", self.n, 0)
 
     @property
     def size(self) -> int:
         return self.n
+
+
+@dataclass(frozen=True)
+class Sinks(_Counted):
+    """The first ``n`` tokens of the sequence (StreamingLLM's attention sinks)."""
+
+    n: int = 4
+    observation = None
 
     def mask(self, tokens: Candidates) -> torch.Tensor:
         return tokens.positions < self.n
 
 
 @dataclass(frozen=True)
-class RecentWindow(_Union):
+class RecentWindow(_Counted):
     """The ``n`` newest tokens seen, the newcomer included (a sliding window)."""
 
     n: int = 64
     observation = None
-
-    def __post_init__(self) -> None:
-        check_int("RecentWindow", "n", self.n, 0)
-
-    @property
-    def size(self) -> int:
-        return self.n
 
     def mask(self, tokens: Candidates) -> torch.Tensor:
         return tokens.positions > tokens.newest - self.n
 
 
 @dataclass(frozen=True)
-class HeavyHitters(_Union):
+class HeavyHitters(_Counted):
     """The ``n`` candidates that received the most attention (H2O's heavy hitters), per KV head.
 
     Reads the engine's record of the prompt's and every decode step's attention; ties go to the newer token.
@@ -93,13 +93,6 @@ class HeavyHitters(_Union):
 
     n: int = 64
     observation = Observation()
-
-    def __post_init__(self) -> None:
-        check_int("HeavyHitters", "n", self.n, 0)
-
-    @property
-    def size(self) -> int:
-        return self.n
 
     def mask(self, tokens: Candidates) -> torch.Tensor:
         score = tokens.attention.double().nan_to_num(nan=float("-inf"))
@@ -133,6 +126,16 @@ class AnyOf(_Union):
     def mask(self, tokens: Candidates) -> torch.Tensor:
         masks = [part.mask(tokens) for part in self.parts]
         return torch.stack(masks).any(dim=0) if masks else torch.zeros_like(tokens.positions, dtype=torch.bool)
+
+
+def kept_tokens(part: AlwaysKept, tokens: Candidates) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``part`` adds to a step that attends a selection: the at most ``part.size`` candidates it marks,
+    as indices ``[B, H_kv, n]`` into ``tokens`` (``n = min(size, candidates)``, marked ones first) and
+    ``[B, H_kv, 1, n]`` flags of those it marks (a row may mark fewer)."""
+    marked = part.mask(tokens)  # [B, H, t]
+    n = min(part.size, marked.shape[-1])
+    index = marked.to(torch.int8).topk(n, dim=-1, sorted=False).indices
+    return index, marked.gather(-1, index).unsqueeze(2)
 
 
 def merge_observations(owner, *observations: Observation | None) -> Observation | None:

@@ -72,21 +72,11 @@ class PrefillEvictionState:
     def active(self):
         return self.prefill_state if self.decode_state is None else self.decode_state
 
-    @property
-    def batch(self) -> int:
-        return self.active.batch
-
-    @property
-    def length(self) -> int:
-        return self.active.length
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.active.keys
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.active.values
+    # What every decode state reports, read from the active one.
+    batch = property(lambda self: self.active.batch)
+    length = property(lambda self: self.active.length)
+    keys = property(lambda self: self.active.keys)
+    values = property(lambda self: self.active.values)
 
     def nbytes(self) -> dict[str, int]:
         return self.active.nbytes()

@@ -94,4 +94,9 @@ class DenseState(KVState):
         return out.reshape(B, H * group, D), info
 
 
-register(MethodEntry("dense", "vanilla attention over every past token", Dense, origin=__name__))
+register(
+    MethodEntry(
+        "dense", "vanilla attention over every past token: the reference every method is measured against", Dense,
+        origin=__name__, category="baseline", engines=("transformers", "vllm"),
+    )
+)  # fmt: skip

@@ -47,30 +47,17 @@ class H2O(Evicting):
         """Heavy-hitter slots: ``floor(budget * heavy_ratio)``, leaving at least one recent slot."""
         return min(self.budget - 1, int(self.budget * self.heavy_ratio))
 
-    @property
-    def recent(self) -> int:
-        """Most recent tokens always kept: ``budget - heavy``."""
-        return self.budget - self.heavy
+    #: Most recent tokens always kept: ``budget - heavy``.
+    recent = property(lambda self: self.budget - self.heavy)
 
     def priority(self, tokens: Candidates) -> torch.Tensor:
         """Accumulated attention; the ``recent`` newest tokens (the newcomer included) never leave."""
         return tokens.attention.double().masked_fill(self.protected.mask(tokens), float("inf"))
 
-    @cached_property
-    def protected(self) -> RecentWindow:
-        """The always-kept part: the ``recent`` newest tokens (built once: priority runs every step)."""
-        return RecentWindow(self.recent)
+    #: The always-kept part: the ``recent`` newest tokens (built once: priority runs every step).
+    protected = cached_property(lambda self: RecentWindow(self.recent))
 
 
-register(
-    MethodEntry(
-        "h2o",
-        "H2O: heavy hitters by accumulated attention + recent tokens, evicting per KV head (Zhang et al. 2023)",
-        H2O,
-        (
-            Option("budget", int, 1024, "past KV tokens kept per KV head"),
-            Option("heavy_ratio", float, 0.5, "share of the budget for heavy hitters"),
-        ),
-        origin=__name__,
-    )
-)
+_OPTIONS = (Option("budget", int, help="past KV tokens kept per KV head"), Option("heavy_ratio", float, help="share of the budget for heavy hitters"))
+_DESCRIPTION = "H2O: heavy hitters by accumulated attention + recent tokens, evicting per KV head (Zhang et al. 2023)"
+register(MethodEntry("h2o", _DESCRIPTION, H2O, _OPTIONS, origin=__name__, category="baseline"))

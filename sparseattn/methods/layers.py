@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass
 
 from sparseattn.methods.base import DecodeState, layer_spec
-from sparseattn.registry import Option, Range
 from sparseattn.validation import check_int, check_real
 
 
@@ -126,12 +125,4 @@ def layer_budgets(method: FirstLayers, n_layers: int) -> list[int]:
     return [method.budget_of(i, n_layers) for i in range(n_layers)]
 
 
-def first_layers_options() -> tuple[Option, ...]:
-    """Registry options of a :class:`FirstLayers` preset."""
-    return (
-        Option("first_layers", int, 1, "first layers given more of the budget", minimum=0),
-        Option("layer_factor", float, 4.0, "their budget, as a multiple of --budget", allowed=Range(1.0, 1024.0, integer=False)),
-    )
-
-
-__all__ = ["FirstLayers", "SplitLayers", "first_layers_options", "layer_budgets", "with_budget"]
+__all__ = ["FirstLayers", "SplitLayers", "layer_budgets", "with_budget"]

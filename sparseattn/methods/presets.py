@@ -18,7 +18,8 @@ Each is a :class:`~sparseattn.methods.segment_search.SegmentSearch` with one par
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
+import warnings
 
 import torch
 
@@ -27,12 +28,12 @@ from sparseattn.allocations.pooled import PooledMass
 from sparseattn.allocations.uniform import Uniform
 from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
-from sparseattn.methods.layers import FirstLayers, SplitLayers, first_layers_options
+from sparseattn.methods.layers import FirstLayers, SplitLayers
 from sparseattn.methods.rest import MergedRest
-from sparseattn.methods.segment_search import Radar, SegmentSearch, feature_options, segment_options
+from sparseattn.methods.segment_search import WINDOW_FROM_BUDGET, Radar, SegmentSearch, feature_options, segment_options
 from sparseattn.methods.snapkv import SnapKV
 from sparseattn.refine.tokens import TopTokens
-from sparseattn.registry import MethodEntry, Option, Range, register
+from sparseattn.registry import MethodEntry, Option, Range, alias, register
 from sparseattn.schedules.fixed import FixedSchedule
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector
@@ -59,6 +60,9 @@ __all__ = [
     "RadarExact",
     "RadarLowest",
     "RadarPlus",
+    "RadarPlusAdaptive",
+    "RadarPlusMerged",
+    "RadarPlusPooled",
     "RadarPlusTokens",
     "RadarRandom",
     "RadarRecent",
@@ -68,18 +72,10 @@ __all__ = [
 
 
 def RadarAlg1(
-    top_k: int = 64,
-    n_features: int = 2048,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    seed: int = 0,
-    orthogonal: bool = False,
-    antithetic: bool = False,
-    aspect: float = 1.0,
-    shared_kv_selection: bool = False,
+    top_k: int = 64, n_features: int = 2048, *, sinks: int = 0, window: int = 0, seed: int = 0,
+    orthogonal: bool = False, antithetic: bool = False, aspect: float = 1.0, shared_kv_selection: bool = False,
     budget: int | None = None,
-) -> SegmentSearch:
+) -> SegmentSearch:  # fmt: skip
     """The paper's Algorithm 1: ``SegmentSearch(PerformerFeatures(2048), TopK(), SqrtSchedule(), top_k=64)``.
 
     Segments of ``c = sqrt(t)`` tokens, all rebuilt whenever t is a perfect square; between squares
@@ -92,27 +88,17 @@ def RadarAlg1(
     text and for the ablations, which swap one of its parts. ``budget`` replaces ``top_k`` by a
     token budget (see :class:`SegmentSearch`).
     """
-    return SegmentSearch(
-        summary=PerformerFeatures(n_features=n_features, orthogonal=orthogonal, antithetic=antithetic, seed=seed),
-        selector=TopK(),
-        schedule=SqrtSchedule(aspect=aspect),
-        top_k=top_k,
-        sinks=sinks,
-        window=window,
-        shared_kv_selection=shared_kv_selection,
-        budget=budget,
-    )
+    radar = Radar(
+        top_k, n_features, sinks=sinks, window=window, seed=seed, orthogonal=orthogonal, antithetic=antithetic,
+        shared_kv_selection=shared_kv_selection, budget=budget,
+    )  # fmt: skip
+    return dataclasses.replace(radar, schedule=SqrtSchedule(aspect=aspect))  # the as-run Radar on Algorithm 1's grid
 
 
 def Quest(
-    top_k: int = 64,
-    page_size: int = 16,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    shared_kv_selection: bool = False,
+    top_k: int = 64, page_size: int = 16, *, sinks: int = 0, window: int = 0, shared_kv_selection: bool = False,
     budget: int | None = None,
-) -> SegmentSearch:
+) -> SegmentSearch:  # fmt: skip
     """Quest (Tang et al. 2024): ``SegmentSearch(MinMaxBound(), TopK(), FixedSchedule(page_size))``.
 
     Pages of ``page_size`` tokens keep per-channel minimum and maximum keys; a query scores a page by
@@ -157,14 +143,9 @@ def RadarExact(
 
 
 def RadarRandom(
-    top_k: int = 64,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    aspect: float = 1.0,
-    seed: int = 0,
+    top_k: int = 64, *, sinks: int = 0, window: int = 0, aspect: float = 1.0, seed: int = 0,
     budget: int | None = None,
-) -> SegmentSearch:
+) -> SegmentSearch:  # fmt: skip
     """Radar's segments chosen uniformly at random (Figure 7, middle: the "uneducated guess").
 
     No scores are computed; the summary is :class:`ExactScore`, which stores nothing.
@@ -173,15 +154,9 @@ def RadarRandom(
 
 
 def RadarLowest(
-    top_k: int = 64,
-    n_features: int = 2048,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    aspect: float = 1.0,
-    seed: int = 0,
+    top_k: int = 64, n_features: int = 2048, *, sinks: int = 0, window: int = 0, aspect: float = 1.0, seed: int = 0,
     budget: int | None = None,
-) -> SegmentSearch:
+) -> SegmentSearch:  # fmt: skip
     """Radar's estimated scores, lowest segments first (Figure 7, left: a sanity check that should do poorly)."""
     return _radar_with(PerformerFeatures(n_features=n_features, seed=seed), Lowest(), top_k, sinks, window, aspect, budget)
 
@@ -197,19 +172,13 @@ def RadarRecent(
 
 
 def RadarPlus(
-    top_k: int | None = None,
-    *,
-    sinks: int = 4,
-    window: int = 0,
-    aspect: float = 8.0,
-    shortlist: int = 16,
-    factor: float = 2.0,
-    per_group: bool = True,
-    budget: int | None = None,
-    allocation: Allocation | None = None,
-    centroid_dtype: torch.dtype | None = None,
-) -> SegmentSearch:
-    """Radar's segment search with a better ranking (issue 7): centroid shortlist, exact rerank.
+    top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 8.0, shortlist: int = 16,
+    factor: float = 2.0, per_group: bool = True, budget: int | None = None, split: str | Allocation = "uniform",
+    cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
+    merge: int | None = None, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None,
+    allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None,
+) -> SegmentSearch | SplitLayers | FirstLayers:  # fmt: skip
+    """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
 
     ``SegmentSearch(Rerank(Centroid(), shortlist, factor, per_group=True), TopK(), SqrtSchedule(aspect=8), sinks=4)``:
     segments of ``sqrt(t) / 8`` tokens (8 sqrt(t) of them: finer selection, still O(sqrt t) scoring);
@@ -220,91 +189,158 @@ def RadarPlus(
     segment exact search ranks first in 97-98% of layer-head-steps (raw Radar: 4-14%); see
     docs/methods.md for the measurements and docs/theory.md for what is guaranteed.
 
-    ``per_group=False`` gives each query head its own shortlist (G times the key reads under
-    grouped-query attention; on the default model ppl 8.070 vs 8.229 on code, 121.29 vs 121.22 on prose).
-
     ``top_k`` defaults to ``64 * aspect`` segments: the tokens of Radar's ``k = 64`` at a grid
-    ``aspect`` times finer. ``budget`` (tokens) overrides it, as for every preset. ``allocation``
-    splits the layer's segments between heads (:mod:`sparseattn.allocations`); ``centroid_dtype``
-    stores the mean keys in another dtype (:class:`Centroid`).
+    ``aspect`` times finer. ``budget`` (tokens) overrides it, as for every preset.
+
+    The variants, each an option (measured in docs/methods.md):
+
+    * ``split``: how a layer's segments are shared between its heads: ``"uniform"`` (each head
+      ``k``), ``"pooled"`` (:class:`PooledMass`: the layer's ``H x k`` largest estimated attention
+      shares, a head between ``floor x k`` (default 0.25) and ``cap x k`` (default 2: the rerank's
+      shortlist) segments, the total per layer fixed), or any :class:`Allocation` part;
+    * ``bf16_centroids``: mean keys stored in bfloat16 (half the bytes of the scoring pass, which
+      only shapes the shortlist); ``centroid_dtype`` names any dtype;
+    * ``rest``: what a step does not attend is ``"dropped"``, or ``"merged"``: each block of
+      ``merge`` segments (default 16; 0: one block) adds one token with the mean key and value of its
+      unattended tokens (weight: their count), counted against the budget; ``plain_layers`` first
+      layers drop it even then (merging in layer 0 hurt texts that repeat themselves);
+    * ``first_layers``: that many first layers get ``layer_factor`` (default 4) times the budget,
+      the others what is left (:class:`FirstLayers`; the total over layers is kept).
+
+    ``per_group=False`` gives each query head its own shortlist (G times the key reads under
+    grouped-query attention). ``allocation`` is ``split`` given as a part.
     """
     if top_k is None:
         top_k = round(64 * aspect)
+    split = _split_part(split, allocation, cap, floor, default_cap=2.0)
+    if bf16_centroids:
+        if centroid_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"RadarPlus: bf16_centroids=True and centroid_dtype={centroid_dtype}: give one of them")
+        centroid_dtype = torch.bfloat16
     summary = Rerank(Centroid(centroid_dtype), shortlist, factor, per_group)
-    method = _radar_with(summary, TopK(), top_k, sinks, window, aspect, budget)
-    return method if allocation is None else dataclasses.replace(method, allocation=allocation)
+    method = SegmentSearch(
+        summary=summary, selector=TopK(), schedule=SqrtSchedule(aspect=aspect), top_k=top_k, sinks=sinks,
+        window=window, budget=budget,
+    )  # fmt: skip
+    if not isinstance(split, Uniform):
+        method = dataclasses.replace(method, allocation=split)
+    method = _with_rest(method, rest, merge, plain_layers)
+    return _per_layer(method, first_layers, layer_factor)
 
 
-def RadarPlusPooled(
-    top_k: int | None = None,
-    *,
-    sinks: int = 4,
-    window: int = 0,
-    aspect: float = 16.0,
-    factor: float = 2.0,
-    cap: float = 2.0,
-    floor: float = 0.25,
-    budget: int | None = None,
-) -> SegmentSearch:
-    """radar+ with the budget spent where attention is (issue 17): a finer grid, heads' budgets pooled.
+def RadarPlusAdaptive(
+    top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
+    cap: float = 2.0, floor: float = 0.25, merge: int = 128, plain_layers: int = 1, budget: int | None = None,
+) -> SplitLayers | SegmentSearch:  # fmt: skip
+    """radar+ with the budget spent where attention is: the recommended method of the transformers engine.
 
-    ``RadarPlus(aspect=16, allocation=PooledMass(cap=2, floor=0.25), centroid_dtype=torch.bfloat16)``.
-    Three changes to radar+, each measured on text it was not tuned on (docs/methods.md):
+    ``RadarPlus(aspect=16, split="pooled", bf16_centroids=True, rest="merged", merge=128, plain_layers=1)``:
 
-    * segments of ``sqrt(t) / 16`` tokens instead of ``/ 8``: finer centroids shortlist better at the
-      same shortlist size in tokens (twice the segments, each half as long);
-    * the layer's segments split between its heads by :class:`PooledMass`: each head's exact shortlist
-      masses become shares of its estimated total, the layer's ``H x k`` largest shares are taken, so
-      a diffuse head attends up to ``cap x k`` segments and a peaked one down to ``floor x k``; the
-      total per layer is radar+'s. ``cap = 2`` is the rerank's shortlist (``factor = 2``): a head can
-      take its group's whole shortlist, and the split reads the exact masses only, never the coarse
-      ranking of all segments (``cap = 4`` measured the same, 0.118 / 0.056 on the six texts);
-    * centroids stored in bfloat16: the scoring of every segment reads half the bytes (it is a
-      memory-bound matrix-vector product over the 2x larger grid); only the shortlist depends on it.
+    * segments of ``sqrt(t) / 16`` tokens: finer centroids shortlist better at the same shortlist
+      size in tokens;
+    * each layer's segments split between its heads by their estimated attention shares
+      (:class:`PooledMass`, a head between ``floor`` and ``cap`` times the uniform share; the total
+      per layer is radar+'s): diffuse heads get more, peaked heads fewer;
+    * centroids in bfloat16: the memory-bound scoring pass reads half the bytes;
+    * from layer ``plain_layers`` on, what a step leaves out enters its softmax as one merged token
+      per block of ``merge`` segments (:class:`MergedRest`) instead of being dropped.
 
-    ``budget`` is honoured on average over a layer's heads (one head may attend more). With
-    ``cap > factor`` a head may take segments beyond its group's shortlist, ranked by their centroids
-    below every shortlisted one: the split then ranks all segments (correct, slower).
+    ``budget`` is honoured on average over a layer's heads (one head may attend more). Measured on
+    texts it was not tuned on in docs/methods.md; vLLM's paged engine does not run it yet (its
+    recommended method is :func:`RadarPlus`).
     """
     return RadarPlus(
-        top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget,
-        allocation=PooledMass(cap=cap, floor=floor), centroid_dtype=torch.bfloat16,
+        top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget, split="pooled", cap=cap,
+        floor=floor, bf16_centroids=True, rest="merged", merge=merge, plain_layers=plain_layers,
     )  # fmt: skip
 
 
+#: ``RadarPlus`` options of the former ``radar+pooled`` (and of ``radar+merged`` before its rest).
+_POOLED_OPTIONS = {"aspect": 16.0, "split": "pooled", "bf16_centroids": True}
+
+
+def RadarPlusPooled(top_k: int | None = None, **options) -> SegmentSearch:
+    """``RadarPlus(aspect=16, split="pooled", bf16_centroids=True)`` under its former name (the registry's
+    ``radar+pooled``, now an alias of those options of ``radar+``); ``options`` are RadarPlus's."""
+    return RadarPlus(top_k, **{**_POOLED_OPTIONS, **options})
+
+
+def RadarPlusMerged(top_k: int | None = None, *, merge: int = 16, **options) -> SegmentSearch:
+    """``RadarPlus(aspect=16, split="pooled", bf16_centroids=True, rest="merged", merge=16)`` under its former
+    name (the registry's ``radar+merged``, now an alias of those options of ``radar+``)."""
+    return RadarPlus(top_k, **{**_POOLED_OPTIONS, "rest": "merged", "merge": merge, **options})
+
+
+def _split_part(split: str | Allocation, allocation: Allocation | None, cap: float | None, floor: float | None, default_cap: float) -> Allocation:
+    """The :class:`Allocation` part ``split`` names (``cap``/``floor`` only with ``"pooled"``)."""
+    if allocation is not None:
+        if split != "uniform":
+            raise ValueError(f"give split or allocation, not both (split={split!r}, allocation={allocation!r})")
+        split = allocation
+    if isinstance(split, Allocation):
+        part = split
+    elif split == "uniform":
+        part = Uniform()
+    elif split == "pooled":
+        return PooledMass(cap=default_cap if cap is None else cap, floor=0.25 if floor is None else floor)
+    else:
+        raise ValueError(f"split must be 'uniform', 'pooled' or an Allocation part, got {split!r}")
+    if cap is not None or floor is not None:
+        raise ValueError(f"cap and floor shape the 'pooled' split; split is {split!r}")
+    return part
+
+
+def _with_rest(method: SegmentSearch, rest: str, merge: int | None, plain_layers: int) -> SegmentSearch | SplitLayers:
+    """``method`` with what it leaves out ``"dropped"`` or ``"merged"`` (blocks of ``merge`` segments) after
+    the first ``plain_layers`` layers."""
+    if rest == "dropped":
+        if merge is not None or plain_layers:
+            raise ValueError(f"merge and plain_layers shape the merged rest; rest is {rest!r} (give rest='merged')")
+        return method
+    if rest != "merged":
+        raise ValueError(f"rest must be 'dropped' or 'merged', got {rest!r}")
+    merged = dataclasses.replace(method, rest=MergedRest((16 if merge is None else merge) or None))  # 0: one block
+    return SplitLayers(method, merged, layers=plain_layers) if plain_layers else merged
+
+
+def _per_layer(method, first_layers: int, layer_factor: float | None):
+    """``method`` with ``layer_factor`` times the budget in its first ``first_layers`` layers (:class:`FirstLayers`)."""
+    if not first_layers:
+        if layer_factor is not None:
+            raise ValueError("layer_factor shapes the first layers' budget; give first_layers too")
+        return method
+    return FirstLayers(method, layers=first_layers, factor=4.0 if layer_factor is None else layer_factor)
+
+
 def OracleTokens(
-    top_k: int = 1024,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    shared_kv_selection: bool = False,
-    budget: int | None = None,
+    top_k: int = 1024, *, sinks: int = 0, window: int = 0, shared_kv_selection: bool = False,
+    budget: int | None = None, split: str | Allocation = "uniform", cap: float | None = None,
+    floor: float | None = None, first_layers: int = 0, layer_factor: float | None = None,
     allocation: Allocation | None = None,
-) -> SegmentSearch:
+) -> SegmentSearch | FirstLayers:  # fmt: skip
     """The exact top-``budget`` tokens of each query head: the ceiling of any selector at this budget.
 
     ``SegmentSearch(ExactScore(), TopK(), FixedSchedule(1))``: every past token is a segment of one,
     scored by its exact logit, so a step attends the ``budget`` tokens with the most attention (the
     current token always among them). No summary can rank better at token granularity; what it
     loses against dense attention is the mass outside each head's top ``budget`` tokens, which only
-    a different split of the budget (``allocation``, e.g. :class:`~sparseattn.allocations.PooledMass`)
-    can recover. O(t) per step: a measuring stick, not a fast method.
+    a different split of the budget can recover: ``split="pooled"`` (:class:`PooledMass`, the
+    layer's tokens to the heads' largest exact attention shares, ``cap`` default 4, ``floor`` 0.25)
+    and ``first_layers`` (more in the first layers, :class:`FirstLayers`), as in :func:`RadarPlus`.
+    O(t) per step: a measuring stick, not a fast method.
     """
-    return SegmentSearch(
+    method = SegmentSearch(
         summary=ExactScore(), selector=TopK(), schedule=FixedSchedule(1), top_k=top_k, sinks=sinks, window=window,
-        shared_kv_selection=shared_kv_selection, budget=budget, allocation=allocation or Uniform(),
+        shared_kv_selection=shared_kv_selection, budget=budget,
+        allocation=_split_part(split, allocation, cap, floor, default_cap=4.0),
     )  # fmt: skip
+    return _per_layer(method, first_layers, layer_factor)
 
 
 def OracleSegments(
-    top_k: int = 64,
-    segment_size: int = 16,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    budget: int | None = None,
+    top_k: int = 64, segment_size: int = 16, *, sinks: int = 0, window: int = 0, budget: int | None = None,
     allocation: Allocation | None = None,
-) -> SegmentSearch:
+) -> SegmentSearch:  # fmt: skip
     """The exact top segments of ``segment_size`` tokens (fixed grid): the ceiling of any summary on that grid.
 
     ``SegmentSearch(ExactScore(), TopK(), FixedSchedule(segment_size))``; compare with
@@ -318,48 +354,27 @@ def OracleSegments(
 
 
 def RadarCentered(
-    top_k: int = 64,
-    n_features: int = 2048,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    aspect: float = 1.0,
-    seed: int = 0,
+    top_k: int = 64, n_features: int = 2048, *, sinks: int = 0, window: int = 0, aspect: float = 1.0, seed: int = 0,
     budget: int | None = None,
-) -> SegmentSearch:
+) -> SegmentSearch:  # fmt: skip
     """Radar with centred random features (:class:`CenteredFeatures`): the centroid exact, the spread estimated."""
     summary = CenteredFeatures(PerformerFeatures(n_features=n_features, seed=seed))
     return _radar_with(summary, TopK(), top_k, sinks, window, aspect, budget)
 
 
 def RadarRerank(
-    top_k: int = 64,
-    n_features: int = 256,
-    *,
-    sinks: int = 0,
-    window: int = 0,
-    aspect: float = 1.0,
-    seed: int = 0,
-    shortlist: int = 16,
-    factor: float = 2.0,
-    budget: int | None = None,
-) -> SegmentSearch:
+    top_k: int = 64, n_features: int = 256, *, sinks: int = 0, window: int = 0, aspect: float = 1.0, seed: int = 0,
+    shortlist: int = 16, factor: float = 2.0, budget: int | None = None,
+) -> SegmentSearch:  # fmt: skip
     """Radar's random features (n = 256) shortlist, the exact segment mass reranks (:class:`Rerank`)."""
     summary = Rerank(PerformerFeatures(n_features=n_features, seed=seed), shortlist, factor)
     return _radar_with(summary, TopK(), top_k, sinks, window, aspect, budget)
 
 
 def SnapKVRadar(
-    top_k: int = 64,
-    n_features: int = 4096,
-    *,
-    sinks: int = 1,
-    window: int | None = None,
-    seed: int = 0,
-    budget: int | None = None,
-    prefill_budget: int | None = None,
-    observation_window: int = 32,
-) -> PrefillEviction:
+    top_k: int = 64, n_features: int = 4096, *, sinks: int = 1, window: int | None = None, seed: int = 0,
+    budget: int | None = None, prefill_budget: int | None = None, observation_window: int = 32,
+) -> PrefillEviction:  # fmt: skip
     """SnapKV compresses the prompt, then :func:`Radar` searches what it kept plus the new tokens.
 
     The prompt keeps ``prefill_budget`` tokens per KV head (default ``4 * budget``, SnapKV's own 2048
@@ -373,15 +388,9 @@ def SnapKVRadar(
 
 
 def RadarH2O(
-    top_k: int = 64,
-    n_features: int = 4096,
-    *,
-    sinks: int = 1,
-    window: int | None = None,
-    heavy: int | None = None,
-    seed: int = 0,
-    budget: int | None = None,
-) -> SegmentSearch:
+    top_k: int = 64, n_features: int = 4096, *, sinks: int = 1, window: int | None = None, heavy: int | None = None,
+    seed: int = 0, budget: int | None = None,
+) -> SegmentSearch:  # fmt: skip
     """:func:`Radar` plus H2O's heavy hitters: every step also attends the ``heavy`` tokens that received the
     most attention so far (prompt and decode steps), wherever they lie.
 
@@ -397,16 +406,10 @@ def RadarH2O(
 
 
 def RadarPlusTokens(
-    top_k: int | None = None,
-    *,
-    sinks: int = 4,
-    window: int = 0,
-    aspect: float = 16.0,
-    factor: float = 2.0,
-    budget: int | None = None,
-    allocation: Allocation | None = None,
-) -> SegmentSearch:
-    """radar+'s shortlist, then tokens instead of segments (issue 17): coarse to fine.
+    top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
+    budget: int | None = None, allocation: Allocation | None = None,
+) -> SegmentSearch:  # fmt: skip
+    """radar+'s shortlist, then tokens instead of segments: coarse to fine.
 
     ``SegmentSearch(Centroid(), TopK(), SqrtSchedule(aspect=16), sinks=4, shared_kv_selection=True,
     refine=TopTokens(factor=2))``: each KV group shortlists the ``2k`` segments with the highest
@@ -424,242 +427,181 @@ def RadarPlusTokens(
     )  # fmt: skip
 
 
-def _signed(wrapper, build, drop: tuple[str, ...], extra: dict[str, object]):
-    """Give ``wrapper`` the signature of ``build`` without ``drop``, plus the keyword-only ``extra`` (the registry
-    reads a builder's keywords and defaults from its signature)."""
-    sig = inspect.signature(build)
-    params = [p for p in sig.parameters.values() if p.name not in drop]
-    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value) for name, value in extra.items()]
-    wrapper.__signature__ = sig.replace(parameters=params)
-    return wrapper
-
-
-def _pooled(build):
-    """``build`` with its budget split by :class:`~sparseattn.allocations.PooledMass` (``cap``, ``floor``)."""
-
-    def pooled(*args, cap: float = 4.0, floor: float = 0.25, **options) -> SegmentSearch:
-        return build(*args, allocation=PooledMass(cap=cap, floor=floor), **options)
-
-    pooled.__name__ = pooled.__qualname__ = f"{build.__name__}Pooled"
-    pooled.__doc__ = f"{build.__name__} with the layer's segments split by pooled attention mass (:class:`PooledMass`)."
-    return _signed(pooled, build, ("allocation",), {"cap": 4.0, "floor": 0.25})
-
-
-OracleTokensPooled = _pooled(OracleTokens)
-
-
-def _first_layers(build):
-    """``build`` wrapped in :class:`~sparseattn.methods.layers.FirstLayers` (``first_layers``, ``layer_factor``)."""
-
-    def layered(*args, first_layers: int = 1, layer_factor: float = 4.0, **options) -> FirstLayers:
-        return FirstLayers(build(*args, **options), layers=first_layers, factor=layer_factor)
-
-    layered.__name__ = layered.__qualname__ = f"{build.__name__}FirstLayers"
-    layered.__doc__ = f"{build.__name__} with more of the budget in the first layers (:class:`FirstLayers`)."
-    return _signed(layered, build, (), {"first_layers": 1, "layer_factor": 4.0})
-
-
-OracleTokensPooledFirstLayers = _first_layers(OracleTokensPooled)
-RadarPlusPooledFirstLayers = _first_layers(RadarPlusPooled)
-
-
-def _merged(build):
-    """``build`` with what a step leaves out merged per block (:class:`~sparseattn.methods.rest.MergedRest`, ``merge``)."""
-
-    def merged(*args, merge: int = 16, **options) -> SegmentSearch:
-        return dataclasses.replace(build(*args, **options), rest=MergedRest(merge or None))  # 0: one block
-
-    merged.__name__ = merged.__qualname__ = build.__name__.replace("Pooled", "Merged")
-    merged.__doc__ = (
-        f"{build.__name__} that keeps a coarse picture of what it does not attend (issue 17): every ``merge`` "
-        "consecutive segments form a block, and each block's tokens a step leaves out enter its softmax as one "
-        "merged token (mean key, mean value, log count; :class:`~sparseattn.methods.rest.MergedRest`) instead of "
-        "being dropped; ``merge=0``: one block, the whole rest as one merged token. Each merged token counts "
-        "against ``budget`` (``ceil(S / merge)``: ``sqrt(t)`` at the default grid), the selection shrinks to keep "
-        "the total. On the CPU the C kernel attends the selection and returns its log-sum-exp; the merged tokens "
-        "come from kept segment and block sums (no token is gathered)."
-    )
-    return _signed(merged, build, (), {"merge": 16})
-
-
-RadarPlusMerged = _merged(RadarPlusPooled)
-
-
-def _merged_after_layers(merged_build, plain_build):
-    """``plain_build`` in the first ``plain_layers`` layers, the merged rest in every later one (:class:`SplitLayers`)."""
-
-    def split(*args, merge: int = 128, plain_layers: int = 1, **options) -> SplitLayers:
-        return SplitLayers(plain_build(*args, **options), merged_build(*args, merge=merge, **options), layers=plain_layers)
-
-    split.__name__ = split.__qualname__ = f"{merged_build.__name__}AfterFirstLayers"
-    split.__doc__ = (
-        f"{plain_build.__name__} in the first ``plain_layers`` layers (default 1), {merged_build.__name__} with "
-        "blocks of ``merge`` segments (default 128) in every later layer (:class:`~sparseattn.methods.layers.SplitLayers`). "
-        "Measured (docs/methods.md): merging in layer 0 hurt the texts that repeat themselves (the KJV), merging in "
-        "the later layers helped most texts."
-    )
-    return _signed(split, merged_build, ("merge",), {"merge": 128, "plain_layers": 1})
-
-
-RadarPlusMergedAfterFirstLayers = _merged_after_layers(RadarPlusMerged, RadarPlusPooled)
-
-
-def _factor_option(default: float) -> Option:
-    return Option("factor", float, default, "segments shortlisted, x what the budget buys", allowed=Range(1.0, 1024.0, integer=False))
-
-
-def _aspect_option(default: float) -> Option:
-    return Option("aspect", float, default, "segments of sqrt(t) / aspect tokens", allowed=Range(0.0, 1024.0, integer=False))
-
-
-def _pool_options(cap: float = 4.0) -> tuple[Option, ...]:
+def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
+    """The options of radar+ and its presets (``variants``: also the choices that make the variants)."""
+    shared = (*segment_options(top_k_none="64 x aspect"), *_grid_options())
+    pool = (
+        Option("cap", float, help="most segments one head may get, x the uniform share (split=pooled; None: 2)",
+               allowed=Range(1.0, 1024.0, integer=False)),
+        Option("floor", float, help="fewest segments a head keeps, x the uniform share (split=pooled; None: 0.25)"),
+    )  # fmt: skip
+    if not variants:
+        return (*shared, *pool, Option("merge", int, help="segments per merged token of the rest (0: one block)", minimum=0),
+                Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0))  # fmt: skip
     return (
-        Option("cap", float, cap, "most segments one head may get, as a multiple of the uniform share", allowed=Range(1.0, 1024.0, integer=False)),
-        Option("floor", float, 0.25, "fewest segments a head keeps, as a fraction of the uniform share"),
+        *shared,
+        Option("split", str, help="a layer's segments between its heads: uniform, or pooled by estimated attention share",
+               allowed=("uniform", "pooled")),
+        *pool,
+        Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half the bytes of the scoring pass)"),
+        Option("rest", str, help="what a step does not attend: dropped, or merged into one token per block", allowed=("dropped", "merged")),
+        Option("merge", int, help="segments per merged token of the rest (rest=merged; 0: one block; None: 16)", minimum=0),
+        Option("plain_layers", int, help="first layers that drop the rest even with rest=merged", minimum=0),
+        *_layer_options("segments"),
     )  # fmt: skip
 
 
+def _grid_options() -> tuple[Option, ...]:
+    return (
+        Option("aspect", float, help="segments of sqrt(t) / aspect tokens", allowed=Range(0.0, 1024.0, integer=False)),
+        Option("factor", float, help="segments shortlisted, x what the budget buys", allowed=Range(1.0, 1024.0, integer=False)),
+    )
+
+
+def _layer_options(what: str) -> tuple[Option, ...]:
+    return (
+        Option("first_layers", int, help=f"first layers given more {what} (FirstLayers)", minimum=0),
+        Option("layer_factor", float, help="their budget, x --budget (with first_layers; None: 4)", allowed=Range(1.0, 1024.0, integer=False)),
+    )
+
+
+BOTH = ("transformers", "vllm")
+
 for _entry in (
+    MethodEntry(
+        "radar+",
+        "Radar with a sharper ranking: segments of sqrt(t)/8 tokens scored by their mean key, the best rescored "
+        "exactly from their keys, plus 4 attention sinks; split, bf16_centroids, rest and first_layers make its variants",
+        RadarPlus, _radar_plus_options(variants=True), category="recommended", engines=BOTH,
+    ),
+    MethodEntry(
+        "radar+adaptive",
+        "radar+ with the budget spent where attention is: heads' shares pooled by estimated mass on a 2x finer grid "
+        "(bf16 centroids), the rest merged per 128 segments after layer 0",
+        RadarPlusAdaptive, _radar_plus_options(variants=False), category="recommended",
+    ),
     MethodEntry(
         "radar-alg1",
         "Radar as the paper's Algorithm 1 writes it: segments of sqrt(t) tokens rebuilt at every perfect square, "
         "top-k segments + the buffer",
-        RadarAlg1,
-        (*segment_options(), *feature_options(2048)),
+        RadarAlg1, (*segment_options(), *feature_options()), category="paper", engines=BOTH,
     ),
     MethodEntry(
         "quest",
         "Quest: pages of 16 tokens, top pages by the min/max key upper bound of q.k (Tang et al. 2024)",
-        Quest,
-        (*segment_options(), Option("page_size", int, 16, "tokens per page")),
+        Quest, (*segment_options(), Option("page_size", int, help="tokens per page")), category="baseline", engines=BOTH,
     ),
     MethodEntry(
         "radar-exact",
         "Radar ablation: segments ranked by their exact attention mass (the O(t) oracle)",
-        RadarExact,
-        segment_options(),
+        RadarExact, segment_options(), category="ablation", engines=BOTH,
     ),
     MethodEntry(
         "radar-random",
         "Radar ablation: segments chosen uniformly at random",
-        RadarRandom,
-        (*segment_options(), feature_options(0)[1]),
+        RadarRandom, (*segment_options(), feature_options()[1]), category="ablation", engines=BOTH,
     ),
     MethodEntry(
         "radar-lowest",
         "Radar ablation: the segments with the lowest estimated scores",
-        RadarLowest,
-        (*segment_options(), *feature_options(2048)),
+        RadarLowest, (*segment_options(), *feature_options()), category="ablation", engines=BOTH,
     ),
     MethodEntry(
         "radar-recent",
         "Radar ablation: the most recent segments (a longer sliding window)",
-        RadarRecent,
-        segment_options(),
-    ),
-    MethodEntry(
-        "radar+",
-        "Radar with a sharper ranking: segments of sqrt(t)/8 tokens scored by their mean key, the best rescored "
-        "exactly from their keys, plus 4 attention sinks",
-        RadarPlus,
-        (*segment_options(top_k=None, sinks=4), _aspect_option(8.0)),
+        RadarRecent, segment_options(), category="ablation", engines=BOTH,
     ),
     MethodEntry(
         "radar-centered",
         "Radar with random features of segment-centred keys, the centroid scored exactly",
-        RadarCentered,
-        (*segment_options(), *feature_options(2048)),
+        RadarCentered, (*segment_options(), *feature_options()), engines=BOTH,
     ),
     MethodEntry(
         "radar-rerank",
-        "Radar's random features (n = 256 unless --n-features) shortlist, exact segment mass reranks",
-        RadarRerank,
-        (*segment_options(), *feature_options(256)),
+        "Radar's random features (n_features = 256) shortlist, exact segment mass reranks",
+        RadarRerank, (*segment_options(), *feature_options()), engines=BOTH,
     ),
     MethodEntry(
         "snapkv+radar",
-        "SnapKV compresses the prompt (to --prefill-budget, default 4 x budget), then Radar searches it + new tokens",
+        "SnapKV compresses the prompt (to prefill_budget, default 4 x budget), then Radar searches it + new tokens",
         SnapKVRadar,
         (
-            *segment_options(sinks=1, window=None),
-            Option("prefill_budget", int, None, "prompt tokens SnapKV keeps per KV head; None: 4 x budget, 2048 without"),
-            Option("observation_window", int, 32, "last prompt queries that vote"),
-            *feature_options(4096),
+            *segment_options(window_none=WINDOW_FROM_BUDGET),
+            Option("prefill_budget", int, help="prompt tokens SnapKV keeps per KV head; None: 4 x budget, 2048 without"),
+            Option("observation_window", int, help="last prompt queries that vote"),
+            *feature_options(),
         ),
     ),
     MethodEntry(
         "radar+h2o",
-        "Radar plus H2O's heavy hitters: the --heavy tokens with the most attention so far (default budget / 8) "
+        "Radar plus H2O's heavy hitters: the `heavy` tokens with the most attention so far (default budget / 8) "
         "are attended on top of the segments",
         RadarH2O,
         (
-            *segment_options(sinks=1, window=None),
-            Option("heavy", int, None, "heavy-hitter tokens attended per step; None: budget // 8, 128 without a budget"),
-            *feature_options(4096),
+            *segment_options(window_none=WINDOW_FROM_BUDGET),
+            Option("heavy", int, help="heavy-hitter tokens attended per step; None: budget // 8, 128 without a budget"),
+            *feature_options(),
         ),
     ),
     MethodEntry(
         "oracle-tokens",
-        "Ceiling: the exact top-budget tokens of each query head (exact logits, O(t) per step)",
+        "Ceiling: the exact top-budget tokens of each query head (exact logits, O(t) per step); split=pooled "
+        "shares the layer's tokens by the heads' exact attention mass",
         OracleTokens,
-        segment_options(top_k=1024),
-    ),
-    MethodEntry(
-        "oracle-tokens-pooled",
-        "Ceiling with a non-uniform split: the layer's tokens go to the heads' largest exact attention shares "
-        "(PooledMass), the total per layer fixed",
-        OracleTokensPooled,
-        (*segment_options(top_k=1024), *_pool_options()),
+        (
+            *segment_options(),
+            Option("split", str, help="a layer's tokens between its heads: uniform, or pooled by exact attention share",
+                   allowed=("uniform", "pooled")),
+            Option("cap", float, help="most tokens one head may get, x the uniform share (split=pooled; None: 4)",
+                   allowed=Range(1.0, 1024.0, integer=False)),
+            Option("floor", float, help="fewest tokens a head keeps, x the uniform share (split=pooled; None: 0.25)"),
+            *_layer_options("tokens"),
+        ),
+        category="ceiling", engines=BOTH,
     ),
     MethodEntry(
         "oracle-segments",
-        "Ceiling on a fixed grid: the exact top segments of --segment-size tokens (O(t) per step)",
-        OracleSegments,
-        (*segment_options(), Option("segment_size", int, 16, "tokens per segment")),
-    ),
-    MethodEntry(
-        "radar+pooled",
-        "radar+ on a 2x finer grid (bf16 centroids) with the layer's segments split by the heads' estimated "
-        "attention shares (PooledMass): diffuse heads get more, peaked heads fewer, the total per layer fixed",
-        RadarPlusPooled,
-        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0)),
-    ),
-    MethodEntry(
-        "radar+merged",
-        "radar+pooled plus what a step leaves out, merged: each block of `merge` segments adds one token with the "
-        "mean key and value of its unattended tokens (weight: their count), counted against the budget",
-        RadarPlusMerged,
-        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0),
-         Option("merge", int, 16, "segments per merged token of the rest (one merged token per block; 0: one block)", minimum=0)),
-    ),
-    MethodEntry(
-        "radar+merged-after",
-        "radar+pooled in the first `plain_layers` layers (default 1), radar+merged with blocks of `merge` segments "
-        "(default 128) in every later layer: the rest merged where it helped, dropped in layer 0 where it hurt",
-        RadarPlusMergedAfterFirstLayers,
-        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0),
-         Option("merge", int, 128, "segments per merged token of the rest (0: one block, the whole rest)", minimum=0),
-         Option("plain_layers", int, 1, "first layers that drop the rest (the others merge it)", minimum=0)),
-    ),
-    MethodEntry(
-        "oracle-tokens-pooled-layers",
-        "Ceiling with both splits: per-layer budgets (FirstLayers) and pooled head budgets (PooledMass)",
-        OracleTokensPooledFirstLayers,
-        (*segment_options(top_k=1024), *_pool_options(), *first_layers_options()),
-    ),
-    MethodEntry(
-        "radar+pooled-layers",
-        "radar+pooled with more of the budget in the first layers (FirstLayers; diffuse attention there): "
-        "the tokens over all layers still honour --budget per layer on average",
-        RadarPlusPooledFirstLayers,
-        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0), *_pool_options(cap=2.0), *first_layers_options()),
+        "Ceiling on a fixed grid: the exact top segments of `segment_size` tokens (O(t) per step)",
+        OracleSegments, (*segment_options(), Option("segment_size", int, help="tokens per segment")), category="ceiling", engines=BOTH,
     ),
     MethodEntry(
         "radar+tokens",
         "radar+'s shortlist of segments (mean keys, per KV group), then each head's best tokens in them by exact "
         "logits instead of whole segments, plus 4 sinks",
         RadarPlusTokens,
-        (*segment_options(top_k=None, sinks=4), _aspect_option(16.0), _factor_option(2.0)),
+        (*segment_options(top_k_none="64 x aspect"), *_grid_options()),
     ),
 ):
     register(_entry)
+
+#: The names that were variants, as the options of the methods they are now.
+_POOLED = "radar+:split=pooled,aspect=16.0,bf16_centroids=true"  # _POOLED_OPTIONS as a spec
+for _old, _now in (
+    ("radar+pooled", _POOLED),
+    ("radar+merged", _POOLED + ",rest=merged,merge=16"),
+    ("radar+pooled-layers", _POOLED + ",first_layers=1"),
+    ("radar+merged-after", "radar+adaptive"),
+    ("oracle-tokens-pooled", "oracle-tokens:split=pooled"),
+    ("oracle-tokens-pooled-layers", "oracle-tokens:split=pooled,first_layers=1"),
+):
+    alias(_old, _now)
+
+#: Former builders that were variants, by name: what each is now (built on first use, with a warning).
+_FORMER_BUILDERS = {
+    "OracleTokensPooled": ("OracleTokens(split='pooled')", lambda: functools.partial(OracleTokens, split="pooled")),
+    "OracleTokensPooledFirstLayers": (
+        "OracleTokens(split='pooled', first_layers=1)", lambda: functools.partial(OracleTokens, split="pooled", first_layers=1)
+    ),
+    "RadarPlusPooledFirstLayers": (
+        "RadarPlusPooled(first_layers=1)", lambda: functools.partial(RadarPlusPooled, first_layers=1)
+    ),
+    "RadarPlusMergedAfterFirstLayers": ("RadarPlusAdaptive", lambda: RadarPlusAdaptive),
+}
+
+
+def __getattr__(name: str):
+    if name in _FORMER_BUILDERS:
+        now, made = _FORMER_BUILDERS[name]
+        warnings.warn(f"{name} is now {now}; the old name will be removed in the next release", FutureWarning, stacklevel=2)
+        return made()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

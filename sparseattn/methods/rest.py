@@ -30,18 +30,57 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from sparseattn.ops.attention import soft_cap
+from sparseattn.ops.attention import gather_tokens, soft_cap
 from sparseattn.ops.buffers import Workspace
-from sparseattn.ops.attention import gather_tokens
+from sparseattn.ops.segments import RestSums
 from sparseattn.validation import check_int
+
+if TYPE_CHECKING:
+    from sparseattn.allocations.base import Selection
+    from sparseattn.backends.base import SegmentAttentionLSE
+    from sparseattn.methods.segment_search import SegmentStep
+
+
+@runtime_checkable
+class Rest(Protocol):
+    """A segment search's ``rest`` part: what a step does not attend, joined to its softmax.
+
+    The decode state keeps each block of ``per_block`` consecutive segments' key and value sums
+    (float64) and each segment's (float32, key sum then value sum), read through ``step.block_sums()``
+    and ``step.segment_sums()``. At a step that attends fewer than every segment it calls one of the
+    rest's two attend hooks, as the attend stage's capability table says:
+
+    * ``attend_segments(step, selection, backend, fused)``: a selection of whole segments, on a backend
+      with :class:`~sparseattn.backends.base.SegmentAttentionLSE` (``fused``: it also has
+      :class:`~sparseattn.backends.base.MergedRestAttention`); returns ``out [B, H_kv, G, D]``;
+    * ``attend_tokens(step, listed, attended, runs)``: the torch gather path over the listed tokens
+      (:meth:`~sparseattn.allocations.Selection.listing`); returns ``(out, probs [B, H_kv, G, L])``.
+
+    ``blocks(n_segments)`` is what it adds to a step: tokens counted against the budget.
+    """
+
+    per_block: int
+
+    def blocks(self, n_segments: int) -> int: ...
+
+    def attend_segments(self, step: SegmentStep, selection: Selection, backend: SegmentAttentionLSE, fused: bool) -> torch.Tensor: ...
+
+    def attend_tokens(
+        self, step: SegmentStep, listed: torch.Tensor, attended: torch.Tensor | None, runs: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
 class MergedRest:
     """Attend the unattended tokens of every block of ``segments`` consecutive segments as one merged token.
+
+    Its attend step (the :class:`Rest` hooks): over whole segments, the backend's kernel with each head's
+    log-sum-exp plus the merged tokens from the segments' and blocks' sums (:func:`add_merged_rest`, or
+    the backend's fused kernel), no token gathered; over listed tokens, :func:`merged_attention`.
 
     Args:
         segments: segments per block (>= 1), or None: one block, the whole rest as one merged token per
@@ -62,6 +101,31 @@ class MergedRest:
     def blocks(self, n_segments: int) -> int:
         """Merged tokens a step adds over a grid of ``n_segments`` segments."""
         return -(-n_segments // self.per_block)
+
+    def attend_segments(self, step: SegmentStep, selection: Selection, backend: SegmentAttentionLSE, fused: bool) -> torch.Tensor:
+        """``[B, H_kv, G, D]``: the selection's whole segments by ``backend`` plus the merged rest, in one call
+        when ``fused`` and the window reaches into no segment (the fused kernel's one condition, which a
+        segment search's state always meets), else the kernel's log-sum-exp and :func:`add_merged_rest`."""
+        lay, q, segments, valid = step.layout, step.query, selection.segments, selection.valid
+        sums = RestSums(step.segment_sums(), *step.block_sums(), self.per_block)
+        if fused and lay.tail_start >= lay.segment_end:
+            return backend.segment_attention_merged(q, step.keys, step.values, lay, segments, valid, sums, step.scale, step.softcap)
+        out, lse = backend.segment_attention_lse(q, step.keys, step.values, lay, segments, valid, step.scale, step.softcap)
+        return add_merged_rest(
+            out, lse, q, step.keys, step.values, lay, segments, valid, sums, step.scale, step.softcap, step.workspace
+        ).to(out.dtype)
+
+    def attend_tokens(
+        self, step: SegmentStep, listed: torch.Tensor, attended: torch.Tensor | None, runs: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, probs)``: :func:`merged_attention` over the listed tokens, with this part's blocks."""
+        lay = step.layout
+        block_k, block_v = step.block_sums()
+        return merged_attention(
+            step.query, step.keys, step.values, listed, attended, block_k, block_v,
+            block_counts(lay.n_segments, lay.segment_size, self.per_block, step.device), lay.sink_end, lay.segment_end,
+            min(self.per_block, lay.n_segments) * lay.segment_size, step.scale, step.softcap, step.workspace, runs,
+        )  # fmt: skip
 
 
 #: Segments per block of ``MergedRest(None)``: more than any grid has.
@@ -204,10 +268,7 @@ def add_merged_rest(
     layout,
     segments: torch.Tensor,
     valid: torch.Tensor | None,
-    seg_kv: torch.Tensor,
-    block_k: torch.Tensor,
-    block_v: torch.Tensor,
-    per_block: int,
+    sums: RestSums,
     scale: float,
     softcap: float | None = None,
     workspace: Workspace | None = None,
@@ -216,9 +277,9 @@ def add_merged_rest(
     kernel's), with the merged tokens of what it leaves out added to its softmax: no token is gathered.
 
     ``segments: [B, H_kv, G', w]`` each selection's listed segments, ``valid`` (same shape, None: all)
-    which it attends (``G'`` in ``{1, G}``); ``seg_kv: [B, H_kv, S, 2 D]`` each segment's key sum
-    then value sum, side by side (:func:`segment_sums`, concatenated: one row read per segment), ``block_k, block_v: [B, H_kv, n, D]`` (float64) the blocks'
-    (:func:`block_sums`, ``per_block`` segments each). The attended set is the layout's: sinks, the
+    which it attends (``G'`` in ``{1, G}``); ``sums``: each segment's key sum then value sum side by side
+    (``seg_kv``, :func:`segment_sums` concatenated: one row read per segment) and each block's (``block_k,
+    block_v``, :func:`block_sums`, ``per_block`` segments each). The attended set is the layout's: sinks, the
     attended segments below ``tail_start``, and the tail; a segment the window reaches into is
     attended whole if selected, else only its tokens in the tail (summed here from the cache: at most
     ``window`` tokens). The merged token of block ``b``, as :func:`merged_attention` defines it, has
@@ -237,6 +298,7 @@ def add_merged_rest(
     are copied (a fresh multi-megabyte tensor per step costs page faults, see
     :class:`~sparseattn.ops.buffers.Workspace`). Reference: :func:`merged_attention_ref`.
     """
+    seg_kv, block_k, block_v, per_block = sums.seg_kv, sums.block_k, sums.block_v, sums.per_block
     B, H, G, D = q.shape
     S, c = layout.n_segments, layout.segment_size
     ws = workspace or Workspace()

@@ -8,27 +8,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.allocations.base import Allocation, log_total_mass
+from sparseattn.allocations.base import Allocation, Selection, SelectStage
 from sparseattn.allocations.uniform import Uniform
-from sparseattn.backends.base import MaskedSegmentAttention, MergedRestAttention, SegmentAttentionLSE
+from sparseattn.backends.base import EXTENSION_OPS
 from sparseattn.backends.registry import check_backend_name, select_backend
-from sparseattn.methods.always import AlwaysKept
+from sparseattn.methods.always import AlwaysKept, kept_tokens
 from sparseattn.methods.base import KVState, LayerSpec, StatefulMethod
 from sparseattn.methods.eviction import Candidates, finite_evidence, observe_prompt
-from sparseattn.methods.rest import (
-    MergedRest,
-    add_merged_rest,
-    block_counts,
-    group_blocks,
-    merged_attention,
-    segment_sums,
-)
+from sparseattn.methods.rest import Rest, group_blocks, segment_sums
 from sparseattn.ops.attention import segment_mask
 from sparseattn.ops.buffers import GrowableBuffer, Workspace
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.ops.attention import gather_tokens
-from sparseattn.ops.tokens import segment_index, token_attention
-from sparseattn.refine.tokens import TopTokens
+from sparseattn.ops.tokens import token_attention
 from sparseattn.registry import MethodEntry, Option, Range, register
 from sparseattn.schedules.aspect import AspectSchedule
 from sparseattn.schedules.base import Schedule, SegmentGrid
@@ -41,6 +33,18 @@ from sparseattn.summaries.performer import PerformerFeatures
 
 # Tokens x heads summarised at once during a rebuild: bounds the [.., c, n_features] temporary.
 _SUMMARY_CHUNK = 8192
+
+#: The attend stage's capability table: what a step needs (a :attr:`Selection.need`, or ``"lse"`` when a
+#: ``rest`` joins a selection of whole segments, ``"merged"`` when it can do so inside the kernel) -> the
+#: backend op that runs it in one call (the optional ops' capabilities are the backends' one table,
+#: :data:`~sparseattn.backends.base.EXTENSION_OPS`; ``segment_attention`` every backend of the state runs).
+#: A decode state resolves it once for the backend it chose; a need its backend lacks runs the torch gather path.
+KERNEL_CAPABILITIES: dict[str, str] = {
+    "segments": "segment_attention",
+    "masked": "segment_attention_masked",
+    "lse": "segment_attention_lse",
+    "merged": "segment_attention_merged",
+}
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ class SegmentSearch(StatefulMethod):
             O(t) pass over positions and, for heavy hitters, a 4-byte-per-token attention record,
             not over the keys), and the step runs the torch gather path (the fused kernels take
             contiguous ranges only).
-        allocation: how the layer's segments are split between its heads (:mod:`sparseattn.allocations`):
+        allocation: how the layer's segments are split between its heads (:mod:`sparseattn.allocations`),
+            the step's select stage unless ``refine`` is set:
             :class:`~sparseattn.allocations.Uniform` (default) gives every selection ``k``;
             :class:`~sparseattn.allocations.PooledMass` gives more to heads whose attention is diffuse
             and fewer to peaked ones, ``k`` per selection on average, so a step's tokens over the
@@ -103,9 +108,14 @@ class SegmentSearch(StatefulMethod):
             non-uniform split runs a backend's masked kernel where it has one
             (:class:`~sparseattn.backends.base.MaskedSegmentAttention`: the C kernel), else the
             torch gather path.
-        refine: None, or :class:`~sparseattn.refine.TopTokens`: shortlist more segments than the
-            budget buys and attend the best tokens inside them (exact logits) instead of whole
-            segments; the allocation then splits tokens between heads. Runs the torch gather path.
+        refine: None, or a select stage run instead of the allocation's
+            (:class:`~sparseattn.allocations.SelectStage`): :class:`~sparseattn.refine.TopTokens`
+            shortlists more segments than the budget buys and attends the best tokens inside them
+            (exact logits) instead of whole segments, the allocation then splitting tokens between
+            heads (the torch gather path); any part with ``select_segments`` plugs in here.
+        rest: None, or a part that joins what a step does not attend to its softmax
+            (:class:`~sparseattn.methods.rest.Rest`), e.g. :class:`~sparseattn.methods.rest.MergedRest`;
+            what it adds counts against ``budget``.
     """
 
     summary: Summary = field(default_factory=PerformerFeatures)
@@ -119,8 +129,8 @@ class SegmentSearch(StatefulMethod):
     backend: str = "auto"
     always: AlwaysKept | None = None
     allocation: Allocation = field(default_factory=Uniform)
-    refine: TopTokens | None = None
-    rest: MergedRest | None = None
+    refine: SelectStage | None = None
+    rest: Rest | None = None
 
     def __post_init__(self) -> None:
         if self.always is not None and (isinstance(self.always, type) or not isinstance(self.always, AlwaysKept)):
@@ -139,11 +149,23 @@ class SegmentSearch(StatefulMethod):
             check_int("SegmentSearch", name, getattr(self, name), 0)
         if self.budget is not None:
             check_int("SegmentSearch", "budget", self.budget, 1, "or None: top_k segments")
-        if self.refine is not None and (isinstance(self.refine, type) or not isinstance(self.refine, TopTokens)):
-            raise ValueError(f"SegmentSearch.refine must be None or a TopTokens instance, got {self.refine!r}")
-        if self.rest is not None and (isinstance(self.rest, type) or not isinstance(self.rest, MergedRest)):
-            raise ValueError(f"SegmentSearch.rest must be None or a MergedRest instance, got {self.rest!r}")
+        # The slots with a stage hook take any part that implements it (a protocol check, once, here).
+        if self.refine is not None and (isinstance(self.refine, type) or not isinstance(self.refine, SelectStage)):
+            raise ValueError(
+                f"SegmentSearch.refine must be None or a TopTokens instance (or any part implementing the SelectStage "
+                f"protocol: select_segments(step) -> Selection), got {self.refine!r}"
+            )
+        if self.rest is not None and (isinstance(self.rest, type) or not isinstance(self.rest, Rest)):
+            raise ValueError(
+                f"SegmentSearch.rest must be None or a MergedRest instance (or any part implementing the Rest protocol: "
+                f"per_block, blocks, attend_segments, attend_tokens), got {self.rest!r}"
+            )
         check_backend_name("SegmentSearch.backend", self.backend, "segment_attention", "auto", auto=True)
+
+    @property
+    def select_stage(self) -> SelectStage:
+        """The part whose ``select_segments`` runs a step's select stage: ``refine`` if set, else ``allocation``."""
+        return self.allocation if self.refine is None else self.refine
 
     def segments_for(self, layout: SegmentLayout) -> int:
         """Segments one step attends under this layout: ``top_k``, or what the ``budget`` leaves room for."""
@@ -360,6 +382,14 @@ class SegmentSearchState(KVState):
     pairs that stored a non-finite key or value (their outputs are NaN, as in dense attention). Work per token: the schedule's amortised
     summary work, scoring the S segments, and attention over the attended tokens; nothing is O(t)
     per step unless the summary reads keys (:class:`ExactScore`, the oracle).
+
+    A step runs as stages, each part behind one declared hook, so a new part type plugs in without
+    a change here: *plan* (the layout and the ``k`` segments the budget buys), *select*
+    (``method.select_stage.select_segments(step)``, a :class:`~sparseattn.allocations.SelectStage`
+    returning a :class:`~sparseattn.allocations.Selection`; it asks the :class:`SegmentStep` for
+    scores, which the summary computes on demand), *keep* (the ``always`` part's ``mask``, its tokens
+    added each once) and *attend* (the backend op :data:`KERNEL_CAPABILITIES` gives for the selection's
+    ``need``, a ``rest``'s :class:`~sparseattn.methods.rest.Rest` hooks, or the torch gather path).
     """
 
     appends_only = True  # keys and values are only read (summaries live in their own buffers)
@@ -375,7 +405,12 @@ class SegmentSearchState(KVState):
         self._segment_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2)]
         self._grid: SegmentGrid | None = None
         self._params = _prepare_heads(method.summary, layer, self.compute_dtype)
-        self._shortlisting = isinstance(method.summary, ShortlistingSummary)  # asked once: a protocol check is slow
+        # The parts' capabilities and stage hooks, asked once: a protocol check is slow, and a step asks none.
+        self._shortlisting = isinstance(method.summary, ShortlistingSummary)
+        self._top_k_aware = isinstance(method.summary, TopKAwareSummary) and bool(method.summary.uses_top_k)
+        self._group_scoring = isinstance(method.summary, GroupScoringSummary)
+        self._top_k_selector = type(method.selector) is TopK  # its picks are the best: read off a shortlist
+        self._select_stage = method.select_stage
         seed = selector_seed(method.selector)
         self._generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + layer.layer_idx) % (2**63))
         self._rebuilt_since_attend = False
@@ -383,6 +418,7 @@ class SegmentSearchState(KVState):
         self.n_rebuilds = 0
         self._nonfinite = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.bool, device=self.device)
         self._backend = None  # chosen on the first step, when the inputs are known
+        self._kernels: frozenset[str] = frozenset()  # the needs of KERNEL_CAPABILITIES that backend runs in one call
         self._mass_backend = None  # likewise, for the exact segment masses of summaries that read keys
         self._workspace = Workspace()
         # The attention each stored token received, when the always-kept part reads it (heavy hitters).
@@ -551,7 +587,7 @@ class SegmentSearchState(KVState):
         summary = self.method.summary
         if self.layout.n_segments == 0:
             return grouped_query.new_zeros(*grouped_query.shape[:3], 0, dtype=self.compute_dtype)
-        extra = {"top_k": top_k} if isinstance(summary, TopKAwareSummary) and summary.uses_top_k else {}
+        extra = {"top_k": top_k} if self._top_k_aware else {}
         return summary.score(self._params, *self._score_inputs(grouped_query), **extra)
 
     def best_segments(
@@ -585,150 +621,116 @@ class SegmentSearchState(KVState):
         the heads' features first); otherwise it is the logsumexp of :meth:`scores` over the group.
         """
         summary = self.method.summary
-        if not isinstance(summary, GroupScoringSummary) or self.layout.n_segments == 0:
+        if not self._group_scoring or self.layout.n_segments == 0:
             return torch.logsumexp(self.scores(grouped_query, top_k), dim=2, keepdim=True)
         summaries = tuple(buf.view() for buf in self._summaries)
         return summary.score_group(self._params, summaries, self._scaled(grouped_query), None, self.layout.segment_size)
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SegmentSelection]:
-        """Sparse attention of ``query: [B, H_q, D]`` over the stored tokens: ``([B, H_q, D], selection)``."""
-        B, D = self.batch, self.head_dim
+        """Sparse attention of ``query: [B, H_q, D]`` over the stored tokens: ``([B, H_q, D], selection)``.
+
+        The stages: plan (:meth:`_plan`), select (every segment when the budget buys them all, else the
+        method's select stage, which scores on demand through the :class:`SegmentStep`), keep (the
+        ``always`` part's tokens) and attend (:meth:`_attend_selection`).
+        """
+        step = self._plan(query)
+        lay, k = step.layout, step.k
+        if k == lay.n_segments:  # every segment: nothing to score or select
+            selection = Selection(torch.arange(k, device=query.device).expand(self.batch, self.kv_heads, step.shared, k))
+        else:
+            selection = self._select_stage.select_segments(step)
+        if self.method.always is not None:
+            selection = self._keep(lay, selection)
+        return self._attend_selection(query, step, selection)
+
+    def _plan(self, query: torch.Tensor) -> SegmentStep:
+        """The plan stage: the step's layout and the ``k`` segments its budget buys (warning once if the
+        budget is below what it can honour)."""
         group = self._check_query(query)
-        grouped = query.reshape(B, self.kv_heads, group, D)
         lay = self.layout
-        shared = 1 if self.method.shared_kv_selection else group
         k = self.method.segments_for(lay)
         self.method._warn_over_budget(lay, k)
-        valid = None
-        if self.method.refine is not None and k < lay.n_segments:
-            return self._attend_refined(query, grouped, lay, k, shared, group)
-        if k == lay.n_segments:
-            segments = torch.arange(k, device=query.device).expand(B, self.kv_heads, shared, k)
-        elif not self.method.allocation.uniform:
-            segments, valid = self._allocate(grouped, lay, k, shared)
-        else:
-            selector = self.method.selector
-            if type(selector) is TopK:  # the k best: read off a shortlist when the summary keeps one
-                segments = self.best_segments(grouped, k, k, sorted=False, with_scores=False)[2]
-            else:
-                if selector.uses_scores:
-                    scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
-                else:
-                    scores = torch.zeros(B, self.kv_heads, shared, lay.n_segments, device=query.device)
-                segments = selector.select(scores, k, self._generator)
-                _check_selection(selector, segments, (B, self.kv_heads, shared, k), lay.n_segments)
-        merging = self.method.rest is not None and k < lay.n_segments
-        if self.method.always is not None:
-            return self._attend_tokens(query, grouped, lay, segments, group, valid)
-        self._select_backend(grouped)
-        merged = 0
-        if merging:
-            if not isinstance(self._backend, SegmentAttentionLSE):
-                return self._attend_tokens(query, grouped, lay, segments, group, valid)
-            out = self._attend_merged(grouped, lay, segments, valid)
-            merged = self.method.rest.blocks(lay.n_segments)
-        elif valid is not None:  # an allocation's split: heads attend different numbers of the listed segments
-            if not isinstance(self._backend, MaskedSegmentAttention):
-                return self._attend_tokens(query, grouped, lay, segments, group, valid)
-            out = self._backend.segment_attention_masked(
-                grouped, self.keys, self.values, lay, segments, valid, self.scale, self.softcap
+        grouped = query.reshape(self.batch, self.kv_heads, group, self.head_dim)
+        return SegmentStep(self, grouped, lay, k, 1 if self.method.shared_kv_selection else group, group)
+
+    def _keep(self, lay: SegmentLayout, selection: Selection) -> Selection:
+        """The keep stage: the ``always`` part's tokens on top of the selection, each token once."""
+        B, H, t = self.batch, self.kv_heads, lay.length
+        positions = torch.arange(t, device=self.device).expand(B, H, t)
+        record = self.attention_record
+        tokens = Candidates(
+            positions, seen=t, prompt_length=self.prompt_length, keys=lambda: self.keys,
+            attention=None if record is None else (lambda: record), owner=self.method,
+        )  # fmt: skip
+        extra, marked = kept_tokens(self.method.always, tokens)  # indices of positions 0..t-1: positions
+        return selection.with_tokens(extra, marked, lay)
+
+    def _attend_selection(self, query: torch.Tensor, step: SegmentStep, selection: Selection) -> tuple[torch.Tensor, SegmentSelection]:
+        """The attend stage: the backend op :data:`KERNEL_CAPABILITIES` gives for what the selection needs
+        (with a ``rest``, the rest's own attend step), or the torch gather path."""
+        lay = step.layout
+        rest = self.method.rest if step.k < lay.n_segments else None  # a step that attends everything leaves no rest
+        need = selection.need
+        if need != "tokens":
+            if rest is not None:
+                need = "lse"  # the rest joins the kernel's softmax by its log-sum-exp
+            self._select_backend(step.query)
+            if need not in self._kernels:
+                need = "tokens"
+        if need == "tokens":
+            return self._attend_gathered(query, step, selection, rest)
+        backend = self._backend
+        if need == "lse":
+            out = rest.attend_segments(step, selection, backend, "merged" in self._kernels)
+        elif need == "masked":  # an allocation's split: heads attend different numbers of the listed segments
+            out = backend.segment_attention_masked(
+                step.query, self.keys, self.values, lay, selection.segments, selection.valid, self.scale, self.softcap
             )
         else:
             # Unchecked: the backend accepted this state's inputs once, and the state guarantees the shapes it checks.
-            out = self._backend.segment_attention(
-                grouped, self.keys, self.values, lay, segments, self.scale, self.softcap, workspace=self._workspace, checked=False
+            out = backend.segment_attention(
+                step.query, self.keys, self.values, lay, selection.segments, self.scale, self.softcap, workspace=self._workspace, checked=False
             )
-        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))  # as dense: see the class docstring
+        return self._finish(query, out, step, selection, rest)
+
+    def _attend_gathered(
+        self, query: torch.Tensor, step: SegmentStep, selection: Selection, rest: Rest | None
+    ) -> tuple[torch.Tensor, SegmentSelection]:
+        """One softmax over the selection's listed tokens (torch; the ``rest``'s own form when merging), and
+        the ``always`` part's record of the weights they received."""
+        listed, attended, runs = selection.listing(step.layout)
+        if rest is not None:
+            out, probs = rest.attend_tokens(step, listed, attended, runs)
+        else:
+            out, probs = token_attention(step.query, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
+        if self._observation is not None and self._observation.decode:
+            # Invalid entries (padding, or a token listed twice) have weight 0: adding them changes nothing.
+            self._record.view().scatter_add_(-1, listed, finite_evidence(probs).sum(dim=2))
+        return self._finish(query, out, step, selection, rest)
+
+    def _finish(
+        self, query: torch.Tensor, out: torch.Tensor, step: SegmentStep, selection: Selection, rest: Rest | None
+    ) -> tuple[torch.Tensor, SegmentSelection]:
+        """``out [B, H_kv, G, D]`` as ``[B, H_q, D]`` in the query's dtype, NaN where a non-finite token was
+        stored (as dense: see :class:`SegmentSearch`), and the step's report."""
+        lay = step.layout
+        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
         info = SegmentSelection(
-            layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
-            sealed=self._sealed_since_attend, valid=valid, n_merged=merged,
-        )
-        return out.reshape(B, self.kv_heads * group, D).to(query.dtype), info
-
-    def _attend_merged(self, grouped, lay, segments, valid) -> torch.Tensor:
-        """The selection by the backend's kernel (which also returns each head's log-sum-exp), plus the merged
-        rest from the segments' and blocks' sums: no token is gathered. In one backend call where it has
-        :class:`MergedRestAttention` (the C kernel's rest), else by :func:`add_merged_rest` in torch."""
-        seg_kv, block_k, block_v = self._segment_sums[0].view(), self._rest_sums[0].view(), self._rest_sums[1].view()
-        per_block = self.method.rest.per_block
-        # The state holds the window back from segments, so the merged capability's one condition holds.
-        if isinstance(self._backend, MergedRestAttention) and lay.tail_start >= lay.segment_end:
-            return self._backend.segment_attention_merged(
-                grouped, self.keys, self.values, lay, segments, valid, seg_kv, block_k, block_v, per_block, self.scale, self.softcap
-            )  # fmt: skip
-        out, lse = self._backend.segment_attention_lse(grouped, self.keys, self.values, lay, segments, valid, self.scale, self.softcap)
-        return add_merged_rest(
-            out, lse, grouped, self.keys, self.values, lay, segments, valid, seg_kv, block_k, block_v, per_block,
-            self.scale, self.softcap, self._workspace,
-        ).to(out.dtype)  # fmt: skip
-
-    def _allocate(self, grouped: torch.Tensor, lay: SegmentLayout, k: int, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The allocation's split: ``segments [B, H_kv, G', w]`` listed per selection and which are attended.
-
-        The selector picks the ``w`` (the allocation's width) segments a selection could get; the
-        allocation's plan flags which of them each selection attends (with :class:`TopK` and
-        :class:`~sparseattn.allocations.PooledMass`, a head given ``n`` attends its top ``n``).
-        """
-        B, H, S = self.batch, self.kv_heads, lay.n_segments
-        allocation, selector = self.method.allocation, self.method.selector
-        w = allocation.width(k, S)
-        if type(selector) is TopK:  # its w picks are the w best
-            scores, estimates, segments = self.best_segments(grouped, k, w, sorted=False)
-        else:
-            scores = self.group_scores(grouped, k) if shared == 1 else self.scores(grouped, k)
-            segments = selector.select(scores, w, self._generator)
-            _check_selection(selector, segments, (B, H, shared, w), S)
-            estimates = scores.gather(-1, segments)
-        valid = allocation.plan(estimates, log_total_mass(scores, self._always_log_mass(grouped, lay, shared)), k)
-        if tuple(valid.shape) != (B, H, shared, w) or valid.dtype != torch.bool:
-            raise ValueError(f"{allocation!r}.plan returned a {valid.dtype} mask of shape {tuple(valid.shape)}, expected bool {(B, H, shared, w)}")
-        if bool((valid.sum((1, 2, 3)) > H * shared * k).any()):
-            raise ValueError(f"{allocation!r}.plan flagged more than the layer's {H * shared * k} segments: {valid.sum((1, 2, 3)).tolist()}")
-        return segments, valid
-
-    def _attend_refined(self, query, grouped, lay, k, shared, group) -> tuple[torch.Tensor, SegmentSelection]:
-        """``refine``: shortlist segments, score their tokens exactly, attend each head's best tokens (see :class:`TopTokens`)."""
-        B, H = self.batch, self.kv_heads
-        m = self.method
-        w = m.refine.shortlist(k, lay.n_segments)
-        selector = m.selector
-        if selector.uses_scores:
-            scores = self.group_scores(grouped, w) if shared == 1 else self.scores(grouped, w)
-        else:
-            scores = torch.zeros(B, H, shared, lay.n_segments, device=self.device)
-        segments = selector.select(scores, w, self._generator)
-        _check_selection(selector, segments, (B, H, shared, w), lay.n_segments)
-        index, mask = segment_index(lay, segments)  # sinks, the shortlisted segments' tokens, tail
-        keys = gather_tokens(self.keys, index, self._workspace, "refine_keys")
-        logits = torch.einsum("bhgd,bhld->bhgl", self._scaled(grouped), self._scaled(keys))  # exact, [B, H, G, L]
-        fixed = ((index < lay.sink_end) | (index >= lay.tail_start)).unsqueeze(2)  # sinks and tail: always attended
-        candidate = ~fixed if mask is None else ~fixed & mask
-        ranked = logits.masked_fill(~candidate, float("-inf"))
-        n = m.tokens_for(lay, k)
-        allocation = m.allocation
-        width = allocation.width(n, index.shape[-1])
-        top = ranked.topk(width, dim=-1, sorted=False)
-        keep = torch.isfinite(top.values)  # a padding or fixed token is no candidate
-        if not allocation.uniform:
-            always = torch.logsumexp(logits.masked_fill(~fixed, float("-inf")), dim=-1)
-            keep &= allocation.plan(top.values, log_total_mass(ranked, always), n)
-        chosen = torch.zeros_like(candidate.expand(B, H, group, -1)).scatter(-1, top.indices, keep)
-        extra, extra_valid = index, chosen  # the refined tokens, reported as tokens on top of sinks and tail
-        listed, attended = index, chosen | fixed
-        if m.always is not None:
-            more, more_valid = self._always_tokens(lay, segments[..., :0])
-            dense = torch.zeros(B, H, group, lay.length, dtype=torch.bool, device=self.device).scatter(-1, index.unsqueeze(2).expand(B, H, group, -1), chosen)
-            more_valid = more_valid & ~dense.gather(-1, more.unsqueeze(2).expand(B, H, group, -1))  # each token once
-            extra, extra_valid = torch.cat([index, more], dim=-1), torch.cat([chosen, more_valid], dim=-1)
-            listed, attended = extra, torch.cat([attended, more_valid], dim=-1)
-        runs = (lay.sink_end, (index.shape[-1] - lay.sink_end - lay.tail_size) // lay.segment_size, lay.segment_size)
-        return self._attend_listed(query, grouped, listed, attended, lay, segments[..., :0], group, extra, extra_valid, runs=runs)
+            layout=lay, segments=selection.segments, group=step.group, rebuilt=self._rebuilt_since_attend,
+            sealed=self._sealed_since_attend, extra=selection.extra, extra_valid=selection.extra_valid,
+            valid=selection.valid, n_merged=0 if rest is None else rest.blocks(lay.n_segments),
+        )  # fmt: skip
+        return out.reshape(self.batch, self.kv_heads * step.group, self.head_dim).to(query.dtype), info
 
     def _select_backend(self, grouped: torch.Tensor) -> None:
-        """The attention backend, chosen once, on the first step's inputs."""
+        """The attention backend, chosen once, on the first step's inputs, and the needs of
+        :data:`KERNEL_CAPABILITIES` it runs in one call."""
         if self._backend is None:
             self._backend = select_backend(
                 self.method.backend, "segment_attention", q=grouped, keys=self.keys, softcap=self.softcap
+            )
+            self._kernels = frozenset(
+                need for need, op in KERNEL_CAPABILITIES.items() if op not in EXTENSION_OPS or isinstance(self._backend, EXTENSION_OPS[op])
             )
 
     def _always_log_mass(self, grouped: torch.Tensor, lay: SegmentLayout, shared: int) -> torch.Tensor:
@@ -739,7 +741,7 @@ class SegmentSearchState(KVState):
         an empty selection); otherwise a few dozen keys are gathered and scored in torch. One call, not
         five small tensor operations: each costs ~0.1 ms at a cold step (measured at 128k)."""
         self._select_backend(grouped)
-        fast = isinstance(self._backend, SegmentAttentionLSE) and self.compute_dtype != torch.float64
+        fast = "lse" in self._kernels and self.compute_dtype != torch.float64
         if fast and (lay.sink_end > 0 or lay.tail_start < lay.length):  # (the kernel refuses a head with no token)
             nothing = torch.zeros(self.batch, self.kv_heads, 1, 0, dtype=torch.long, device=grouped.device)
             mass = self._backend.segment_attention_lse(grouped, self.keys, self.values, lay, nothing, None, self.scale, None)[1]
@@ -750,99 +752,119 @@ class SegmentSearchState(KVState):
             mass = torch.logsumexp(logits * self.scale, dim=-1)
         return torch.logsumexp(mass, dim=2, keepdim=True) if shared == 1 else mass
 
-    def _always_tokens(
-        self, lay: SegmentLayout, segments: torch.Tensor, listed_valid: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the ``always`` part adds: positions ``[B, H_kv, n]`` and ``[B, H_kv, G', n]`` flags of those
-        the selection does not attend already (sinks, tail and selected segments count once)."""
-        B, H, t = self.batch, self.kv_heads, lay.length
-        positions = torch.arange(t, device=self.device).expand(B, H, t)
-        record = self.attention_record
-        tokens = Candidates(
-            positions, seen=t, prompt_length=self.prompt_length, keys=lambda: self.keys,
-            attention=None if record is None else (lambda: record), owner=self.method,
-        )
-        marked = self.method.always.mask(tokens)  # [B, H, t]
-        n = min(self.method.always.size, t)
-        extra = marked.to(torch.int8).topk(n, dim=-1, sorted=False).indices  # marked tokens first
-        outside = (extra >= lay.sink_end) & (extra < lay.tail_start)  # not a sink, not in the tail
-        valid = (marked.gather(-1, extra) & outside).unsqueeze(2)  # [B, H, 1, n]
-        sets, k = segments.shape[2], segments.shape[3]
-        if lay.n_segments and k:
-            chosen = torch.zeros(B, H, sets, lay.n_segments, dtype=torch.bool, device=self.device)
-            chosen.scatter_(-1, segments, True if listed_valid is None else listed_valid)
-            segment_of = ((extra - lay.sink_end) // lay.segment_size).clamp(0, lay.n_segments - 1)
-            selected = chosen.gather(-1, segment_of.unsqueeze(2).expand(B, H, sets, n))  # outside => in a segment
-            valid = valid & ~selected
-        return extra, valid
 
-    def _attend_tokens(self, query, grouped, lay, segments, group, valid=None) -> tuple[torch.Tensor, SegmentSelection]:
-        """The selection (only its ``valid`` segments) plus the ``always`` part's tokens, if any, in one
-        softmax over the gathered tokens (torch)."""
-        B, H = self.batch, self.kv_heads
-        index, mask = segment_index(lay, segments, valid)
-        extra = extra_valid = None
-        if self.method.always is not None:
-            extra, extra_valid = self._always_tokens(lay, segments, valid)
-        sets = max(1 if extra_valid is None else extra_valid.shape[2], 1 if mask is None else mask.shape[2])
-        listed = index if extra is None else torch.cat([index, extra], dim=-1)
-        attended = None
-        if mask is not None or extra_valid is not None:
-            main = torch.ones(B, H, sets, index.shape[-1], dtype=torch.bool, device=self.device) if mask is None else mask.expand(B, H, sets, -1)
-            attended = main if extra_valid is None else torch.cat([main, extra_valid.expand(B, H, sets, -1)], dim=-1)
-        runs = (lay.sink_end, (index.shape[-1] - lay.sink_end - lay.tail_size) // lay.segment_size, lay.segment_size)
-        return self._attend_listed(query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid, runs)
+class SegmentStep:
+    """One decode step of a :class:`SegmentSearchState`, as its parts see it: what a select stage
+    (:class:`~sparseattn.allocations.SelectStage`) and a rest (:class:`~sparseattn.methods.rest.Rest`)
+    read, and the scores and picks they ask for (computed on demand: a stage that needs no scores never
+    pays for them).
 
-    def _attend_listed(
-        self, query, grouped, listed, attended, lay, segments, group, extra, extra_valid, valid=None, runs=None
-    ) -> tuple[torch.Tensor, SegmentSelection]:
-        """One softmax over the ``listed`` tokens where ``attended``; the always part's record, NaN rows, the step's info.
+    Attributes:
+        query: ``[B, H_kv, G, D]`` the step's queries grouped by KV head.
+        layout: the step's :class:`SegmentLayout` (``S = layout.n_segments``).
+        k: segments the budget buys per selection (``< S`` when a select stage is asked).
+        shared: ``G'``, selections per KV head: 1 under ``shared_kv_selection``, else ``G``.
+        group: ``G``, query heads per KV head.
+    """
 
-        ``runs``: ``(first, count, length)`` when ``listed`` starts with a segment listing (sinks, then
-        ``count`` whole segments of ``length`` tokens): the merged rest sums those per segment.
-        """
-        B, H, D = self.batch, self.kv_heads, self.head_dim
-        rest = self.method.rest
-        merged = 0
-        if rest is not None and lay.n_segments and self.method.segments_for(lay) < lay.n_segments:
-            merged = rest.blocks(lay.n_segments)
-            out, probs = merged_attention(
-                grouped, self.keys, self.values, listed, attended, self._rest_sums[0].view(), self._rest_sums[1].view(),
-                block_counts(lay.n_segments, lay.segment_size, rest.per_block, self.device), lay.sink_end, lay.segment_end,
-                min(rest.per_block, lay.n_segments) * lay.segment_size, self.scale, self.softcap, self._workspace, runs,
-            )  # fmt: skip
-        else:
-            out, probs = token_attention(grouped, self.keys, self.values, listed, attended, self.scale, self.softcap, self._workspace)
-        if self._observation is not None and self._observation.decode:
-            # Invalid entries (padding, or a token listed twice) have weight 0: adding them changes nothing.
-            self._record.view().scatter_add_(-1, listed, finite_evidence(probs).sum(dim=2))
-        out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
-        info = SegmentSelection(
-            layout=lay, segments=segments, group=group, rebuilt=self._rebuilt_since_attend,
-            sealed=self._sealed_since_attend, extra=extra, extra_valid=extra_valid, valid=valid, n_merged=merged,
-        )
-        return out.reshape(B, H * group, D).to(query.dtype), info
+    __slots__ = ("_state", "query", "layout", "k", "shared", "group")
+
+    def __init__(self, state: SegmentSearchState, query: torch.Tensor, layout: SegmentLayout, k: int, shared: int, group: int) -> None:
+        self._state = state
+        self.query, self.layout, self.k, self.shared, self.group = query, layout, k, shared, group
+
+    # The state's fields a stage reads: its method, the stored keys and values ([B, H_kv, t, D] views),
+    # the attention scale and soft-cap, its scratch buffers (Workspace) and device.
+    method = property(lambda self: self._state.method)
+    keys = property(lambda self: self._state.keys)
+    values = property(lambda self: self._state.values)
+    scale = property(lambda self: self._state.scale)
+    softcap = property(lambda self: self._state.softcap)
+    workspace = property(lambda self: self._state._workspace)
+    device = property(lambda self: self._state.device)
+
+    def scores(self, top_k: int | None = None) -> torch.Tensor:
+        """Each selection's segment log-mass estimates ``[B, H_kv, G', S]`` (a shared selection ranks its
+        group's summed masses); ``top_k`` (default ``k``) goes to summaries that take it."""
+        state, top_k = self._state, self.k if top_k is None else top_k
+        return state.group_scores(self.query, top_k) if self.shared == 1 else state.scores(self.query, top_k)
+
+    def selector_scores(self, top_k: int | None = None) -> torch.Tensor:
+        """What the selector ranks: :meth:`scores`, or zeros ``[B, H_kv, G', S]`` (nothing scored) for a
+        selector that declares ``uses_scores = False``."""
+        if self._state.method.selector.uses_scores:
+            return self.scores(top_k)
+        state = self._state
+        return torch.zeros(state.batch, state.kv_heads, self.shared, self.layout.n_segments, device=self.query.device)
+
+    def choose(self, n: int, scores: torch.Tensor) -> torch.Tensor:
+        """The selector's ``n`` picks ``[B, H_kv, G', n]`` among ``scores``, from the state's seeded
+        generator; ValueError when they are not distinct in-range indices."""
+        state = self._state
+        selector = state.method.selector
+        segments = selector.select(scores, n, state._generator)
+        _check_selection(selector, segments, (state.batch, state.kv_heads, self.shared, n), self.layout.n_segments)
+        return segments
+
+    def picks(self, n: int) -> torch.Tensor:
+        """The selector's ``n`` picks ``[B, H_kv, G', n]``. Under :class:`TopK` they are each selection's
+        ``n`` best, read off a shortlisting summary's shortlist when it holds them (see
+        :meth:`SegmentSearchState.best_segments`); then the scores of every segment are never computed."""
+        if self._state._top_k_selector:
+            return self._state.best_segments(self.query, self.k, n, sorted=False, with_scores=False)[2]
+        return self.choose(n, self.selector_scores(self.k))
+
+    def scored_picks(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scores [B, H_kv, G', S], estimates [B, H_kv, G', n], segments [B, H_kv, G', n])``: the step's
+        scores, and the selector's ``n`` picks (as :meth:`picks`) with their scores."""
+        if self._state._top_k_selector:  # its n picks are the n best
+            return self._state.best_segments(self.query, self.k, n, sorted=False)
+        scores = self.scores(self.k)
+        segments = self.choose(n, scores)
+        return scores, scores.gather(-1, segments), segments
+
+    def always_log_mass(self) -> torch.Tensor:
+        """``[B, H_kv, G']`` the log attention mass of the sinks and the tail, which every head attends
+        (on the scale of :meth:`scores`)."""
+        return self._state._always_log_mass(self.query, self.layout, self.shared)
+
+    def token_logits(self, index: torch.Tensor) -> torch.Tensor:
+        """Exact logits ``[B, H_kv, G, L]`` (``scale q . k``, not soft-capped, in the compute dtype) of the
+        tokens ``index: [B, H_kv, L]`` lists: their keys are gathered once for the group's query heads."""
+        state = self._state
+        keys = gather_tokens(state.keys, index, state._workspace, "refine_keys")
+        return torch.einsum("bhgd,bhld->bhgl", state._scaled(self.query), state._scaled(keys))
+
+    def block_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rest``: the key and value sums ``[B, H_kv, n_blocks, D]`` (float64) of each block of ``rest.per_block`` segments."""
+        sums = self._state._rest_sums
+        return sums[0].view(), sums[1].view()
+
+    def segment_sums(self) -> torch.Tensor:
+        """``rest``: each segment's key sum then value sum, ``[B, H_kv, S, 2 D]`` (float32)."""
+        return self._state._segment_sums[0].view()
 
 
-def segment_options(top_k: int | None = 64, sinks: int = 0, window: int | None = 0) -> tuple[Option, ...]:
-    """The registry options every segment-search preset takes: ``budget``, ``top_k``, ``sinks``, ``window``."""
+def segment_options(top_k_none: str = "", window_none: str = "") -> tuple[Option, ...]:
+    """The registry options every segment-search preset takes: ``budget``, ``top_k``, ``sinks``, ``window``
+    (their defaults are the builder's; ``*_none`` says what a builder's None default stands for)."""
     return (
-        Option("budget", int, None, "past KV tokens a step may attend, sinks and window included (replaces top_k)"),
-        Option("top_k", int, top_k, "segments attended per step (not with budget)" + ("" if top_k else "; None: 64 x aspect")),
-        Option("sinks", int, sinks, "first tokens always attended", minimum=0),
-        Option(
-            "window", int, window,
-            "last tokens always attended" + ("" if window is not None else "; None: min(1024, budget // 4), 1024 without a budget"),
-            minimum=0,
-        ),
+        Option("budget", int, help="past KV tokens a step may attend, sinks and window included (replaces top_k)"),
+        Option("top_k", int, help="segments attended per step (not with budget)" + (f"; None: {top_k_none}" if top_k_none else "")),
+        Option("sinks", int, help="first tokens always attended", minimum=0),
+        Option("window", int, help="last tokens always attended" + (f"; None: {window_none}" if window_none else ""), minimum=0),
     )
 
 
-def feature_options(n_features: int) -> tuple[Option, ...]:
+#: What a None ``window`` stands for in the presets that derive it from the budget.
+WINDOW_FROM_BUDGET = "min(1024, budget // 4), 1024 without a budget"
+
+
+def feature_options() -> tuple[Option, ...]:
     """The registry options of a random-feature summary: ``n_features`` and ``seed``."""
     return (
-        Option("n_features", int, n_features, "random features per segment summary"),
-        Option("seed", int, 0, "seed of the random draws", allowed=Range(0, 2**63 - 1)),
+        Option("n_features", int, help="random features per segment summary"),
+        Option("seed", int, help="seed of the random draws", allowed=Range(0, 2**63 - 1)),
     )
 
 
@@ -852,7 +874,9 @@ register(
         "Radar as its authors ran it: random-feature segment search over segments of sqrt(t)/4 tokens, top-k "
         "segments + 1 sink + a recent window (Hao et al. 2025)",
         Radar,
-        (*segment_options(sinks=1, window=None), *feature_options(4096)),
+        (*segment_options(window_none=WINDOW_FROM_BUDGET), *feature_options()),
         origin=__name__,
+        category="paper",
+        engines=("transformers", "vllm"),
     )
 )

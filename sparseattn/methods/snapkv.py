@@ -87,15 +87,6 @@ def pool_votes(votes: torch.Tensor, candidate: torch.Tensor, kernel_size: int, p
     return F.avg_pool1d(x, kernel_size, stride=1, padding=pad).reshape(B, H, L)
 
 
-register(
-    MethodEntry(
-        "snapkv",
-        "SnapKV: prompt tokens voted by the observation window (max-pooled) + sliding window (Li et al. 2024)",
-        SnapKV,
-        (
-            Option("budget", int, 2048, "past KV tokens kept per KV head"),
-            Option("observation_window", int, 32, "last prompt queries that vote"),
-        ),
-        origin=__name__,
-    )
-)
+_OPTIONS = (Option("budget", int, help="past KV tokens kept per KV head"), Option("observation_window", int, help="last prompt queries that vote"))
+_DESCRIPTION = "SnapKV: prompt tokens voted by the observation window (max-pooled) + sliding window (Li et al. 2024)"
+register(MethodEntry("snapkv", _DESCRIPTION, SnapKV, _OPTIONS, origin=__name__, category="baseline"))

@@ -42,30 +42,17 @@ class StreamingLLM(Evicting):
         why = f"the minimum is sinks + 1 = {self.sinks + 1}: the sinks plus the newest token"
         check_int("StreamingLLM", "budget", self.budget, self.sinks + 1, why)
 
-    @property
-    def window(self) -> int:
-        """Recent tokens kept: ``budget - sinks``."""
-        return self.budget - self.sinks
+    #: Recent tokens kept: ``budget - sinks``.
+    window = property(lambda self: self.budget - self.sinks)
 
     def priority(self, tokens: Candidates) -> torch.Tensor:
         """The newer the better; the sinks never leave."""
         return tokens.positions.double().masked_fill(self.protected.mask(tokens), float("inf"))
 
-    @cached_property
-    def protected(self) -> Sinks:
-        """The always-kept part: the first ``sinks`` tokens (built once: priority runs every step)."""
-        return Sinks(self.sinks)
+    #: The always-kept part: the first ``sinks`` tokens (built once: priority runs every step).
+    protected = cached_property(lambda self: Sinks(self.sinks))
 
 
-register(
-    MethodEntry(
-        "streamingllm",
-        "StreamingLLM: attention sinks (default 4) + sliding window, budget = sinks + window (Xiao et al. 2023)",
-        StreamingLLM,
-        (
-            Option("budget", int, 1024, "past KV tokens kept per KV head, sinks included"),
-            Option("sinks", int, 4, "first tokens always kept", minimum=0),
-        ),
-        origin=__name__,
-    )
-)
+_OPTIONS = (Option("budget", int, help="past KV tokens kept per KV head, sinks included"), Option("sinks", int, help="first tokens always kept", minimum=0))
+_DESCRIPTION = "StreamingLLM: attention sinks (default 4) + sliding window, budget = sinks + window (Xiao et al. 2023)"
+register(MethodEntry("streamingllm", _DESCRIPTION, StreamingLLM, _OPTIONS, origin=__name__, category="baseline", engines=("transformers", "vllm")))

@@ -38,7 +38,6 @@ Choices where the paper leaves room (documented and tested in ``tests/test_metho
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,7 @@ import torch
 from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_bool, check_int, check_number
 from sparseattn.methods.eviction import SlotSelection, SlotStore
-from sparseattn.registry import MethodEntry, Option, Range, register
+from sparseattn.registry import MethodEntry, Option, Range, alias, register
 
 _NO_DISTANCE = float("inf")
 # Elements of one [B, H, rows, m, D] difference chunk when measuring key-to-center distances.
@@ -413,27 +412,20 @@ class SubGenState(SlotStore):
         return out.reshape(B, H * group, T, D)
 
 
-_SUBGEN_OPTIONS = (
-    Option("budget", int, 1024, "past KV tokens' worth of memory per KV head (window, sinks, clusters, samples)"),
-    Option("window", int, 32, "last tokens kept exactly", minimum=0),
-    Option("sinks", int, 0, "first tokens kept exactly", minimum=0),
-    Option("seed", int, 0, "seed of the value sampling", allowed=Range(0, 2**63 - 1)),
-)
 register(
     MethodEntry(
         "subgen",
         "SubGen: recent window exact, older keys clustered online with samples, l2-sampled values (Zandieh et al. 2024)",
         SubGen,
-        _SUBGEN_OPTIONS,
+        (
+            Option("budget", int, help="past KV tokens' worth of memory per KV head (window, sinks, clusters, samples)"),
+            Option("window", int, help="last tokens kept exactly", minimum=0),
+            Option("sinks", int, help="first tokens kept exactly", minimum=0),
+            Option("seed", int, help="seed of the value sampling", allowed=Range(0, 2**63 - 1)),
+            Option("guard", bool, help="floor the normaliser by the value samples' own estimate (outputs stay within the values' range)"),
+        ),
         origin=__name__,
+        category="baseline",
     )
 )
-register(
-    MethodEntry(
-        "subgen-guarded",
-        "SubGen with its normaliser floored by the value samples' own estimate: outputs stay within the values' range",
-        functools.partial(SubGen, guard=True),
-        _SUBGEN_OPTIONS,
-        origin=__name__,
-    )
-)
+alias("subgen-guarded", "subgen:guard=true")

@@ -47,14 +47,21 @@ def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
-def attention_ref(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
+def attention_logits_ref(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None
 ) -> torch.Tensor:
+    """The logits of :func:`attention_ref` in float64: ``[B, H_kv, G, t]``, scaled, soft-capped, ``-inf`` where ``mask`` is False."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = soft_cap(torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale, softcap)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return logits
+
+
+def attention_ref(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None,
+    scale: float | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Naive softmax attention in float64 over the tokens where ``mask`` is True.
 
     Args:
@@ -63,25 +70,38 @@ def attention_ref(
     Returns:
         ``[B, H_kv, G, D]`` float64.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = soft_cap(torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * scale, softcap)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
+    logits = attention_logits_ref(q, keys, mask, scale, softcap)
     return torch.einsum("bhgt,bhtd->bhgd", torch.softmax(logits, dim=-1), values.double())
 
 
 def segment_attention_ref(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: SegmentLayout,
-    segments: torch.Tensor,
-    scale: float | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor,
+    scale: float | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Reference for :func:`segment_attention`: materialise the mask, then run dense float64 attention."""
-    mask = segment_mask(layout, segments, q.shape[2])
+    return segment_attention_masked_ref(q, keys, values, layout, segments, None, scale, softcap)
+
+
+def segment_attention_masked_ref(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor,
+    valid: torch.Tensor | None, scale: float | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Reference for a backend's ``segment_attention_masked``: selection ``(b, h, s)`` attends sinks, tail and
+    its listed segments flagged in ``valid: [B, H_kv, G', k]`` (None: every one), as a dense mask in float64."""
+    mask = segment_mask(layout, segments, q.shape[2], valid)
     return attention_ref(q, keys[:, :, : layout.length], values[:, :, : layout.length], mask, scale, softcap)
+
+
+def segment_attention_lse_ref(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor,
+    valid: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Reference for a backend's ``segment_attention_lse``: :func:`segment_attention_masked_ref` and each query
+    head's ``log sum_j exp(logit_j)`` over the tokens it attends, ``([B, H_kv, G, D], [B, H_kv, G])`` float64."""
+    mask = segment_mask(layout, segments, q.shape[2], valid)
+    keys, values = keys[:, :, : layout.length], values[:, :, : layout.length]
+    lse = torch.logsumexp(attention_logits_ref(q, keys, mask, scale, softcap), dim=-1)
+    return attention_ref(q, keys, values, mask, scale, softcap), lse
 
 
 def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -117,15 +137,9 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, workspace: Workspace | N
 
 
 def segment_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: SegmentLayout,
-    segments: torch.Tensor,
-    scale: float | None = None,
-    softcap: float | None = None,
-    workspace: Workspace | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: SegmentLayout, segments: torch.Tensor,
+    scale: float | None = None, softcap: float | None = None, workspace: Workspace | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Attention of one decode query over sinks, the selected segments and the tail.
 
     Reads only the attended tokens: O(sinks + k * segment_size + tail) work, whatever ``t`` is.

@@ -1,4 +1,5 @@
-"""Sealed segments' keys read on demand, and the exact log mass of listed segments (torch op and reference).
+"""Sealed segments' keys read on demand, the exact log mass of listed segments (torch op and reference), and
+the sums a merged rest keeps of them (:class:`RestSums`).
 
 The exact log mass of a segment for a query is ``logsumexp_{j in segment} q . k_j`` (keys and
 query pre-scaled so that logits are plain dot products): what every segment summary estimates, and
@@ -9,6 +10,7 @@ reference; the ``cpu`` backend's C kernel reads the keys in place instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +69,24 @@ class SegmentKeys:
         taken = gather_tokens(token_rows, tokens, self.workspace, "segment_keys").view(B, H, m, c, D)
         taken = taken.to(self.dtype) if taken.dtype != self.dtype else taken
         return taken.mul_(self.factor)  # our own copy: scaled in place
+
+
+@dataclass(frozen=True)
+class RestSums:
+    """The sums a merged rest (:class:`~sparseattn.methods.rest.MergedRest`) keeps of the sealed segments, as
+    one value: what the merged-rest ops read instead of the segments' tokens.
+
+    ``seg_kv: [B, H_kv, S, 2 D]`` float32, each segment's key sum then value sum side by side (one row
+    read per segment); ``block_k, block_v: [B, H_kv, n, D]`` float64, each block's key and value sums, a
+    block being ``per_block`` consecutive segments (the last one what is left). The decode state makes one
+    per step from views of its buffers; nothing is checked here (the step is the hot path): the C kernel
+    refuses ``per_block < 1``.
+    """
+
+    seg_kv: torch.Tensor
+    block_k: torch.Tensor
+    block_v: torch.Tensor
+    per_block: int
 
 
 def scaled_keys(segment_keys: SegmentKeys | torch.Tensor) -> torch.Tensor:

@@ -27,15 +27,10 @@ def _visible(T: int, S: int, rows: range, device: torch.device) -> torch.Tensor:
 
 
 def slot_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    den_weight: torch.Tensor | None = None,
-    num_weight: torch.Tensor | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, den_weight: torch.Tensor | None = None,
+    num_weight: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
     floor_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention of ``q: [B, H_kv, G, T, D]`` over weighted slots ``keys, values: [B, H_kv, S, D]``.
 
     The last ``T`` slots are the queries' own tokens (query ``i`` sees slots ``[0, S - T + i]``; a
@@ -91,15 +86,10 @@ def slot_attention(
 
 
 def slot_attention_ref(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    den_weight: torch.Tensor | None = None,
-    num_weight: torch.Tensor | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, den_weight: torch.Tensor | None = None,
+    num_weight: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
     floor_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Reference for :func:`slot_attention`: the formula itself in float64 (no max subtraction). Returns ``out``."""
     B, H, G, T, D = q.shape
     S = keys.shape[2]

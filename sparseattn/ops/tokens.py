@@ -66,15 +66,10 @@ def segment_index(
 
 
 def token_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    index: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+    valid: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
     workspace: Workspace | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Softmax attention of ``q`` over the tokens ``index`` lists (where ``valid``): O(L) reads, whatever ``t`` is.
 
     Returns ``out: [B, H_kv, G, D]`` and ``probs: [B, H_kv, G, L]`` (0 where invalid), in the compute
@@ -103,14 +98,9 @@ def token_attention(
 
 
 def token_attention_ref(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    index: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+    valid: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Reference for :func:`token_attention`: the listed tokens as a dense ``[B, H_kv, G, t]`` mask, float64 attention."""
     B, H, G, D = q.shape
     t = keys.shape[2]

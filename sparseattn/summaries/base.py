@@ -77,19 +77,15 @@ class Summary(Protocol):
         ...
 
     def score(
-        self,
-        params: Any,
-        summaries: tuple[torch.Tensor, ...],
-        queries: torch.Tensor,
-        segment_keys: SegmentKeys | torch.Tensor | None,
-        segment_size: int,
-    ) -> torch.Tensor:
+        self, params: Any, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
+        segment_keys: SegmentKeys | torch.Tensor | None, segment_size: int,
+    ) -> torch.Tensor:  # fmt: skip
         """Log-mass estimates ``[B, H, G, S]`` for ``queries: [B, H, G, D]``.
 
         ``segment_keys`` (:class:`SegmentKeys`, ``[B, H, S, c, D]`` read on demand) is passed only
         when ``reads_keys`` is True; read it with :func:`scaled_keys` or :func:`take_keys`.
         Optional capabilities are the protocols below (:class:`TopKAwareSummary`,
-        :class:`GroupScoringSummary`); the decode state asks for them with ``isinstance`` only.
+        :class:`GroupScoringSummary`); the decode state asks for them with ``isinstance`` only, once per state.
         """
         ...
 
@@ -109,13 +105,9 @@ class GroupScoringSummary(Summary, Protocol):
     logsumexp of :meth:`Summary.score` over the group."""
 
     def score_group(
-        self,
-        params: Any,
-        summaries: tuple[torch.Tensor, ...],
-        queries: torch.Tensor,
-        segment_keys: SegmentKeys | torch.Tensor | None,
-        segment_size: int,
-    ) -> torch.Tensor:
+        self, params: Any, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
+        segment_keys: SegmentKeys | torch.Tensor | None, segment_size: int,
+    ) -> torch.Tensor:  # fmt: skip
         """``[B, H, 1, S]``: ``logsumexp_g score[..., g, :]`` for ``queries: [B, H, G, D]``."""
         ...
 
@@ -161,13 +153,8 @@ class ShortlistingSummary(TopKAwareSummary, Protocol):
     sorting all ``S`` scores (exactly the same segments, up to ties)."""
 
     def score_shortlist(
-        self,
-        params: Any,
-        summaries: tuple[torch.Tensor, ...],
-        queries: torch.Tensor,
-        segment_keys: SegmentKeys | torch.Tensor | None,
-        segment_size: int,
-        top_k: int = 0,
-    ) -> Shortlist | None:
+        self, params: Any, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
+        segment_keys: SegmentKeys | torch.Tensor | None, segment_size: int, top_k: int = 0,
+    ) -> Shortlist | None:  # fmt: skip
         """The step's :class:`Shortlist`, or None, before any work, when the summary shortlists nothing (then use :meth:`Summary.score`)."""
         ...

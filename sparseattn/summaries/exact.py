@@ -26,13 +26,9 @@ class ExactScore:
         return ()
 
     def score(
-        self,
-        params: None,
-        summaries: tuple[torch.Tensor, ...],
-        queries: torch.Tensor,
-        segment_keys: torch.Tensor | None,
-        segment_size: int,
-    ) -> torch.Tensor:
+        self, params: None, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
+        segment_keys: torch.Tensor | None, segment_size: int,
+    ) -> torch.Tensor:  # fmt: skip
         if segment_keys is None:
             raise ValueError("ExactScore.score needs the segments' keys")
         return torch.logsumexp(torch.einsum("bhgd,bhscd->bhgsc", queries, scaled_keys(segment_keys)), dim=-1)

@@ -121,25 +121,17 @@ class PerformerFeatures:
         return torch.exp(log_sum - shift.unsqueeze(-1)).to(self.feature_dtype), shift
 
     def score(
-        self,
-        omega: torch.Tensor,
-        summaries: tuple[torch.Tensor, torch.Tensor],
-        queries: torch.Tensor,
-        segment_keys: torch.Tensor | None,
-        segment_size: int,
-    ) -> torch.Tensor:
+        self, omega: torch.Tensor, summaries: tuple[torch.Tensor, torch.Tensor], queries: torch.Tensor,
+        segment_keys: torch.Tensor | None, segment_size: int,
+    ) -> torch.Tensor:  # fmt: skip
         log_q = self.log_features(omega, queries)  # [B, H, G, n]
         q_shift = log_q.amax(dim=-1, keepdim=True)
         return self._scores(torch.exp(log_q - q_shift), q_shift, summaries, log_q.unsqueeze(-2))
 
     def score_group(
-        self,
-        omega: torch.Tensor,
-        summaries: tuple[torch.Tensor, torch.Tensor],
-        queries: torch.Tensor,
-        segment_keys: torch.Tensor | None,
-        segment_size: int,
-    ) -> torch.Tensor:
+        self, omega: torch.Tensor, summaries: tuple[torch.Tensor, torch.Tensor], queries: torch.Tensor,
+        segment_keys: torch.Tensor | None, segment_size: int,
+    ) -> torch.Tensor:  # fmt: skip
         """``log sum_g exp(score_g)`` ``[B, H, 1, S]``: the KV group's summed mass, in one product.
 
         Masses are linear in phi(q), so the group's estimate is ``(sum_g phi(q_g)) . summary``: the G

@@ -63,28 +63,18 @@ class Rerank:
         return self.coarse.summarize(params, keys)
 
     def score(
-        self,
-        params: Any,
-        summaries: tuple[torch.Tensor, ...],
-        queries: torch.Tensor,
-        segment_keys: torch.Tensor | None,
-        segment_size: int,
-        top_k: int = 0,
-    ) -> torch.Tensor:
+        self, params: Any, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
+        segment_keys: torch.Tensor | None, segment_size: int, top_k: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
         step = self.score_shortlist(params, summaries, queries, segment_keys, segment_size, top_k)
         if step is None:
             return self.coarse.score(params, summaries, queries, segment_keys if self.coarse.reads_keys else None, segment_size)
         return step.scores
 
     def score_shortlist(
-        self,
-        params: Any,
-        summaries: tuple[torch.Tensor, ...],
-        queries: torch.Tensor,
-        segment_keys: torch.Tensor | None,
-        segment_size: int,
-        top_k: int = 0,
-    ) -> Shortlist | None:
+        self, params: Any, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
+        segment_keys: torch.Tensor | None, segment_size: int, top_k: int = 0,
+    ) -> Shortlist | None:  # fmt: skip
         """The coarse scores with the shortlist's exact masses in place, and the shortlist; None (before any
         work) when reranking is disabled (``shortlist = 0``)."""
         if not self.shortlist:

@@ -4,13 +4,16 @@
   ``SPARSEATTN_VLLM_METHOD``), checked by the registry;
 * :mod:`sparseattn.vllm.paged`: the paged engine (pure torch, no vLLM import): a segment is one KV
   page (block) of one KV head;
-* :mod:`sparseattn.vllm.backend`: vLLM's CPU backend with the paged engine answering decode tokens;
+* :mod:`sparseattn.vllm.backend`: vLLM's CPU backend (metadata builder, metadata, impl) with the paged
+  engine answering decode tokens;
+* :mod:`sparseattn.vllm.step`: what the backend decides without vLLM (a step's decode requests, the
+  cache layout a sparse engine reads, the fallback counts);
 * :mod:`sparseattn.vllm.plugin`: the entry point;
 * :mod:`sparseattn.vllm.switch`: a worker extension that switches a running engine's method between
   requests (one prefill, several methods: the serving benchmark);
 * :mod:`sparseattn.vllm.forcing`: a logits processor for teacher forcing through decode steps (quality
   measured in the serving engine).
 
-``backend``, ``plugin`` and ``switch`` need vLLM only when called; ``forcing`` imports it (its class
-subclasses vLLM's). See docs/serving.md.
+``plugin`` and ``switch`` need vLLM only when called; ``backend`` and ``forcing`` import it (their
+classes subclass vLLM's) and are loaded only by vLLM and inside its processes. See docs/serving.md.
 """

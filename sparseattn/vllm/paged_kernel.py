@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseattn.backends.cpu_kernels import DTYPE_CODES, KernelBuildError, build_library
+from sparseattn.backends.cpu_kernels import DTYPE_CODES, build_library, build_refusal
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.minmax import MinMaxBound
@@ -69,11 +69,7 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def kernel_refusal() -> str | None:
     """Why the fused kernel cannot be built or loaded here, in words; None when it loads."""
-    try:
-        _library()
-    except KernelBuildError as err:
-        return str(err)
-    return None
+    return build_refusal(_library)
 
 
 def fused_mode(policy: PagedPolicy) -> int | None:

@@ -33,46 +33,12 @@
  * The Python references are sparseattn.vllm.paged.select_pages (the selection) and attend_pages
  * (the attention); tests/test_vllm_paged_kernel.py holds the kernel to them.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kernel_common.h"
 
-#define SA_NO_SCORE (-1e30f)
-
-enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2 };
 enum { SA_RERANK = 0, SA_BOUND = 1, SA_FIXED = 2 };
-enum { SA_OK = 0, SA_BAD_BLOCK = 1, SA_NO_MEMORY = 2, SA_BAD_DTYPE = 4, SA_BAD_PLAN = 6 };
+enum { SA_BAD_BLOCK = 1, SA_BAD_PLAN = 6 }; /* besides kernel_common.h's */
 
-int sa_paged_float16_supported(void) {
-#ifdef SA_NO_FLOAT16
-    return 0;
-#else
-    return 1;
-#endif
-}
-
-/* n elements of a cache row (any dtype) as float32 into dst. */
-static inline void to_float(const void *src, int dtype, int64_t n, float *restrict dst) {
-    if (dtype == SA_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == SA_BF16) {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int64_t i = 0; i < n; ++i) {
-            uint32_t bits = (uint32_t)s[i] << 16;
-            memcpy(dst + i, &bits, 4);
-        }
-    }
-#ifndef SA_NO_FLOAT16
-    else {
-        const _Float16 *s = (const _Float16 *)src;
-        for (int64_t i = 0; i < n; ++i) dst[i] = (float)s[i];
-    }
-#endif
-}
+int sa_paged_float16_supported(void) { return sa_float16_built(); }
 
 typedef struct {
     const char *cache;
@@ -248,7 +214,7 @@ static void page_logits(const sa_pages *c, const char *keys, int n, const float 
     }
     for (int g = 0; g < G; ++g) memset(lg + g * ld, 0, (size_t)n * sizeof(float));
     for (int64_t d = 0; d < D; ++d) {
-        to_float(keys + d * bs * c->elem, c->dtype, n, row);
+        sa_to_float(keys + d * bs * c->elem, c->dtype, n, row);
         for (int g = 0; g < G; ++g) {
             const float qd = q[g * D + d];
             float *restrict lgg = lg + g * ld;
@@ -279,16 +245,7 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
             pg[j] = x;
             top = x > top ? x : top;
         }
-        const float m_new = st->m[g] > top ? st->m[g] : top;
-        const float alpha = expf(st->m[g] - m_new);
-        float sum = 0.f;
-        for (int j = 0; j < n; ++j) {
-            const float e = expf(pg[j] - m_new);
-            pg[j] = e;
-            sum += e;
-        }
-        st->l[g] = st->l[g] * alpha + sum;
-        st->m[g] = m_new;
+        SA_SOFTMAX_STEP(pg, n, top, st->m[g], st->l[g], alpha);
         if (alpha != 1.f) {
             float *ag = st->acc + (int64_t)g * D;
             for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
@@ -306,7 +263,7 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
         return;
     }
     for (int j = 0; j < n; ++j) {
-        to_float(values + (int64_t)j * D * c->elem, c->dtype, D, row);
+        sa_to_float(values + (int64_t)j * D * c->elem, c->dtype, D, row);
         for (int g = 0; g < G; ++g) {
             if (rows && !rows[g]) continue;
             const float w = p[(int64_t)g * c->bs + j];
@@ -356,7 +313,7 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
     const int64_t D = c->D, bs = c->bs;
     const char *keys = page_keys(c, block, h);
     for (int64_t d = 0; d < D; ++d) {
-        to_float(keys + d * bs * c->elem, c->dtype, bs, row);
+        sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
         if (mode == SA_RERANK) {
             double sum = 0.0;
             for (int64_t j = 0; j < bs; ++j) sum += row[j];

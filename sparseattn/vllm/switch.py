@@ -10,9 +10,11 @@ prefix cache. Started with a method and this worker extension::
               worker_extension_cls="sparseattn.vllm.switch.MethodSwitch")
     use_method(llm, "radar+:budget=1024")   # every worker, every attention layer, from the next step on
 
-A switch takes effect between steps: requests still running keep decoding under the new method, so
-switch with none in flight. What a method derived from the pages (page summaries) is dropped and
-rebuilt on first use. A method the paged engine cannot run is refused before any layer changes.
+The method lives on each worker's attention metadata builders
+(:func:`sparseattn.vllm.backend.sparse_builders`), which hand it to every layer with each step's
+metadata. A switch takes effect between steps: requests still running keep decoding under the new
+method, so switch with none in flight. What a method derived from the pages (page summaries) is
+dropped and rebuilt on first use. A method the paged engine cannot run is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -33,28 +35,28 @@ class MethodSwitch:
     """
 
     def sparseattn_use(self, spec: Any) -> str:
-        from sparseattn.vllm.backend import _shared_policy
+        from sparseattn.vllm.backend import sparse_builders
         from sparseattn.vllm.config import CONFIG_KEY, request_from
+        from sparseattn.vllm.paged import PagedPolicy
 
         request = request_from({CONFIG_KEY: spec}, {})
-        impls = [layer.impl for layer in self.vllm_config.compilation_config.static_forward_context.values()
-                 if hasattr(getattr(layer, "impl", None), "use")]  # fmt: skip
-        if not impls:
+        builders = sparse_builders(self.model_runner)
+        if not builders:
             raise ValueError("this engine runs no sparseattn method, so it has none to switch: start it with one "
                              '(additional_config={"sparseattn": {"method": "dense"}})')  # fmt: skip
-        _shared_policy(request)  # a method the paged engine cannot run raises here, before any layer changes
-        for impl in impls:
-            impl.use(request)
+        policy = PagedPolicy(request.build(), request.label)  # a method the paged engine cannot run raises here, before any change
+        for builder in builders:
+            builder.use(policy)
         return request.label
 
     def sparseattn_fallbacks(self) -> int:
-        """Layer steps this worker's paged engine left to vLLM's kernel so far (:data:`sparseattn.vllm.backend.FALLBACKS`).
+        """Layer steps this worker's paged engine left to vLLM's kernel so far (its builders' :class:`~sparseattn.vllm.step.Fallbacks`).
 
         A benchmark reads it before and after a run: a step answered densely is not the method's speed.
         """
-        from sparseattn.vllm.backend import FALLBACKS
+        from sparseattn.vllm.backend import sparse_builders
 
-        return FALLBACKS.total
+        return sum(builder.fallbacks.total for builder in sparse_builders(self.model_runner))
 
 
 def use_method(llm: Any, spec: Any) -> str:

@@ -1,0 +1,118 @@
+"""``sparseattn serving-bench``: decode speed with quality in vLLM, stock vLLM vs the plugin's dense path vs
+sparse methods on distinct prompts (:mod:`sparseattn.evaluation.serving`, docs/serving.md).
+
+All input is checked before anything starts, as in every command: a bad method, option or size, or a
+vLLM that this interpreter cannot import, ends with one ``Error: ...`` line and exit status 2. vLLM is
+looked for only after the options are found good, and imported only by the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import typer
+
+from sparseattn.cli.common import (MODEL, bad, check_out, check_positions, check_range, inspect_model, read_text,
+                                   refuse, vllm_method, wrote)
+from sparseattn.cli.consoles import console
+
+
+def serving_bench(
+    method: list[str] = typer.Option(["quest", "radar+"], "--method", "-m", help="sparse methods NAME[:key=value,...] run "
+                                     "beside stock vLLM and the plugin's dense path (repeatable)"),
+    budget: int = typer.Option(1024, help="past KV tokens a decode step may attend, for every method whose spec sets "
+                               "neither budget nor top_k"),
+    model: str = MODEL,
+    context: int = typer.Option(8000, help="prompt tokens per sequence (each a different stdlib file)"),
+    batch: int = typer.Option(8, "--batch", "-b", help="sequences decoded together, each its own prompt"),
+    steps: int = typer.Option(64, help="timed decode steps per measurement"),
+    runs: int = typer.Option(3, help="rounds of alternating measurements (median, min and max reported)"),
+    held: int = typer.Option(32, help="true tokens after each prompt fed through decode steps (teacher-forced ppl, top-1)"),
+    texts: list[str] | None = typer.Option(None, "--text", help="texts the prompts cycle through (`sparseattn data list`; "
+                                          "repeatable; default: 7 CPython stdlib modules), e.g. --text hamlet --text pydecimal"),
+    dtype: str = typer.Option("bfloat16", help="the engines' dtype: bfloat16 (what vLLM serves in on a CPU with bf16) or "
+                              "float32 (AVX2-only x86, whose bf16 matmuls take a slow path)"),
+    float32: bool = typer.Option(True, "--float32/--no-float32", help="also time stock vLLM in float32 (a labelled extra row)"),
+    shared: bool = typer.Option(True, "--shared/--no-shared", help="also time a workload whose sequences share one prompt "
+                                "(prefix caching; a labelled extra row per run)"),
+    kv_cache_gib: int = typer.Option(3, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE; twice this for stock float32)"),
+    block_size: int | None = typer.Option(None, help="vLLM's page size (default: vLLM's, 128 on CPU): the paged engine's segment"),
+    yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
+                                      "hf_overrides), for contexts beyond the trained window: untrained, every row is labelled so"),
+    out: Path | None = typer.Option(None, help="the JSON, rewritten after every round (default: results/serving-c<context>-b<batch>.json)"),
+) -> None:
+    """Decode speed with quality in vLLM: stock vLLM vs the plugin's dense path vs sparse methods, distinct prompts.
+
+    Two engines (three with --float32) are started and the prompts prefilled once each, then every run is timed in
+    alternating rounds and its quality measured at the same configuration: greedy agreement with stock,
+    teacher-forced top-1 and perplexity of the files' true continuations, and pass keys hidden in the prompts.
+    A few minutes per engine on 2 cores (an 8k prompt prefills in about 15 s on one core).
+    """
+    from sparseattn.evaluation import serving
+
+    for option, problem in serving.option_problems(context, batch, steps, runs, held):
+        raise bad(option.split(" / "), problem)
+    check_range("--budget", budget, 1)
+    check_range("--kv-cache-gib", kv_cache_gib, 1)
+    for name in texts or ():
+        if Path(name).expanduser().is_file():
+            raise bad("--text", f"{name!r} is a file; allowed: a name from `sparseattn data list` (the prompts are its windows)")
+        read_text(name, "--text")  # an unknown name refused (with close matches), a known one fetched now, not mid-run
+    if dtype not in ("bfloat16", "float32"):
+        raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
+    if block_size is not None and (block_size < 16 or block_size % 16):
+        raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels)")
+    if yarn is not None and not yarn > 1:
+        raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
+    methods: dict[str, dict] = {}
+    for spec in method:
+        label, config = vllm_method(spec, budget)
+        if config["method"] == serving.DENSE:
+            raise bad("--method", f"{spec!r}: the plugin's dense path is always run (the reference); give sparse methods")
+        if config == {"method": config["method"], "budget": budget}:
+            label = f"{config['method']} ({budget})"
+        if label in methods:
+            raise bad("--method", f"{label} given twice; each method once")
+        methods[label] = config
+    plan = serving.plan_runs(methods, float32=float32 and dtype != "float32")
+    out = out or Path("results") / f"serving-c{context}-b{batch}{'-yarn' if yarn else ''}.json"
+    if out.suffix != ".json":
+        raise bad("--out", f"{out} is not a .json file; allowed: a path ending in .json")
+    check_out(out.parent)
+    info = inspect_model(model)
+    overrides = None
+    if yarn is not None:
+        try:
+            overrides = serving.yarn_overrides(info.directory, yarn)
+        except ValueError as err:
+            raise bad("--yarn", str(err)) from None
+        stretched = copy.copy(info.config)  # the window YaRN gives, for the positions check below
+        stretched.max_position_embeddings = overrides["max_position_embeddings"]
+        info = dataclasses.replace(info, config=stretched)
+    needed = serving.positions_needed(context, steps, held)
+    check_positions(info, ["--context", "--steps"], needed,
+                    f"--context {context} + max(--steps {steps} + 1, --held {held}) + {serving.MARGIN} (the pass-key question)",
+                    f"--context + max(--steps + 1, --held) <= {(info.window or 0) - serving.MARGIN}")  # fmt: skip
+    reason = serving.vllm_unavailable_reason(import_it=True)
+    if reason:
+        raise refuse(reason)
+
+    args = {"model": model, "method": method, "budget": budget, "context": context, "batch": batch, "steps": steps, "runs": runs,
+            "held": held, "texts": texts, "dtype": dtype, "float32": float32, "shared": shared, "kv_cache_gib": kv_cache_gib,
+            "block_size": block_size, "yarn": yarn, "out": out}  # fmt: skip
+
+    def checkpoint(machine, rows, complete=False):
+        serving.write(out, machine, str(info.directory), args, rows, complete=complete)
+
+    machine, rows = serving.run(
+        str(info.directory), plan, context=context, batch=batch, steps=steps, rounds=runs, held=held, shared=shared, dtype=dtype,
+        kv_cache_gib=kv_cache_gib, block_size=block_size, hf_overrides=overrides, say=lambda line: console.print(line, markup=False, highlight=False),
+        checkpoint=checkpoint, texts=texts,
+    )  # fmt: skip
+    checkpoint(machine, rows, complete=True)
+    console.print(serving.table(rows, rounds=runs))
+    weights = rows[0]["weights_mb"] if rows else 0
+    console.print(serving.NOTE.format(weights=weights) + (" Beyond the model's trained window (YaRN, untrained)." if yarn else ""))
+    wrote([out])
