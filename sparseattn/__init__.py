@@ -18,7 +18,7 @@ methods`` lists every method by what it is for).
 ('radar+adaptive', 'radar+')
 """
 
-from sparseattn.allocations import Allocation, PooledMass, Selection, SelectStage, Uniform
+from sparseattn.allocations import Allocation, PooledMass, Selection, SelectStage, TopP, Uniform
 from sparseattn.methods.rest import Rest
 from sparseattn.methods.segment_search import SegmentStep
 from sparseattn.registry import recommended
@@ -60,6 +60,7 @@ __all__ = [
     "SqrtSchedule",
     "Summary",
     "TopK",
+    "TopP",
     "TopTokens",
     "Uniform",
     "attention_ref",

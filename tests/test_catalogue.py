@@ -101,7 +101,7 @@ def test_choices_and_flags_are_typed_from_the_spec():
 @pytest.mark.parametrize(
     "spec,words",
     [
-        ("radar+:split=even", ["split", "'even'", "uniform, pooled"]),
+        ("radar+:split=even", ["split", "'even'", "uniform, pooled, topp"]),
         ("radar+:bf16_centroids=maybe", ["bf16_centroids", "true or false", "'maybe'"]),
         ("radar+:rest=kept", ["rest", "'kept'", "dropped, merged"]),
         ("radar+:merge=16", ["merge", "rest='merged'"]),  # would change nothing with the rest dropped
@@ -165,7 +165,7 @@ def test_the_listing_of_one_engine_shows_only_what_it_runs():
     assert rows and all("vllm" in row["engines"] for row in rows)
     assert {row["name"] for row in rows} == {n for n in registry.names() if "vllm" in registry.get(n).engines}
     assert rows[0]["name"] == "radar+" and rows[0]["recommended_for"] == ["vllm"]
-    assert rows[0]["options"]["split"]["choices"] == ["uniform", "pooled"]
+    assert rows[0]["options"]["split"]["choices"] == ["uniform", "pooled", "topp"]
 
 
 @pytest.mark.parametrize(

@@ -19,16 +19,19 @@ from sparseattn.allocations.base import (
     split_segments,
 )
 from sparseattn.allocations.pooled import PooledMass
+from sparseattn.allocations.topp import TopP, top_p_mask
 from sparseattn.allocations.uniform import Uniform
 
 __all__ = [
     "Allocation",
     "PooledMass",
     "SelectStage",
+    "TopP",
     "Selection",
     "Uniform",
     "listed_estimates",
     "log_total_mass",
     "pooled_counts_ref",
     "split_segments",
+    "top_p_mask",
 ]

@@ -25,6 +25,7 @@ import torch
 
 from sparseattn.allocations.base import Allocation
 from sparseattn.allocations.pooled import PooledMass
+from sparseattn.allocations.topp import TopP
 from sparseattn.allocations.uniform import Uniform
 from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
@@ -176,7 +177,7 @@ def RadarPlus(
     factor: float = 2.0, per_group: bool = True, budget: int | None = None, split: str | Allocation = "uniform",
     cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
     merge: int | None = None, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None,
-    allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None,
+    allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None, p: float | None = None,
 ) -> SegmentSearch | SplitLayers | FirstLayers:  # fmt: skip
     """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
 
@@ -197,7 +198,9 @@ def RadarPlus(
     * ``split``: how a layer's segments are shared between its heads: ``"uniform"`` (each head
       ``k``), ``"pooled"`` (:class:`PooledMass`: the layer's ``H x k`` largest estimated attention
       shares, a head between ``floor x k`` (default 0.25) and ``cap x k`` (default 2: the rerank's
-      shortlist) segments, the total per layer fixed), or any :class:`Allocation` part;
+      shortlist) segments, the total per layer fixed), ``"topp"`` (:class:`TopP`: each head the fewest
+      of its ``k`` best segments whose estimated share of its attention mass, sinks and tail counted,
+      reaches ``p``, default 0.95), or any :class:`Allocation` part;
     * ``bf16_centroids``: mean keys stored in bfloat16 (half the bytes of the scoring pass, which
       only shapes the shortlist); ``centroid_dtype`` names any dtype;
     * ``rest``: what a step does not attend is ``"dropped"``, or ``"merged"``: each block of
@@ -212,7 +215,7 @@ def RadarPlus(
     """
     if top_k is None:
         top_k = round(64 * aspect)
-    split = _split_part(split, allocation, cap, floor, default_cap=2.0)
+    split = _split_part(split, allocation, cap, floor, default_cap=2.0, p=p)
     if bf16_centroids:
         if centroid_dtype not in (None, torch.bfloat16):
             raise ValueError(f"RadarPlus: bf16_centroids=True and centroid_dtype={centroid_dtype}: give one of them")
@@ -271,8 +274,11 @@ def RadarPlusMerged(top_k: int | None = None, *, merge: int = 16, **options) -> 
     return RadarPlus(top_k, **{**_POOLED_OPTIONS, "rest": "merged", "merge": merge, **options})
 
 
-def _split_part(split: str | Allocation, allocation: Allocation | None, cap: float | None, floor: float | None, default_cap: float) -> Allocation:
-    """The :class:`Allocation` part ``split`` names (``cap``/``floor`` only with ``"pooled"``)."""
+def _split_part(
+    split: str | Allocation, allocation: Allocation | None, cap: float | None, floor: float | None, default_cap: float,
+    p: float | None = None,
+) -> Allocation:  # fmt: skip
+    """The :class:`Allocation` part ``split`` names (``cap``/``floor`` only with ``"pooled"``, ``p`` only with ``"topp"``)."""
     if allocation is not None:
         if split != "uniform":
             raise ValueError(f"give split or allocation, not both (split={split!r}, allocation={allocation!r})")
@@ -282,9 +288,17 @@ def _split_part(split: str | Allocation, allocation: Allocation | None, cap: flo
     elif split == "uniform":
         part = Uniform()
     elif split == "pooled":
+        if p is not None:
+            raise ValueError(f"p shapes the 'topp' split; split is {split!r}")
         return PooledMass(cap=default_cap if cap is None else cap, floor=0.25 if floor is None else floor)
+    elif split == "topp":
+        if cap is not None or floor is not None:
+            raise ValueError(f"cap and floor shape the 'pooled' split; split is {split!r}")
+        return TopP(0.95 if p is None else p)
     else:
-        raise ValueError(f"split must be 'uniform', 'pooled' or an Allocation part, got {split!r}")
+        raise ValueError(f"split must be 'uniform', 'pooled', 'topp' or an Allocation part, got {split!r}")
+    if p is not None:
+        raise ValueError(f"p shapes the 'topp' split; split is {split!r}")
     if cap is not None or floor is not None:
         raise ValueError(f"cap and floor shape the 'pooled' split; split is {split!r}")
     return part
@@ -316,7 +330,7 @@ def OracleTokens(
     top_k: int = 1024, *, sinks: int = 0, window: int = 0, shared_kv_selection: bool = False,
     budget: int | None = None, split: str | Allocation = "uniform", cap: float | None = None,
     floor: float | None = None, first_layers: int = 0, layer_factor: float | None = None,
-    allocation: Allocation | None = None,
+    allocation: Allocation | None = None, p: float | None = None,
 ) -> SegmentSearch | FirstLayers:  # fmt: skip
     """The exact top-``budget`` tokens of each query head: the ceiling of any selector at this budget.
 
@@ -332,7 +346,7 @@ def OracleTokens(
     method = SegmentSearch(
         summary=ExactScore(), selector=TopK(), schedule=FixedSchedule(1), top_k=top_k, sinks=sinks, window=window,
         shared_kv_selection=shared_kv_selection, budget=budget,
-        allocation=_split_part(split, allocation, cap, floor, default_cap=4.0),
+        allocation=_split_part(split, allocation, cap, floor, default_cap=4.0, p=p),
     )  # fmt: skip
     return _per_layer(method, first_layers, layer_factor)
 
@@ -440,8 +454,9 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
                 Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0))  # fmt: skip
     return (
         *shared,
-        Option("split", str, help="a layer's segments between its heads: uniform, or pooled by estimated attention share",
-               allowed=("uniform", "pooled")),
+        Option("split", str, help="a layer's segments between its heads: uniform, pooled by estimated attention share, "
+               "or topp (each head the fewest reaching share p)", allowed=("uniform", "pooled", "topp")),
+        Option("p", float, help="share of attention mass each head reaches (split=topp; None: 0.95)"),
         *pool,
         Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half the bytes of the scoring pass)"),
         Option("rest", str, help="what a step does not attend: dropped, or merged into one token per block", allowed=("dropped", "merged")),
@@ -550,8 +565,9 @@ for _entry in (
         OracleTokens,
         (
             *segment_options(),
-            Option("split", str, help="a layer's tokens between its heads: uniform, or pooled by exact attention share",
-                   allowed=("uniform", "pooled")),
+            Option("split", str, help="a layer's tokens between its heads: uniform, pooled by exact attention share, "
+                   "or topp (each head the fewest reaching share p)", allowed=("uniform", "pooled", "topp")),
+            Option("p", float, help="share of attention mass each head reaches (split=topp; None: 0.95)"),
             Option("cap", float, help="most tokens one head may get, x the uniform share (split=pooled; None: 4)",
                    allowed=Range(1.0, 1024.0, integer=False)),
             Option("floor", float, help="fewest tokens a head keeps, x the uniform share (split=pooled; None: 0.25)"),
