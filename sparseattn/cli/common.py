@@ -212,6 +212,18 @@ def check_buildable(prompts, plan: Sequence[tuple[int, float, int]], window: int
                       f"allowed: {shortest[length]} to {window}")
 
 
+def retrieval_inputs(model: str, method: Sequence[str], budget: int | None, out: Path, lengths: Sequence[int],
+                     haystack: str | None, chat: bool):  # fmt: skip
+    """What a retrieval command (``needle``, ``ruler``) checks and reads before any prompt is built:
+    ``(methods, model info, haystack text or None, tokenizer)``; ``haystack`` None when no task needs one."""
+    resolved = parse_methods(method, budget)
+    check_out(out)
+    info = inspect_model(model)
+    check_lengths(info, lengths)
+    haystack_text = None if haystack is None else read_text(haystack, "--haystack")
+    return resolved, info, haystack_text, chat_tokenizer(info, chat)
+
+
 def read_text(name: str, option: str = "--text") -> str:
     """A text by name (``sparseattn data list``) or a file; a text not fetched yet is fetched (with progress)."""
     from sparseattn.data.sources import TEXTS, FetchError, get_text, load_text

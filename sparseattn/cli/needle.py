@@ -7,9 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from sparseattn.cli.common import (BUDGET, DTYPE, METHOD, MODEL, OUT, QUICK, bad, chat_tokenizer, check_buildable,
-                                   check_dtype, check_grid, check_lengths, check_out, inspect_model, parse_methods,
-                                   plan_runs, read_text, run_name, wrote)
+from sparseattn.cli.common import (BUDGET, DTYPE, METHOD, MODEL, OUT, QUICK, bad, check_buildable, check_dtype, check_grid, plan_runs, retrieval_inputs, run_name, wrote)
 from sparseattn.cli.consoles import console
 
 
@@ -39,12 +37,8 @@ def needle(
     else:
         raise bad("--task", f"unknown task {task!r}; known: passkey, {', '.join(RULER_NIAH)}")
     check_grid(lengths, depths, samples, max_new_tokens)
-    resolved = parse_methods(method, budget)
-    check_out(out)
-    info = inspect_model(model)
-    check_lengths(info, lengths)  # before any sample is built
-    haystack_text = read_text(haystack, "--haystack") if getattr(retrieval, "haystack", None) == "prose" else None
-    tokenizer = chat_tokenizer(info, chat)
+    prose = getattr(retrieval, "haystack", None) == "prose"
+    resolved, info, haystack_text, tokenizer = retrieval_inputs(model, method, budget, out, lengths, haystack if prose else None, chat)
 
     from sparseattn.evaluation.generation import RetrievalPrompts, needle_plan
 

@@ -9,9 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from sparseattn.cli.common import (BUDGET, DTYPE, METHOD, MODEL, OUT, bad, chat_tokenizer, check_buildable, check_dtype,
-                                   check_grid, check_lengths, check_out, inspect_model, parse_methods, plan_runs,
-                                   read_text, run_name, wrote)
+from sparseattn.cli.common import (BUDGET, DTYPE, METHOD, MODEL, OUT, bad, check_buildable, check_dtype, check_grid, plan_runs, retrieval_inputs, run_name, wrote)
 from sparseattn.cli.consoles import console
 
 
@@ -59,21 +57,16 @@ def ruler(
     """RULER's synthetic tasks (NIAH, vt, cwe, fwe) for several methods, one prefill per prompt: heatmaps and a table."""
     from sparseattn.data.ruler import RULER_TASKS, tokens_to_generate
 
-    torch_dtype = check_dtype(dtype)
     names = _ruler_tasks(task)
+    torch_dtype = check_dtype(dtype)
     depths = list(depths or [])
     check_grid(lengths, depths, samples, max_new_tokens)
     if depths and not any(RULER_TASKS[name].num_needles == 1 for name in names):
         raise bad("--depth", f"none of the tasks {', '.join(names)} has one needle to place (vt and the multi-needle "
                   "tasks spread theirs as RULER does, cwe and fwe have no depth); allowed: --depth with niah_single_1..3, "
                   "niah_multikey_2 or niah_multikey_3")
-    resolved = parse_methods(method, budget)
-    check_out(out)
-    info = inspect_model(model)
-    check_lengths(info, lengths)
     prose = any(getattr(RULER_TASKS[name], "haystack", None) == "prose" for name in names)
-    haystack_text = read_text(haystack, "--haystack") if prose else None
-    tokenizer = chat_tokenizer(info, chat)
+    resolved, info, haystack_text, tokenizer = retrieval_inputs(model, method, budget, out, lengths, haystack if prose else None, chat)
 
     from sparseattn.evaluation.generation import RetrievalPrompts, needle_plan
 
