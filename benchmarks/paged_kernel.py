@@ -10,8 +10,12 @@ benchmark's shared document), one decode query per sequence, the default model's
   what stock vLLM runs for decode (needs vLLM; skipped without it);
 * ``fused <method>``: :func:`sparseattn.vllm.paged_kernel.fused_decode` (one C call: scoring,
   selection, attention), page summaries kept between calls as the serving engine keeps them;
-* ``generic <method>``: :func:`~sparseattn.vllm.paged.select_pages` (the policy's own parts in torch)
-  then vLLM's kernel over the listed pages, the path any other policy takes (needs vLLM).
+* ``generic <method>``: :func:`~sparseattn.vllm.paged.choose_pages` (the policy's own parts in torch)
+  then vLLM's kernel over the listed pages (a merged rest: :func:`~sparseattn.vllm.paged.attend_pages`
+  with its tokens), the path any other policy takes (needs vLLM).
+
+Methods are specs (``radar+:split=pooled,rest=merged``); a per-layer method (``radar+adaptive``) runs
+the method of layer ``--layer`` of the default model's 30.
 
     python benchmarks/paged_kernel.py --length 8000 --batch 8 --shared --dtype bfloat16
 
@@ -32,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from sparseattn import registry
 from sparseattn.machine import cpu_model
-from sparseattn.vllm.paged import PagedPolicy, page_views, select_pages
+from sparseattn.cli.common import parse_method
+from sparseattn.vllm.paged import PagedPolicy, attend_pages, choose_pages, page_views
 from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, step_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +95,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--methods", nargs="+", default=["dense", "quest", "radar+"])
+    parser.add_argument("--methods", nargs="+", default=["dense", "quest", "radar+"], help="method specs NAME[:key=value,...]")
+    parser.add_argument("--layer", type=int, default=1, help="the layer whose method a per-layer method runs (of 30)")
+    parser.add_argument("--segment", type=int, default=None, help="tokens per segment inside a page (a divisor of --block-size; "
+                        "default: the page) for every method; a spec's own '@seg<N>' suffix (radar+adaptive@seg4) sets it for that row")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
@@ -102,11 +109,14 @@ def main() -> None:
             parser.error(f"{option}: {value} is out of range; allowed: >= {least}")
     if args.block_size < 16 or args.block_size % 16:
         parser.error(f"--block-size: {args.block_size} is not allowed; allowed: a multiple of 16")
+    built, segments = {}, {}
     for name in args.methods:
+        spec, _, seg = name.partition("@seg")
+        segments[name] = int(seg) if seg.isdigit() else args.segment
         try:
-            registry.get(name)
-        except ValueError as err:
-            parser.error(f"--methods: {err}")
+            built[name] = parse_method(spec, None if spec == "dense" else args.budget)[1]
+        except Exception as err:  # noqa: BLE001 (the CLI's message: the option, the value, what is allowed)
+            parser.error(f"--methods {name!r}: {getattr(err, 'message', err)}")
     torch.set_num_threads(args.threads)
     try:
         import vllm  # noqa: F401
@@ -126,10 +136,11 @@ def main() -> None:
     if have_vllm:
         calls["vllm kernel (all pages)"] = vllm_kernel(cache, table, lens, query, scale)
     for name in args.methods:
-        policy = PagedPolicy(registry.build(name, **({} if name == "dense" else {"budget": args.budget})), name)
+        policy = PagedPolicy(built[name], name, segments[name]).for_layer(args.layer, 30)
         mode = fused_mode(policy)
         if mode is not None:
-            store = None if mode == FIXED else PageStore(cache.shape[0], H, D, mode)
+            store = None if mode == FIXED else PageStore(cache.shape[0], H, D, mode, sums=policy.merged is not None,
+                                                                segments=policy.segments_per_page(bs))
             plan = step_plan(policy, lens, bs)
             calls[f"fused {name}"] = (lambda p=policy, m=mode, s=store, pl=plan: fused_decode(
                 p, m, s, cache, query, table, lens, scale, plan=pl)[0])  # fmt: skip
@@ -141,8 +152,10 @@ def main() -> None:
             summaries = PageSummaries(cache.shape[0], bs)
 
             def generic(p=policy, pr=params, ge=gen, su=summaries):
-                pages = select_pages(p, pr, ge, cache, query, table, lens, scale, su)
-                return kernel_attend_pages(query, cache, table, pages, lens, scale, None, "vec")
+                chosen = choose_pages(p, pr, ge, cache, query, table, lens, scale, su)
+                if chosen.merged is not None:
+                    return attend_pages(query, cache, table, chosen.pages, lens, scale, None, merged=chosen.merged)
+                return kernel_attend_pages(query, cache, table, chosen.pages, lens, scale, None, "vec")
 
             calls[f"generic {name}"] = generic
     times = {label: [] for label in calls}

@@ -44,6 +44,18 @@ def row_ppls(run: RunDir, rows: int) -> list[float]:
     return [math.exp(sum(nlls) / len(nlls)) for nlls in per_row]
 
 
+def check_texts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``parser.error``) an unknown ``--prose``/``--code`` text, or one of the other kind."""
+    for kind in ("prose", "code"):
+        for name in getattr(args, kind):
+            try:
+                found = get_text(name).kind
+            except KeyError as error:
+                parser.error(f"--{kind} {name!r}: {error.args[0]}")
+            if found != kind:
+                parser.error(f"--{kind} {name!r} is a {found} text; pass it as --{found}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prose", action="append", help="a prose text (repeatable; default: areopagitica)")
@@ -56,14 +68,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.prose, args.code = args.prose or ["areopagitica"], args.code or ["argparse"]
-    for kind in ("prose", "code"):
-        for name in getattr(args, kind):
-            try:
-                found = get_text(name).kind
-            except KeyError as error:
-                parser.error(f"--{kind} {name!r}: {error.args[0]}")
-            if found != kind:
-                parser.error(f"--{kind} {name!r} is a {found} text; pass it as --{found}")
+    check_texts(parser, args)
     methods_run = list(dict.fromkeys(["streamingllm", *args.methods]))
     for spec in methods_run:
         name = spec.partition(":")[0]

@@ -10,12 +10,12 @@ Radar (Hao et al., ICLR 2025) and its relatives are assembled from parts:
 >>> tuple(out.shape), int(info.attended.max()) <= 4 * 10 + 2 * 10
 ((1, 4, 16), True)
 
-The recommended method of each engine is a plain function: :func:`RadarPlusAdaptive` in transformers,
-:func:`RadarPlus` in vLLM's paged engine (``recommended(engine)`` names its registry entry; ``sparseattn
-methods`` lists every method by what it is for).
+The recommended method is a plain function, the same in both engines: :func:`RadarPlusAdaptive`
+(``recommended(engine)`` names its registry entry; ``sparseattn methods`` lists every method by what it
+is for).
 
 >>> recommended("transformers").name, recommended("vllm").name
-('radar+adaptive', 'radar+')
+('radar+adaptive', 'radar+adaptive')
 """
 
 from sparseattn.allocations import Allocation, PooledMass, Selection, SelectStage, TopP, Uniform

@@ -348,7 +348,7 @@ def recommended(engine: str = "transformers") -> MethodEntry:
     """The recommended method of ``engine`` (one of :data:`ENGINES`): the first ``recommended`` entry that runs in it.
 
     >>> recommended("vllm").name
-    'radar+'
+    'radar+adaptive'
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")

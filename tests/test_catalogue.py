@@ -59,7 +59,7 @@ def test_each_engine_has_one_recommended_method_that_runs_in_it(engine):
 
 def test_the_recommended_presets_are_plain_functions_exported_from_the_package():
     assert registry.recommended("transformers").build is RadarPlusAdaptive
-    assert registry.recommended("vllm").build is RadarPlus
+    assert registry.recommended("vllm").build is RadarPlusAdaptive  # one preset for both engines
 
 
 @pytest.mark.parametrize("old", sorted(registry.aliases()))
@@ -85,9 +85,10 @@ def test_the_old_python_builders_are_the_options_of_radar_plus():
     assert RadarPlusPooled(budget=512) == RadarPlus(budget=512, aspect=16.0, split="pooled", bf16_centroids=True)
     merged = RadarPlus(budget=512, aspect=16.0, split="pooled", bf16_centroids=True, rest="merged", merge=16)
     assert RadarPlusMerged(budget=512) == merged
-    adaptive = RadarPlusAdaptive(budget=512)
+    adaptive = RadarPlusAdaptive(budget=512, bf16_centroids=True)
     assert isinstance(adaptive, SplitLayers) and adaptive.layers == 1 and adaptive.first == RadarPlusPooled(budget=512)
     assert adaptive.others.rest.per_block == 128
+    assert RadarPlusAdaptive(budget=512).first == RadarPlus(budget=512, aspect=16.0, split="pooled")  # float32 centroids
 
 
 def test_choices_and_flags_are_typed_from_the_spec():
@@ -157,15 +158,15 @@ def test_the_listing_puts_the_recommended_methods_first_and_experimental_ones_be
     assert "radar+tokens" not in out and "radar+pooled" not in out
     everything = _methods("--all")
     assert "radar+tokens" in everything and "radar+pooled" in everything and "is now" in everything
-    assert "recommended: transformers: radar+adaptive, vllm: radar+" in out
+    assert "recommended: transformers: radar+adaptive, vllm: radar+adaptive" in out
 
 
 def test_the_listing_of_one_engine_shows_only_what_it_runs():
     rows = json.loads(_methods("--engine", "vllm", "--json", "--all"))["methods"]
     assert rows and all("vllm" in row["engines"] for row in rows)
     assert {row["name"] for row in rows} == {n for n in registry.names() if "vllm" in registry.get(n).engines}
-    assert rows[0]["name"] == "radar+" and rows[0]["recommended_for"] == ["vllm"]
-    assert rows[0]["options"]["split"]["choices"] == ["uniform", "pooled", "topp"]
+    assert rows[0]["name"] == "radar+adaptive" and rows[0]["recommended_for"] == ["transformers", "vllm"]
+    assert next(r for r in rows if r["name"] == "radar+")["options"]["split"]["choices"] == ["uniform", "pooled", "topp"]
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "eviction method": (serve + ["-m", "h2o", "--budget", "64"], ["'--method'", "cannot run in vLLM", "eviction"]),
         "always-kept part": (serve + ["-m", "radar+h2o", "--budget", "512"], ["'--method'", "always-kept", "not supported in vLLM"]),
         "bad dtype": (serve + ["--dtype", "float8"], ["'--dtype'", "'float8'", "bfloat16, float16, float32"]),
+        "segment 0": (serve + ["--segment", "0"], ["'--segment'", "0 is out of range", ">= 1"]),
         "port 0": (serve + ["--port", "0"], ["'--port'", "0 is out of range", "from 1 to 65535"]),
         "memory fraction 0": (serve + ["--memory-fraction", "0"], ["'--memory-fraction'", "0.0 is out of range", "at most 1"]),
         "model len beyond the window": (serve + ["--max-model-len", "5000", "--dry-run"],
@@ -65,7 +66,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "bench short context": (bench + ["--context", "10"], ["'--context'", "10 is out of range", ">= 64"]),
         "bench beyond the window": (bench + ["--context", "4050", "--steps", "32"],
                                     ["'--context' / '--steps'", "4115 positions", "model's 4096", "<= 4064"]),
-        "bench block size": (bench + ["--block-size", "24"], ["'--block-size'", "24 is not allowed", "multiple of 16"]),
+        "bench block size": (bench + ["--block-size", "48"], ["'--block-size'", "48 is not allowed", "multiple of 32"]),
         "bench unknown text": (bench + ["--text", "hamlett"], ["'--text'", "'hamlett'", "did you mean hamlet", "sparseattn data list"]),
         "bench budget 0": (bench + ["--budget", "0"], ["'--budget'", "0 is out of range"]),
         "bench dense as a method": (bench + ["-m", "dense"], ["'--method'", "dense path is always run"]),
@@ -87,6 +88,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
 def dry_runs(model: str) -> dict[str, list[str]]:
     cases = {
         "radar+": ["serve", "--model", model, "-m", "radar+", "--budget", "1024", "--dry-run"],
+        "the default method with segments": ["serve", "--model", model, "--budget", "512", "--segment", "4", "--dry-run"],
         "quest with options": ["serve", "--model", model, "-m", "quest:sinks=128", "--budget", "512", "--port", "8123",
                                "--host", "0.0.0.0", "--name", "tiny", "--kv-cache-gib", "2", "--dry-run", "--",
                                "--max-num-seqs", "8"],
@@ -145,6 +147,8 @@ def test_dry_run_prints_vllms_server_with_the_method_as_additional_config(worksp
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert _option(argv, "--model") == model
     assert json.loads(_option(argv, "--additional-config")) == {"sparseattn": {"method": "radar+", "budget": 1024}}
+    _, segmented = _server_argv(results["dry run: the default method with segments"])
+    assert json.loads(_option(segmented, "--additional-config")) == {"sparseattn": {"method": "radar+adaptive", "budget": 512, "segment": 4}}
     assert _option(argv, "--dtype") == "bfloat16"
     assert _option(argv, "--max-model-len") == "4096"  # the model's positions
     assert _option(argv, "--served-model-name") == model

@@ -135,24 +135,30 @@ def test_requests_arriving_while_others_decode_with_prefix_caching_give_stock_to
     assert tokens == stock
 
 
-def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts):
-    """radar+ keeps page summaries per physical block. In a cache of 64 blocks of 32 tokens (65: vLLM keeps
+@pytest.mark.parametrize("method, engine", [("radar+", {}), ("radar+adaptive", {}), ("radar+adaptive", {"segment": 4})],
+                         ids=["radar+", "radar+adaptive", "radar+adaptive-segment4"])
+def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts, method, engine):
+    """radar+ keeps page summaries per physical block (radar+adaptive also each page's key and value sums, for
+    its merged rest). In a cache of 64 blocks of 32 tokens (65: vLLM keeps
     one as its null block; prefix caching off) one request of 1700 tokens runs, then one of 1500, then the first again: its second run must reuse
     at least 41 blocks the 1500-token request filled with its keys, and its tokens must be those of its first
     run (fresh blocks), not those of summaries left over from the other request. At budget 512 (16 pages of
-    the ~55) the selection depends on every summary."""
+    the ~55) the selection depends on every summary. radar+adaptive runs a method per layer (layer 0 without
+    the merged rest), per-head page counts and the merged rest: every decode step answered, none fallen back;
+    with ``segment`` 4, eight segments per page, each with its own summary and sums."""
     from vllm import LLM, SamplingParams
 
     again, other = token_prompts[5][:1700], token_prompts[4][:1500]
-    overrides = {"additional_config": {"sparseattn": {"method": "radar+", "budget": 512}}, "enable_prefix_caching": False,
+    overrides = {"additional_config": {"sparseattn": {"method": method, "budget": 512, **engine}}, "enable_prefix_caching": False,
                  "num_gpu_blocks_override": 65, "block_size": 32, "max_model_len": 2048}  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    log = tmp / "block-reuse.log"
+    log = tmp / f"block-reuse-{method}{'-'.join(['', *map(str, engine.values())])}.log"
     with fd_log(log):
         llm = LLM(model=str(local_model_dir()), **{**ENGINE, **overrides})
         runs = [list(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids) for p in (again, other, again)]
         del llm
     text = log.read_text()
-    assert "first decode step answered by the paged engine (radar+:budget=512)" in text, text[-3000:]
+    assert f"first decode step answered by the paged engine ({method}:budget=512)" in text, text[-3000:]
+    assert "fell back to vLLM's dense kernel" not in text, text[-3000:]
     assert runs[1] != runs[0]  # two different texts: a wrong reuse of the first one's summaries could show
     assert runs[2] == runs[0]

@@ -234,3 +234,104 @@ def test_softcap_is_applied_to_the_attended_logits_as_the_torch_path_does(name, 
     assert_close(got, expected, torch.float32)
     uncapped, _ = fused_decode(policy, fused_mode(policy), store_for(policy, cache), cache, query, table, lens, 0.125)
     assert not torch.allclose(uncapped, expected, atol=1e-3)
+
+
+#: The split step's policies: per-head page counts (pooled, top-p), the merged rest, both, a per-layer preset's layers.
+SPLIT_POLICIES = [
+    ("radar+", {"budget": 256, "split": "pooled"}),
+    ("radar+", {"budget": 200, "split": "pooled", "cap": 4.0}),  # past the shortlist: pages scored without kept logits
+    ("radar+", {"budget": 256, "split": "topp", "p": 0.9}),
+    ("radar+", {"budget": 256, "rest": "merged", "merge": 4}),
+    ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 3}),
+    ("radar+", {"budget": 10**6, "split": "pooled", "rest": "merged"}),  # nothing to select: no rest
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{'-'.join(map(str, s[0]))}-bs{s[1]}-H{s[2]}-G{s[3]}-D{s[4]}")
+@pytest.mark.parametrize("name, options", SPLIT_POLICIES, ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_split_step_gives_the_generic_paths_output(shape, name, options, dtype):
+    """Per-head page counts and the merged rest in the fused kernel == the generic path (the policy's own parts in torch)."""
+    from sparseattn.vllm.paged import paged_decode
+    from sparseattn.vllm.paged_kernel import SPLIT
+
+    lengths, bs, H, G, D = shape
+    policy, cache, table, query, lens = setup(name, options, lengths, bs, H, G, D, dtype)
+    assert fused_mode(policy) == SPLIT
+    store = PageStore(cache.shape[0], H, D, SPLIT, sums=policy.merged is not None)
+    params, gen = policy.prepare(H, D, 0)
+    want = paged_decode(policy, params, gen, cache, query.float(), table, lens, D**-0.5)
+    for _ in range(2):  # summaries and sums computed, then kept
+        got, _ = fused_decode(policy, SPLIT, store, cache, query, table, lens, D**-0.5)
+        assert_close(got, want, torch.float32)
+
+
+def test_the_split_steps_rest_changes_the_output_and_follows_writes():
+    """A test that can fail: the merged rest moves the output; a page written to (its block reused) gets fresh sums."""
+    from sparseattn.vllm.paged import paged_decode
+    from sparseattn.vllm.paged_kernel import SPLIT
+
+    lengths, bs, H, G, D = (900, 700), 16, 2, 3, 16
+    merged, cache, table, query, lens = setup("radar+", {"budget": 160, "split": "pooled", "rest": "merged", "merge": 4}, lengths, bs, H, G, D)
+    dropped = PagedPolicy(build("radar+", {"budget": 160, "split": "pooled"}), "dropped")
+    store = PageStore(cache.shape[0], H, D, SPLIT, sums=True)
+    with_rest, _ = fused_decode(merged, SPLIT, store, cache, query, table, lens, D**-0.5)
+    without, _ = fused_decode(dropped, SPLIT, PageStore(cache.shape[0], H, D, SPLIT), cache, query, table, lens, D**-0.5)
+    assert not torch.allclose(with_rest, without, atol=1e-4)
+    block = int(table[0, 5])  # a candidate page of sequence 0: overwritten, as vLLM reusing the block would
+    cache[block] = torch.randn(cache[block].shape, generator=torch.Generator().manual_seed(9))
+    store.invalidate(torch.arange(block * bs, (block + 1) * bs), bs)
+    params, gen = merged.prepare(H, D, 0)
+    again, _ = fused_decode(merged, SPLIT, store, cache, query, table, lens, D**-0.5)
+    assert_close(again, paged_decode(merged, params, gen, cache, query, table, lens, D**-0.5), torch.float32)
+
+
+def test_the_split_step_refuses_a_store_without_sums_for_a_merged_rest():
+    from sparseattn.vllm.paged_kernel import SPLIT
+
+    policy, cache, table, query, lens = setup("radar+", {"budget": 160, "rest": "merged"}, (600,), 16, 2, 3, 16)
+    with pytest.raises(ValueError, match="sums=True"):
+        fused_decode(policy, SPLIT, PageStore(cache.shape[0], 2, 16, SPLIT), cache, query, table, lens, 0.25)
+
+
+#: (lengths, block size, segment, KV heads, group, head dim): segments inside pages, vector and scalar loops.
+SEGMENT_SHAPES = [
+    ((700, 1000, 37), 16, 8, 2, 3, 16),
+    ((1200, 77), 32, 16, 3, 5, 64),
+    ((2000, 1500), 32, 8, 3, 3, 64),
+    ((900,), 64, 16, 1, 4, 32),
+]
+
+
+@pytest.mark.parametrize("shape", SEGMENT_SHAPES, ids=lambda s: f"L{'-'.join(map(str, s[0]))}-bs{s[1]}-seg{s[2]}-H{s[3]}-G{s[4]}-D{s[5]}")
+@pytest.mark.parametrize("name, options", [
+    ("radar+", {"budget": 256}), ("quest", {"budget": 200}), ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 3}),
+    ("radar+", {"budget": 256, "split": "topp", "p": 0.9}), ("radar+", {"budget": 10**6}),
+], ids=["radar+", "quest", "pooled-merged", "topp", "full-budget"])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segments_inside_pages_in_the_fused_step_give_the_generic_paths_output(shape, name, options, dtype):
+    """``PagedPolicy(segment=c)``: every fused mode scores, selects and attends c-token segments of the pages as the
+    generic path does (which is the decode state's output on that grid: tests/test_vllm_paged.py)."""
+    from sparseattn.vllm.paged import paged_decode
+
+    lengths, bs, seg, H, G, D = shape
+    keys, values = sequences(lengths, H, D, dtype, seed=1)
+    cache, table = paged_cache(keys, values, bs, seed=0)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    policy = PagedPolicy(build(name, options), name, segment=seg)
+    lens = torch.tensor(lengths)
+    mode = fused_mode(policy)
+    assert mode is not None and mode != FIXED
+    store = PageStore(cache.shape[0], H, D, mode, sums=policy.merged is not None, segments=bs // seg)
+    params, gen = policy.prepare(H, D, 0)
+    want = paged_decode(policy, params, gen, cache, query.float(), table, lens, D**-0.5)
+    for _ in range(2):  # summaries computed, then kept
+        got, _ = fused_decode(policy, mode, store, cache, query, table, lens, D**-0.5)
+        assert_close(got, want, torch.float32)
+
+
+def test_a_store_for_whole_pages_is_refused_for_segments():
+    policy, cache, table, query, lens = setup("radar+", {"budget": 160}, (600,), 32, 2, 3, 16)
+    policy = PagedPolicy(policy.method, "radar+", segment=16)
+    with pytest.raises(ValueError, match=r"2 segment\(s\) per page"):
+        fused_decode(policy, RERANK, PageStore(cache.shape[0], 2, 16, RERANK), cache, query, table, lens, 0.25)

@@ -39,7 +39,7 @@ def catalogue(include_all: bool = False, engine: str | None = None) -> list[dict
 
     >>> rows = catalogue(engine="vllm")
     >>> rows[0]["name"], rows[0]["category"], "vllm" in rows[0]["engines"]
-    ('radar+', 'recommended', True)
+    ('radar+adaptive', 'recommended', True)
     """
     if engine is not None and engine not in registry.ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {', '.join(registry.ENGINES)}")

@@ -34,10 +34,12 @@ OWN_OPTIONS = {
 
 
 def serve(
-    method: str = typer.Option("radar+", "--method", "-m", help="NAME[:key=value,...], one method vLLM's paged engine runs "
-                               "(`sparseattn methods`; dense, quest, radar, radar+, ...)"),
+    method: str = typer.Option("radar+adaptive", "--method", "-m", help="NAME[:key=value,...], one method vLLM's paged engine runs "
+                               "(`sparseattn methods`; the recommended radar+adaptive, dense, quest, radar+, ...)"),
     budget: int | None = typer.Option(None, help="past KV tokens a decode step may attend (>= 1), unless the spec sets "
                                       "budget or top_k"),
+    segment: int | None = typer.Option(None, help="tokens per segment inside vLLM's pages (a divisor of its block size, "
+                                       "e.g. 4 of 32: the recommended method's grid at 4-8k tokens); default: a page is a segment"),
     model: str = MODEL,
     max_model_len: int | None = typer.Option(None, help="longest sequence served, prompt and answer (default: the model's positions)"),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
@@ -53,11 +55,14 @@ def serve(
 ) -> None:
     """Serve a model through vLLM's OpenAI-compatible server with a sparseattn method deciding what decode attends.
 
-    Example: sparseattn serve -m radar+ --budget 1024 -- --max-num-seqs 8
+    Example: sparseattn serve --budget 1024 --segment 4 -- --block-size 32 --max-num-seqs 8
     """
     from sparseattn.evaluation.serving import vllm_unavailable_reason
 
+    check_range("--segment", segment, 1)
     label, config = vllm_method(method, budget)
+    if segment is not None:
+        config["segment"] = segment  # the paged engine's, beside the method (checked against the block size at start-up)
     check_dtype(dtype, DTYPES)
     check_range("--port", port, 1, 65535)
     check_range("--kv-cache-gib", kv_cache_gib, 1)

@@ -62,8 +62,8 @@ def serving_bench(
         read_text(name, "--text")  # an unknown name refused (with close matches), a known one fetched now, not mid-run
     if dtype not in ("bfloat16", "float32"):
         raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
-    if block_size is not None and (block_size < 16 or block_size % 16):
-        raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 16 (vLLM's CPU kernels)")
+    if block_size is not None and (block_size < 32 or block_size % 32):
+        raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 32 (vLLM's CPU attention backend takes MultipleOf(32))")
     if yarn is not None and not yarn > 1:
         raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
     methods: dict[str, dict] = {}

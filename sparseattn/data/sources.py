@@ -335,6 +335,9 @@ _STDLIB = (
     ("doctest", "doctest.py"),
     ("argparse", "argparse.py"),
     ("pyio", "_pyio.py"),
+    ("subprocess", "subprocess.py"),
+    ("difflib", "difflib.py"),
+    ("pickle", "pickle.py"),
 )
 
 

@@ -146,10 +146,13 @@ PPL_COLUMNS = (
 
 
 def ppl_table(runs: Sequence[Path]) -> str:
+    """The finished perplexity runs as a markdown table; a figure not measured (NaN, such as the KV tokens a step
+    attended, which vLLM does not report: ``ppl --engine vllm``) shows as ``-``."""
     rows = []
     for path in runs:
         summary, _ = load_run(path)
-        rows.append({**summary, "label": run_label(summary)})
+        known = {key: None if isinstance(value, float) and math.isnan(value) else value for key, value in summary.items()}
+        rows.append({**known, "label": run_label(summary)})
     return markdown_table(rows, PPL_COLUMNS)
 
 

@@ -387,8 +387,42 @@ def attention_isas(dtype: str, block_size: int, head_size: int) -> dict[str, str
     return {"stock": stock, "plugin": plugin}
 
 
-def _generate(llm, prompts: Sequence[Sequence[int]], tokens: int, forced: Sequence[Sequence[int]] | None = None,
-              **extra) -> tuple[float, list[Any]]:  # fmt: skip
+def start_engine(model: str, *, dtype: str, kv_cache_gib: int, max_model_len: int, block_size: int | None = None,
+                 method: Mapping[str, Any] | None = None, hf_overrides: Mapping[str, Any] | None = None, **extra: Any):
+    """A ``vllm.LLM`` as the measurements here start it: prefix caching on, seed 0, teacher forcing available.
+
+    ``kv_cache_gib`` becomes ``VLLM_CPU_KVCACHE_SPACE`` for the engine process it spawns (this process's
+    value is restored after). ``method``: ``additional_config["sparseattn"]``, the plugin's method to
+    start with, switchable afterwards (:func:`sparseattn.vllm.switch.use_method`); None: stock vLLM.
+    ``block_size`` None: vLLM's (128 on CPU). ``extra``: further ``LLM`` arguments. Imports vLLM.
+    """
+    from vllm import LLM
+
+    if method is not None:
+        extra = {"additional_config": {"sparseattn": dict(method)}, "worker_extension_cls": "sparseattn.vllm.switch.MethodSwitch", **extra}
+    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # read by the engine process it spawns
+    try:
+        return LLM(
+            model=model, dtype=dtype, max_model_len=max_model_len, enable_prefix_caching=True, seed=0,
+            logits_processors=["sparseattn.vllm.forcing:ForcedTokens"],
+            **({"block_size": block_size} if block_size else {}), **({"hf_overrides": dict(hf_overrides)} if hf_overrides else {}),
+            **extra,
+        )  # fmt: skip
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+
+
+def stop_engine(llm) -> None:
+    """Shut down the engine process of a ``vllm.LLM`` now (its memory freed before the next engine starts)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def generate(llm, prompts: Sequence[Sequence[int]], tokens: int, forced: Sequence[Sequence[int]] | None = None,
+             **extra) -> tuple[float, list[Any]]:  # fmt: skip
     """Greedy ``tokens`` per prompt, one batch: ``(seconds, completions)``; ``forced``: each prompt's forced tokens."""
     from vllm import SamplingParams
 
@@ -402,10 +436,13 @@ def _generate(llm, prompts: Sequence[Sequence[int]], tokens: int, forced: Sequen
     return time.perf_counter() - begin, [o.outputs[0] for o in outs]
 
 
+_generate = generate  # its former name (tests/test_vllm_switch.py imports it)
+
+
 def _measure(llm, prompts: Sequence[Sequence[int]], steps: int) -> tuple[float, float, list[list[int]]]:
     """``(tokens/s over all sequences, ms per decode step, greedy tokens)`` of ``steps`` timed decode steps."""
-    t1, _ = _generate(llm, prompts, 1)
-    tn, outs = _generate(llm, prompts, steps + 1)
+    t1, _ = generate(llm, prompts, 1)
+    tn, outs = generate(llm, prompts, steps + 1)
     decode = max(tn - t1, 1e-9)
     return len(prompts) * steps / decode, 1e3 * decode / steps, [list(o.token_ids) for o in outs]
 
@@ -436,7 +473,6 @@ def run(
     if not runs or runs[0].label != STOCK:
         raise ValueError(f"the first run must be {STOCK!r}, the reference; got {[r.label for r in runs]}")
     from transformers import AutoConfig, AutoTokenizer
-    from vllm import LLM
 
     from sparseattn.vllm.switch import use_method
 
@@ -463,28 +499,16 @@ def run(
     for name in dict.fromkeys(r.engine for r in runs):
         engine_dtype = "float32" if name == STOCK_F32 else dtype
         gib = kv_cache_gib * (2 if engine_dtype == "float32" and dtype != "float32" else 1)
-        extra: dict[str, Any] = {}
-        if name == "plugin":
-            first = next(r for r in runs if r.engine == "plugin")
-            extra = {"additional_config": {"sparseattn": dict(first.method)}, "worker_extension_cls": "sparseattn.vllm.switch.MethodSwitch"}
+        method = next(r.method for r in runs if r.engine == "plugin") if name == "plugin" else None
         say(f"{name}: starting vLLM ({engine_dtype}, KV cache {gib} GiB) and prefilling {sum(len(p) for p in workloads[DISTINCT])} prompt tokens ...")
-        saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)  # read by the engine process it spawns
         begin = time.perf_counter()
-        engines[name] = LLM(
-            model=model, dtype=engine_dtype, max_model_len=max_len, enable_prefix_caching=True, seed=0,
-            gpu_memory_utilization=0.2,  # host memory on the CPU platform: engines run side by side
-            logits_processors=["sparseattn.vllm.forcing:ForcedTokens"],
-            **({"block_size": block_size} if block_size else {}), **({"hf_overrides": dict(hf_overrides)} if hf_overrides else {}),
-            **extra,
+        engines[name] = start_engine(
+            model, dtype=engine_dtype, kv_cache_gib=gib, max_model_len=max_len, block_size=block_size, method=method,
+            hf_overrides=hf_overrides, gpu_memory_utilization=0.2,  # host memory on the CPU platform: engines run side by side
         )  # fmt: skip
-        if saved is None:
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
-        else:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
         ready = time.perf_counter()
         for prompts in workloads.values():
-            _generate(engines[name], prompts, 2)  # prefill into the prefix cache, and a first decode step
+            generate(engines[name], prompts, 2)  # prefill into the prefix cache, and a first decode step
         started[name] = time.perf_counter() - begin
         say(f"{name}: started in {ready - begin:.0f} s, prompts prefilled in {time.perf_counter() - ready:.0f} s")
 
@@ -501,7 +525,7 @@ def run(
             use_method(llm, dict(run_.method))
             current["plugin"] = run_.label
             for prompts in workloads.values():  # page summaries built outside the timing (module docstring)
-                _generate(llm, prompts, 2)
+                generate(llm, prompts, 2)
         return llm
 
     measured = {(r.label, w): Measured() for r in runs for w in workloads}
@@ -535,15 +559,15 @@ def run(
         llm = switch(run_)
         before = fallbacks(run_)
         m = measured[label, DISTINCT]
-        _, outs = _generate(llm, [r.ids for r in rows_in], held, forced=[r.held for r in rows_in], logprobs=1)
+        _, outs = generate(llm, [r.ids for r in rows_in], held, forced=[r.held for r in rows_in], logprobs=1)
         m.forced = Forced.from_outputs(outs, [r.held for r in rows_in])
-        _, outs = _generate(llm, [r.ids + r.question for r in rows_in], ANSWER_TOKENS)
+        _, outs = generate(llm, [r.ids + r.question for r in rows_in], ANSWER_TOKENS)
         m.answers = [tokenizer.decode(o.token_ids) for o in outs]
         m.passkey = passkey_found(m.answers, rows_in)
         m.fallback_steps += fallbacks(run_) - before
         say(f"quality {label}: ppl {m.forced.ppl():.3f}, pass keys {m.passkey:.0%} ({', '.join(repr(a) for a in m.answers)})")
     for llm in engines.values():
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
     engines.clear()
     gc.collect()
     rows = rows_now()

@@ -35,6 +35,7 @@ from sparseattn.methods.presets import (
     SnapKVRadar,
 )
 from sparseattn.methods.rest import MergedRest
+from sparseattn.methods.sampled_rest import SampledRest
 from sparseattn.methods.segment_search import Radar, SegmentSearch, SegmentSearchState, SegmentSelection
 from sparseattn.methods.snapkv import SnapKV
 from sparseattn.methods.streaming import StreamingLLM
@@ -76,6 +77,7 @@ __all__ = [
     "RadarPlusPooled",
     "RadarPlusMerged",
     "MergedRest",
+    "SampledRest",
     "RadarPlusTokens",
     "RadarRandom",
     "RadarRecent",

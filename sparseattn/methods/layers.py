@@ -60,10 +60,13 @@ class FirstLayers:
             return more
         return (n_layers * b - self.layers * more) // others
 
+    def method_of(self, layer_idx: int, n_layers: int | None) -> object:
+        """The method layer ``layer_idx`` of ``n_layers`` runs: :attr:`method` with that layer's budget."""
+        return with_budget(self.method, self.budget_of(layer_idx, n_layers))
+
     def new_state(self, *args, **kwargs) -> DecodeState:
         layer = layer_spec(*args, **kwargs)
-        budget = self.budget_of(layer.layer_idx, layer.n_layers)
-        return with_budget(self.method, budget).new_state(layer)
+        return self.method_of(layer.layer_idx, layer.n_layers).new_state(layer)
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,22 @@ class SplitLayers:
         return self.method_of(layer.layer_idx).new_state(layer)
 
 
+def layer_method(method, layer_idx: int, n_layers: int | None):
+    """The plain method layer ``layer_idx`` of a model of ``n_layers`` layers runs under ``method``: ``method``
+    itself unless it is a per-layer choice (:class:`FirstLayers`, :class:`SplitLayers`, nested), which is
+    resolved down to one layer's method. What an engine that is not handed a :class:`LayerSpec` (the
+    paged engine) calls per layer; the decode states resolve the same way through ``new_state``.
+
+    >>> from sparseattn import registry
+    >>> m = registry.build("radar+adaptive", budget=512)
+    >>> layer_method(m, 0, 30).rest is None, layer_method(m, 1, 30).rest is not None
+    (True, True)
+    """
+    while isinstance(method, (FirstLayers, SplitLayers)):
+        method = method.method_of(layer_idx, n_layers) if isinstance(method, FirstLayers) else method.method_of(layer_idx)
+    return method
+
+
 def with_budget(method, budget: int | None):
     """``method`` with per-layer budget ``budget``: a :class:`SplitLayers` passes it to both its methods (so
     ``FirstLayers(SplitLayers(...))`` gives the first layers more and runs each layer's own method)."""
@@ -125,4 +144,4 @@ def layer_budgets(method: FirstLayers, n_layers: int) -> list[int]:
     return [method.budget_of(i, n_layers) for i in range(n_layers)]
 
 
-__all__ = ["FirstLayers", "SplitLayers", "layer_budgets", "with_budget"]
+__all__ = ["FirstLayers", "SplitLayers", "layer_budgets", "layer_method", "with_budget"]

@@ -31,6 +31,7 @@ from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
 from sparseattn.methods.layers import FirstLayers, SplitLayers
 from sparseattn.methods.rest import MergedRest
+from sparseattn.methods.sampled_rest import SampledRest
 from sparseattn.methods.segment_search import WINDOW_FROM_BUDGET, Radar, SegmentSearch, feature_options, segment_options
 from sparseattn.methods.snapkv import SnapKV
 from sparseattn.refine.tokens import TopTokens
@@ -178,6 +179,7 @@ def RadarPlus(
     cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
     merge: int | None = None, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None,
     allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None, p: float | None = None,
+    samples: int | None = None, delta: float | None = None,
 ) -> SegmentSearch | SplitLayers | FirstLayers:  # fmt: skip
     """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
 
@@ -205,8 +207,12 @@ def RadarPlus(
       only shapes the shortlist); ``centroid_dtype`` names any dtype;
     * ``rest``: what a step does not attend is ``"dropped"``, or ``"merged"``: each block of
       ``merge`` segments (default 16; 0: one block) adds one token with the mean key and value of its
-      unattended tokens (weight: their count), counted against the budget; ``plain_layers`` first
-      layers drop it even then (merging in layer 0 hurt texts that repeat themselves);
+      unattended tokens (weight: their count), counted against the budget; or ``"sampled"``
+      (experimental, transformers engine only; vAttention's idea, :class:`SampledRest`): ``samples``
+      (default 32) of its tokens drawn uniformly per step and query head, each weighted by ``n /
+      samples``, counted against the budget, and a bound on the error at confidence ``1 - delta``
+      (default 0.05) in each step's report; ``plain_layers`` first layers drop it even then (merging
+      in layer 0 hurt texts that repeat themselves);
     * ``first_layers``: that many first layers get ``layer_factor`` (default 4) times the budget,
       the others what is left (:class:`FirstLayers`; the total over layers is kept).
 
@@ -227,34 +233,38 @@ def RadarPlus(
     )  # fmt: skip
     if not isinstance(split, Uniform):
         method = dataclasses.replace(method, allocation=split)
-    method = _with_rest(method, rest, merge, plain_layers)
+    method = _with_rest(method, rest, merge, plain_layers, samples, delta)
     return _per_layer(method, first_layers, layer_factor)
 
 
 def RadarPlusAdaptive(
     top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
     cap: float = 2.0, floor: float = 0.25, merge: int = 128, plain_layers: int = 1, budget: int | None = None,
+    bf16_centroids: bool = False,
 ) -> SplitLayers | SegmentSearch:  # fmt: skip
-    """radar+ with the budget spent where attention is: the recommended method of the transformers engine.
+    """radar+ with the budget spent where attention is: the recommended method, in both engines.
 
-    ``RadarPlus(aspect=16, split="pooled", bf16_centroids=True, rest="merged", merge=128, plain_layers=1)``:
+    ``RadarPlus(aspect=16, split="pooled", rest="merged", merge=128, plain_layers=1)``:
 
     * segments of ``sqrt(t) / 16`` tokens: finer centroids shortlist better at the same shortlist
       size in tokens;
     * each layer's segments split between its heads by their estimated attention shares
       (:class:`PooledMass`, a head between ``floor`` and ``cap`` times the uniform share; the total
       per layer is radar+'s): diffuse heads get more, peaked heads fewer;
-    * centroids in bfloat16: the memory-bound scoring pass reads half the bytes;
+    * centroids in float32 (``bf16_centroids=True``: bfloat16, half the bytes of the memory-bound scoring
+      pass, the same quality on six unseen texts, docs/methods.md; vLLM's fused step scores float32
+      centroids only, and runs the bfloat16 ones on its slower generic path);
     * from layer ``plain_layers`` on, what a step leaves out enters its softmax as one merged token
       per block of ``merge`` segments (:class:`MergedRest`) instead of being dropped.
 
     ``budget`` is honoured on average over a layer's heads (one head may attend more). Measured on
-    texts it was not tuned on in docs/methods.md; vLLM's paged engine does not run it yet (its
-    recommended method is :func:`RadarPlus`).
+    texts it was not tuned on, in both engines, in docs/methods.md; vLLM's paged engine runs it on
+    its pages or, with the engine's ``segment`` (4: this grid at 4-8k tokens), on segments inside them,
+    where it selects what this engine selects (docs/serving.md).
     """
     return RadarPlus(
         top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget, split="pooled", cap=cap,
-        floor=floor, bf16_centroids=True, rest="merged", merge=merge, plain_layers=plain_layers,
+        floor=floor, bf16_centroids=bf16_centroids, rest="merged", merge=merge, plain_layers=plain_layers,
     )  # fmt: skip
 
 
@@ -304,17 +314,30 @@ def _split_part(
     return part
 
 
-def _with_rest(method: SegmentSearch, rest: str, merge: int | None, plain_layers: int) -> SegmentSearch | SplitLayers:
-    """``method`` with what it leaves out ``"dropped"`` or ``"merged"`` (blocks of ``merge`` segments) after
-    the first ``plain_layers`` layers."""
+def _with_rest(
+    method: SegmentSearch, rest: str, merge: int | None, plain_layers: int, samples: int | None = None,
+    delta: float | None = None,
+) -> SegmentSearch | SplitLayers:  # fmt: skip
+    """``method`` with what it leaves out ``"dropped"``, ``"merged"`` (blocks of ``merge`` segments) or
+    ``"sampled"`` (``samples`` per step and query head, a bound at confidence ``1 - delta``) after the first
+    ``plain_layers`` layers. An option that shapes another choice than ``rest``'s is refused."""
+    if rest not in ("dropped", "merged", "sampled"):
+        raise ValueError(f"rest must be 'dropped', 'merged' or 'sampled', got {rest!r}")
+    if rest != "merged" and merge is not None:
+        raise ValueError(f"merge={merge!r} shapes the merged rest; rest is {rest!r} (give rest='merged')")
+    for name, value in (("samples", samples), ("delta", delta)):
+        if rest != "sampled" and value is not None:
+            raise ValueError(f"{name}={value!r} shapes the sampled rest; rest is {rest!r} (give rest='sampled')")
     if rest == "dropped":
-        if merge is not None or plain_layers:
-            raise ValueError(f"merge and plain_layers shape the merged rest; rest is {rest!r} (give rest='merged')")
+        if plain_layers:
+            raise ValueError(f"plain_layers={plain_layers!r} shapes the merged or sampled rest; rest is {rest!r} (give rest='merged' or 'sampled')")
         return method
-    if rest != "merged":
-        raise ValueError(f"rest must be 'dropped' or 'merged', got {rest!r}")
-    merged = dataclasses.replace(method, rest=MergedRest((16 if merge is None else merge) or None))  # 0: one block
-    return SplitLayers(method, merged, layers=plain_layers) if plain_layers else merged
+    if rest == "merged":
+        part = MergedRest((16 if merge is None else merge) or None)  # 0: one block
+    else:
+        part = SampledRest(32 if samples is None else samples, 0.05 if delta is None else delta)
+    joined = dataclasses.replace(method, rest=part)
+    return SplitLayers(method, joined, layers=plain_layers) if plain_layers else joined
 
 
 def _per_layer(method, first_layers: int, layer_factor: float | None):
@@ -449,19 +472,25 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
                allowed=Range(1.0, 1024.0, integer=False)),
         Option("floor", float, help="fewest segments a head keeps, x the uniform share (split=pooled; None: 0.25)"),
     )  # fmt: skip
+    bf16 = Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half the bytes of the scoring pass)")
     if not variants:
         return (*shared, *pool, Option("merge", int, help="segments per merged token of the rest (0: one block)", minimum=0),
-                Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0))  # fmt: skip
+                Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0), bf16)  # fmt: skip
     return (
         *shared,
         Option("split", str, help="a layer's segments between its heads: uniform, pooled by estimated attention share, "
                "or topp (each head the fewest reaching share p)", allowed=("uniform", "pooled", "topp")),
         Option("p", float, help="share of attention mass each head reaches (split=topp; None: 0.95)"),
         *pool,
-        Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half the bytes of the scoring pass)"),
-        Option("rest", str, help="what a step does not attend: dropped, or merged into one token per block", allowed=("dropped", "merged")),
+        bf16,
+        Option("rest", str, help="what a step does not attend: dropped, merged into one token per block, or sampled "
+               "(experimental, transformers only: a uniform sample, scaled up, with an error bound)",
+               allowed=("dropped", "merged", "sampled")),
         Option("merge", int, help="segments per merged token of the rest (rest=merged; 0: one block; None: 16)", minimum=0),
-        Option("plain_layers", int, help="first layers that drop the rest even with rest=merged", minimum=0),
+        Option("samples", int, help="tokens of the rest drawn per step and query head, each counted against the "
+               "budget (rest=sampled; None: 32)"),
+        Option("delta", float, help="the sampled rest's error bound holds with probability 1 - delta (rest=sampled; None: 0.05)"),
+        Option("plain_layers", int, help="first layers that drop the rest even with rest=merged or sampled", minimum=0),
         *_layer_options("segments"),
     )  # fmt: skip
 
@@ -486,14 +515,15 @@ for _entry in (
     MethodEntry(
         "radar+",
         "Radar with a sharper ranking: segments of sqrt(t)/8 tokens scored by their mean key, the best rescored "
-        "exactly from their keys, plus 4 attention sinks; split, bf16_centroids, rest and first_layers make its variants",
-        RadarPlus, _radar_plus_options(variants=True), category="recommended", engines=BOTH,
+        "exactly from their keys, plus 4 attention sinks (radar+adaptive without its split and rest); split, "
+        "bf16_centroids, rest and first_layers make its variants",
+        RadarPlus, _radar_plus_options(variants=True), category="ablation", engines=BOTH,
     ),
     MethodEntry(
         "radar+adaptive",
-        "radar+ with the budget spent where attention is: heads' shares pooled by estimated mass on a 2x finer grid "
-        "(bf16 centroids), the rest merged per 128 segments after layer 0",
-        RadarPlusAdaptive, _radar_plus_options(variants=False), category="recommended",
+        "radar+ with the budget spent where attention is: heads' shares pooled by estimated mass on a 2x finer grid, "
+        "the rest merged per 128 segments after layer 0; the recommended method in both engines",
+        RadarPlusAdaptive, _radar_plus_options(variants=False), category="recommended", engines=BOTH,
     ),
     MethodEntry(
         "radar-alg1",
@@ -596,7 +626,7 @@ for _old, _now in (
     ("radar+pooled", _POOLED),
     ("radar+merged", _POOLED + ",rest=merged,merge=16"),
     ("radar+pooled-layers", _POOLED + ",first_layers=1"),
-    ("radar+merged-after", "radar+adaptive"),
+    ("radar+merged-after", "radar+adaptive:bf16_centroids=true"),
     ("oracle-tokens-pooled", "oracle-tokens:split=pooled"),
     ("oracle-tokens-pooled-layers", "oracle-tokens:split=pooled,first_layers=1"),
 ):
@@ -611,7 +641,9 @@ _FORMER_BUILDERS = {
     "RadarPlusPooledFirstLayers": (
         "RadarPlusPooled(first_layers=1)", lambda: functools.partial(RadarPlusPooled, first_layers=1)
     ),
-    "RadarPlusMergedAfterFirstLayers": ("RadarPlusAdaptive", lambda: RadarPlusAdaptive),
+    "RadarPlusMergedAfterFirstLayers": (
+        "RadarPlusAdaptive(bf16_centroids=True)", lambda: functools.partial(RadarPlusAdaptive, bf16_centroids=True)
+    ),
 }
 
 

@@ -51,8 +51,10 @@ class Rest(Protocol):
 
     The decode state keeps each block of ``per_block`` consecutive segments' key and value sums
     (float64) and each segment's (float32, key sum then value sum), read through ``step.block_sums()``
-    and ``step.segment_sums()``. At a step that attends fewer than every segment it calls one of the
-    rest's two attend hooks, as the attend stage's capability table says:
+    and ``step.segment_sums()``; a rest whose ``per_block`` is None reads no sums, and none are kept
+    (e.g. :class:`~sparseattn.methods.sampled_rest.SampledRest`, which reads the cache). At a step that
+    attends fewer than every segment it calls one of the rest's two attend hooks, as the attend stage's
+    capability table says:
 
     * ``attend_segments(step, selection, backend, fused)``: a selection of whole segments, on a backend
       with :class:`~sparseattn.backends.base.SegmentAttentionLSE` (``fused``: it also has
@@ -60,10 +62,15 @@ class Rest(Protocol):
     * ``attend_tokens(step, listed, attended, runs)``: the torch gather path over the listed tokens
       (:meth:`~sparseattn.allocations.Selection.listing`); returns ``(out, probs [B, H_kv, G, L])``.
 
+    A hook may report a per-query-head bound on the error its estimate of the rest adds to the output,
+    ``[B, H_kv, G]``, by setting ``step.rest_bound`` (the step starts with None); the state reports it as
+    :attr:`~sparseattn.methods.segment_search.SegmentSelection.rest_bound` (``SampledRest`` does;
+    :class:`MergedRest` reports none).
+
     ``blocks(n_segments)`` is what it adds to a step: tokens counted against the budget.
     """
 
-    per_block: int
+    per_block: int | None
 
     def blocks(self, n_segments: int) -> int: ...
 

@@ -157,8 +157,8 @@ class SegmentSearch(StatefulMethod):
             )
         if self.rest is not None and (isinstance(self.rest, type) or not isinstance(self.rest, Rest)):
             raise ValueError(
-                f"SegmentSearch.rest must be None or a MergedRest instance (or any part implementing the Rest protocol: "
-                f"per_block, blocks, attend_segments, attend_tokens), got {self.rest!r}"
+                f"SegmentSearch.rest must be None or a MergedRest or SampledRest instance (or any part implementing the Rest "
+                f"protocol: per_block, blocks, attend_segments, attend_tokens), got {self.rest!r}"
             )
         check_backend_name("SegmentSearch.backend", self.backend, "segment_attention", "auto", auto=True)
 
@@ -303,6 +303,10 @@ class SegmentSelection:
     extra_valid: torch.Tensor | None = None  #: ``[B, H_kv, G', n]``: which of them each selection attends
     valid: torch.Tensor | None = None  #: ``[B, H_kv, G', k]``: which listed segments are attended (None: all)
     n_merged: int = 0  #: merged tokens of the rest every query head attends (``rest``); counted in ``attended``
+    #: ``[B, H_kv, G]`` the bound the ``rest`` reported on the error its estimate adds to each query head's
+    #: output (``step.rest_bound``, e.g. :class:`~sparseattn.methods.sampled_rest.SampledRest`'s), NaN where
+    #: the output is; None when the step had no rest or its rest reports none.
+    rest_bound: torch.Tensor | None = None
 
     @property
     def per_query_head(self) -> torch.Tensor:
@@ -398,11 +402,13 @@ class SegmentSearchState(KVState):
         super().__init__(layer)
         self.method = method
         self._summaries: list[GrowableBuffer] = []
-        # ``rest``: each block's key and value sums (float64), blocks of rest.segments segments of the grid.
-        self._rest_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2), GrowableBuffer(dim=2)]
+        # ``rest`` that reads sums (``per_block`` not None): each block's key and value sums (float64), blocks
+        # of rest.per_block segments of the grid ...
+        sums = method.rest is not None and method.rest.per_block is not None
+        self._rest_sums: list[GrowableBuffer] = [GrowableBuffer(dim=2), GrowableBuffer(dim=2)] if sums else []
         # ... and each segment's key and value sums side by side (float32, [B, H, S, 2 D]): a kernel step
         # subtracts the attended segments' sums from them, one row read per segment.
-        self._segment_sums: list[GrowableBuffer] = [] if method.rest is None else [GrowableBuffer(dim=2)]
+        self._segment_sums: list[GrowableBuffer] = [GrowableBuffer(dim=2)] if sums else []
         self._grid: SegmentGrid | None = None
         self._params = _prepare_heads(method.summary, layer, self.compute_dtype)
         # The parts' capabilities and stage hooks, asked once: a protocol check is slow, and a step asks none.
@@ -538,7 +544,7 @@ class SegmentSearchState(KVState):
         to their blocks' (float64): the block ``first`` falls in gets the new segments' sums added, whole
         new blocks are appended. O(new tokens): a block of any size is never summed again."""
         rest = self.method.rest
-        if rest is None or last <= first:
+        if not self._rest_sums or last <= first:  # no rest, or one that reads no sums
             return
         per = rest.per_block
         lay = self.layout
@@ -715,10 +721,13 @@ class SegmentSearchState(KVState):
         stored (as dense: see :class:`SegmentSearch`), and the step's report."""
         lay = step.layout
         out = out.masked_fill(self._nonfinite[:, :, None, None], float("nan"))
+        bound = step.rest_bound
+        if bound is not None:
+            bound = bound.masked_fill(self._nonfinite[:, :, None], float("nan"))
         info = SegmentSelection(
             layout=lay, segments=selection.segments, group=step.group, rebuilt=self._rebuilt_since_attend,
             sealed=self._sealed_since_attend, extra=selection.extra, extra_valid=selection.extra_valid,
-            valid=selection.valid, n_merged=0 if rest is None else rest.blocks(lay.n_segments),
+            valid=selection.valid, n_merged=0 if rest is None else rest.blocks(lay.n_segments), rest_bound=bound,
         )  # fmt: skip
         return out.reshape(self.batch, self.kv_heads * step.group, self.head_dim).to(query.dtype), info
 
@@ -765,16 +774,19 @@ class SegmentStep:
         k: segments the budget buys per selection (``< S`` when a select stage is asked).
         shared: ``G'``, selections per KV head: 1 under ``shared_kv_selection``, else ``G``.
         group: ``G``, query heads per KV head.
+        rest_bound: None, or ``[B, H_kv, G]``: what the ``rest``'s attend hook reports as the bound on the
+            error its estimate adds to each query head's output (see :class:`~sparseattn.methods.rest.Rest`).
     """
 
-    __slots__ = ("_state", "query", "layout", "k", "shared", "group")
+    __slots__ = ("_state", "query", "layout", "k", "shared", "group", "rest_bound")
 
     def __init__(self, state: SegmentSearchState, query: torch.Tensor, layout: SegmentLayout, k: int, shared: int, group: int) -> None:
         self._state = state
         self.query, self.layout, self.k, self.shared, self.group = query, layout, k, shared, group
+        self.rest_bound: torch.Tensor | None = None
 
     # The state's fields a stage reads: its method, the stored keys and values ([B, H_kv, t, D] views),
-    # the attention scale and soft-cap, its scratch buffers (Workspace) and device.
+    # the attention scale and soft-cap, its scratch buffers (Workspace), device and layer index.
     method = property(lambda self: self._state.method)
     keys = property(lambda self: self._state.keys)
     values = property(lambda self: self._state.values)
@@ -782,6 +794,7 @@ class SegmentStep:
     softcap = property(lambda self: self._state.softcap)
     workspace = property(lambda self: self._state._workspace)
     device = property(lambda self: self._state.device)
+    layer_idx = property(lambda self: self._state.layer_idx)
 
     def scores(self, top_k: int | None = None) -> torch.Tensor:
         """Each selection's segment log-mass estimates ``[B, H_kv, G', S]`` (a shared selection ranks its
@@ -836,12 +849,12 @@ class SegmentStep:
         return torch.einsum("bhgd,bhld->bhgl", state._scaled(self.query), state._scaled(keys))
 
     def block_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rest``: the key and value sums ``[B, H_kv, n_blocks, D]`` (float64) of each block of ``rest.per_block`` segments."""
+        """A ``rest`` with a ``per_block``: the key and value sums ``[B, H_kv, n_blocks, D]`` (float64) of each block of ``rest.per_block`` segments."""
         sums = self._state._rest_sums
         return sums[0].view(), sums[1].view()
 
     def segment_sums(self) -> torch.Tensor:
-        """``rest``: each segment's key sum then value sum, ``[B, H_kv, S, 2 D]`` (float32)."""
+        """A ``rest`` with a ``per_block``: each segment's key sum then value sum, ``[B, H_kv, S, 2 D]`` (float32)."""
         return self._state._segment_sums[0].view()
 
 

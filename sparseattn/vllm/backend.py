@@ -18,8 +18,10 @@ does the per-step work once, every layer reads it from the metadata.
 * :class:`SparseCPUAttentionImpl` (one per layer): prefill and chunked prefill run vLLM's kernel
   unchanged; every decode token is answered under the step's method, by the fused C step
   (:mod:`sparseattn.vllm.paged_kernel`) for the policies whose parts it knows, else by
-  :func:`~sparseattn.vllm.paged.select_pages` and vLLM's own paged kernel over the selected pages
-  (:func:`kernel_attend_pages`). A decode token never attends its whole sequence: in a mixed step
+  :func:`~sparseattn.vllm.paged.choose_pages` and vLLM's own paged kernel over the selected pages
+  (:func:`kernel_attend_pages`; a merged rest's tokens join the softmax in
+  :func:`~sparseattn.vllm.paged.attend_pages` instead). A per-layer method runs each layer's own
+  (the layer's index from its name). A decode token never attends its whole sequence: in a mixed step
   (prefill chunks beside decode tokens) vLLM's kernel gets the prefill requests only. The layer's own
   state (the method's prepared parameters, page summaries per physical block) lives on the impl.
 
@@ -61,7 +63,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from sparseattn.vllm.config import current_request, request_from
-from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, select_pages
+from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
 from sparseattn.vllm.paged_kernel import FIXED, PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
 
@@ -153,14 +155,46 @@ def prefill_part(attn_metadata: CPUAttentionMetadata, step: DecodeStep, num_head
 class DecodeMethod:
     """The method an engine's decode tokens run, as its metadata builder hands it to every layer.
 
-    ``policy``: the method as the paged engine runs it; ``fused``: the fused C step's mode
-    (:func:`~sparseattn.vllm.paged_kernel.fused_mode`), None for the generic path. The builder makes
-    a new one for each method it is told to use, so a layer that sees another one than the last
-    drops what it derived from the last (its prepared parameters, page summaries and page store).
+    ``policy``: the method as configured (it may run a method per layer); ``variants``: the distinct
+    per-layer policies it runs (one for a method that is the same in every layer), each with the fused
+    C step's mode (:func:`~sparseattn.vllm.paged_kernel.fused_mode`; None: the generic path);
+    ``layer_variant[i]``: layer ``i``'s. The builder makes a new one for each method it is told to use,
+    so a layer that sees another one than the last drops what it derived from the last (its prepared
+    parameters, page summaries and page store).
     """
 
     policy: PagedPolicy
-    fused: int | None
+    variants: tuple[tuple[PagedPolicy, int | None], ...]
+    layer_variant: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, policy: PagedPolicy, n_layers: int, refusal: str | None) -> DecodeMethod:
+        """``policy`` resolved for each of ``n_layers`` layers; ``refusal``: why the fused kernel cannot run here (None: it can)."""
+        if not policy.layered:
+            return cls(policy, ((policy, None if refusal is not None else fused_mode(policy)),))
+        variants: list[tuple[PagedPolicy, int | None]] = []
+        index = []
+        for layer in range(n_layers):
+            leaf = policy.for_layer(layer, n_layers)
+            at = next((j for j, (known, _) in enumerate(variants) if known == leaf), None)
+            if at is None:
+                at = len(variants)
+                variants.append((leaf, None if refusal is not None else fused_mode(leaf)))
+            index.append(at)
+        return cls(policy, tuple(variants), tuple(index))
+
+    def variant(self, layer_idx: int) -> int:
+        """The index in :attr:`variants` of what layer ``layer_idx`` runs."""
+        if not self.layer_variant:
+            return 0
+        if not 0 <= layer_idx < len(self.layer_variant):
+            raise ValueError(f"layer {layer_idx} is outside the model's {len(self.layer_variant)} layers the method was resolved for")
+        return self.layer_variant[layer_idx]
+
+    def describe(self) -> str:
+        """Which path each variant runs, for the start-up log line."""
+        return "; ".join(f"{leaf.method!r}: " + ("the fused kernel" if fused is not None else "the generic path")
+                         for leaf, fused in self.variants)  # fmt: skip
 
 
 @dataclass
@@ -178,7 +212,7 @@ class SparseCPUAttentionMetadata(CPUAttentionMetadata):
 
     decode: DecodeStep | None = None
     prefill: tuple[CPUAttentionMetadata, torch.Tensor] | None = None
-    plan: StepPlan | None = None
+    plans: tuple[StepPlan | None, ...] = ()
     plan_error: Exception | None = None
     method: DecodeMethod | None = None
     fallbacks: Fallbacks | None = None
@@ -211,38 +245,41 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if request is None:
             raise ValueError("SparseCPUAttentionMetadataBuilder built with no sparseattn method requested (see sparseattn.vllm.config)")
         self.fallbacks = Fallbacks()
-        self.use(PagedPolicy(request.build(), request.label))
+        self.n_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        self.use(request.policy())
 
     def use(self, policy: PagedPolicy) -> None:
         """Answer decode tokens with ``policy`` from the next step on (the engine's own method, or a switch).
 
         Each layer drops what it derived from the last method when it sees the new one
         (:class:`DecodeMethod`). The fused C step runs the policy where it knows its parts and the
-        kernel builds here, for a cache of 2- or 4-byte numbers; else the generic path.
+        kernel builds here, for a cache of 2- or 4-byte numbers; else the generic path. A per-layer
+        method is resolved for each of the model's layers here, once.
         """
+        policy.segments_per_page(self.block_size)  # a segment that does not divide the page: refused at start-up
         refusal = kernel_refusal()
         if refusal is None and is_quantized_kv_cache(self.kv_cache_dtype):
             refusal = f"the fused kernel reads float32, bfloat16 and float16 pages, this cache is {self.kv_cache_dtype}"
-        self.method = DecodeMethod(policy, None if refusal is not None else fused_mode(policy))
-        logger.info_once("sparseattn: decode tokens run %r in the paged engine (%r), %s", policy.name, policy.method,
-                         "the generic path: " + (refusal or "the fused kernel does not know its parts")
-                         if self.method.fused is None else "the fused kernel")  # fmt: skip
+        self.method = DecodeMethod.of(policy, self.n_layers, refusal)
+        logger.info_once("sparseattn: decode tokens run %r in the paged engine: %s%s", policy.name, self.method.describe(),
+                         f" (the fused kernel cannot run: {refusal})" if refusal else "")  # fmt: skip
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> SparseCPUAttentionMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         decode = decode_step(base.query_start_loc, base.seq_lens, base.block_table, common_attn_metadata.is_prefilling)
-        prefill = plan = plan_error = None
+        prefill = plan_error = None
+        plans: tuple[StepPlan | None, ...] = ()
         if decode is not None:
             try:
                 if decode.mixed and base.dynamic_causal is None:
                     prefill = prefill_part(base, decode, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
                                            self.isa, self.kv_cache_dtype)  # fmt: skip
-                if self.method.fused is not None:
-                    plan = step_plan(self.method.policy, decode.lens, self.block_size)
+                plans = tuple(None if fused is None else step_plan(leaf, decode.lens, self.block_size)
+                              for leaf, fused in self.method.variants)  # fmt: skip
             except Exception as error:  # noqa: BLE001 (each layer leaves the step to vLLM's kernel and counts it)
                 plan_error = error
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        return SparseCPUAttentionMetadata(**fields, decode=decode, prefill=prefill, plan=plan, plan_error=plan_error,
+        return SparseCPUAttentionMetadata(**fields, decode=decode, prefill=prefill, plans=plans, plan_error=plan_error,
                                           method=self.method, fallbacks=self.fallbacks)  # fmt: skip
 
 
@@ -306,13 +343,16 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
     def _decode(self, layer, query, key, value, kv_cache, attn_metadata: SparseCPUAttentionMetadata, output, output_scale,
                 output_block_scale) -> None:  # fmt: skip
         """The paged engine's answer to the step's decode tokens (and vLLM's kernel's to a mixed step's prefill requests)."""
-        step, policy, fused = attn_metadata.decode, attn_metadata.method.policy, attn_metadata.method.fused
+        step, method = attn_metadata.decode, attn_metadata.method
+        layer_idx = _layer_index(layer.layer_name)
+        variant = method.variant(layer_idx)
+        policy, fused = method.variants[variant]
         isa = getattr(layer, "isa", None)
         if isa not in SUPPORTED_ISAS:  # the builder made sure at start-up; a layer it did not see is answered densely
             raise NotImplementedError(f"this layer runs vLLM's {isa!r} CPU kernel, whose cache layout the paged engine does not read")
         if self._prepared is None:
             heads, total = self._heads
-            self._prepared = policy.prepare(total, self.head_size, _layer_index(layer.layer_name), heads=heads)
+            self._prepared = policy.prepare(total, self.head_size, layer_idx, heads=heads)
         if step.mixed:  # a mixed step: vLLM's kernel for the prefill requests only
             if attn_metadata.prefill is None:  # not narrowed (dynamic causal mask): the batch, decode rows overwritten below
                 super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
@@ -331,11 +371,12 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         if fused is not None:
             if fused != FIXED and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
-                self._store = PageStore(kv_cache.shape[0], self.num_kv_heads, self.head_size, fused)
+                self._store = PageStore(kv_cache.shape[0], self.num_kv_heads, self.head_size, fused, sums=policy.merged is not None,
+                                        segments=policy.segments_per_page(kv_cache.shape[2]))
             # Decode rows 0..n-1 of a float32 output: the kernel writes them in place.
             direct = rows is None and out.dtype == torch.float32 and out.is_contiguous()
             result, _ = fused_decode(policy, fused, self._store, kv_cache, q, step.table, step.lens, self.scale,
-                                     self.logits_soft_cap or None, plan=attn_metadata.plan, out=out[:n] if direct else None)
+                                     self.logits_soft_cap or None, plan=attn_metadata.plans[variant], out=out[:n] if direct else None)
             if not direct:
                 _put_rows(out, rows, result)
             return
@@ -343,9 +384,13 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
             self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
         fmt = KVFormat(self.kv_cache_dtype, layer._k_scale_float, layer._v_scale_float) if self.is_fp8_kv_cache else KVFormat()
-        pages = select_pages(policy, params, generator, kv_cache, q, step.table, step.lens, self.scale, self._summaries, fmt)
-        _put_rows(out, rows, kernel_attend_pages(q, kv_cache, step.table, pages, step.lens, self.scale,
-                                                 self.logits_soft_cap or None, isa, fmt))  # fmt: skip
+        chosen = choose_pages(policy, params, generator, kv_cache, q, step.table, step.lens, self.scale, self._summaries, fmt)
+        if chosen.merged is None and chosen.tokens is None:
+            result = kernel_attend_pages(q, kv_cache, step.table, chosen.pages, step.lens, self.scale, self.logits_soft_cap or None, isa, fmt)
+        else:  # merged tokens, or parts of pages: the torch path (vLLM's kernel attends whole pages, nothing else)
+            result = attend_pages(q, kv_cache, step.table, chosen.pages, step.lens, self.scale, self.logits_soft_cap or None, fmt,
+                                  chosen.merged, chosen.tokens)  # fmt: skip
+        _put_rows(out, rows, result)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

@@ -37,10 +37,24 @@ ENV_VAR = "SPARSEATTN_VLLM_METHOD"
 
 @dataclass(frozen=True)
 class MethodRequest:
-    """A method name and the options given for it (the others keep the registry's defaults)."""
+    """A method name and the options given for it (the others keep the registry's defaults), and the paged
+    engine's ``segment``: tokens per segment inside vLLM's pages (None: a page is a segment; the dict form's
+    ``"segment"`` key, an engine setting rather than a method option).
+
+    >>> request_from({"sparseattn": {"method": "radar+adaptive", "budget": 512, "segment": 16}}, {}).segment
+    16
+    """
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
+    segment: int | None = field(default=None, repr=False)
+
+    def policy(self) -> Any:
+        """The method as the paged engine runs it (:class:`~sparseattn.vllm.paged.PagedPolicy`; ValueError saying
+        why when it cannot)."""
+        from sparseattn.vllm.paged import PagedPolicy
+
+        return PagedPolicy(self.build(), self.label, self.segment)
 
     def check(self) -> registry.MethodEntry:
         """The registry entry, after the registry's checks of the name and options (ValueError otherwise)."""
@@ -73,6 +87,16 @@ def _request(parsed: registry.Spec) -> MethodRequest:
 
 
 def _from_config_value(value: Any) -> MethodRequest:
+    if isinstance(value, Mapping) and "segment" in value:
+        segment = value["segment"]
+        if isinstance(segment, str) and segment.strip().isdigit():
+            segment = int(segment)
+        if segment is not None and (isinstance(segment, bool) or not isinstance(segment, int) or segment < 1):
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["segment"] must be a positive number of tokens (a divisor of '
+                             f"vLLM's block size) or null (a page), got {value['segment']!r}")
+        rest = {k: v for k, v in value.items() if k != "segment"}
+        request = _request(registry.parse(rest))
+        return MethodRequest(request.name, request.options, segment)
     if isinstance(value, (str, Mapping)):
         return _request(registry.parse(value))  # the registry's message as it is: the engine's log shows it
     raise ValueError(f'additional_config["{CONFIG_KEY}"] must be a dict or a "name:key=value" string, got {value!r}')

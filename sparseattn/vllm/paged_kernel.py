@@ -35,13 +35,19 @@ from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.rerank import Rerank
-from sparseattn.vllm.paged import PagedPolicy
+from sparseattn.methods.rest import MergedRest
+from sparseattn.summaries.base import Shortlist
+from sparseattn.vllm.paged import PagedPolicy, PageStep
 
-__all__ = ["BOUND", "FIXED", "RERANK", "PageStore", "StepPlan", "fused_decode", "fused_mode", "kernel_refusal", "step_plan"]
+__all__ = [
+    "BOUND", "FIXED", "RERANK", "SPLIT", "PageStore", "StepPlan", "fused_decode", "fused_mode", "kernel_refusal", "split_decode",
+    "step_plan",
+]
 
-#: The kernel's modes (``paged_kernels.c``).
-RERANK, BOUND, FIXED = 0, 1, 2
-SYMBOLS = ("sa_paged_decode", "sa_paged_invalidate", "sa_paged_float16_supported")
+#: The kernel's modes (``paged_kernels.c``); SPLIT: radar+'s scoring with the policy's own allocation (per-head
+#: page counts) and merged rest, in two calls with the allocation between them (:func:`split_decode`).
+RERANK, BOUND, FIXED, SPLIT = 0, 1, 2, 3
+SYMBOLS = ("sa_paged_decode", "sa_paged_invalidate", "sa_paged_float16_supported", "sa_paged_score", "sa_paged_attend_lists")
 _ERRORS = {
     1: "a block table entry is outside the cache's blocks",
     2: "the kernel could not allocate its scratch memory",
@@ -58,7 +64,16 @@ def _library() -> ctypes.CDLL:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.sa_paged_decode.restype = ctypes.c_int
     lib.sa_paged_decode.argtypes = [
-        ptr, ptr, i32, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, i32, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, i32,
+        ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, i32, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, i32,
+    ]  # fmt: skip
+    lib.sa_paged_score.restype = ctypes.c_int
+    lib.sa_paged_score.argtypes = [
+        ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i32,
+    ]  # fmt: skip
+    lib.sa_paged_attend_lists.restype = ctypes.c_int
+    lib.sa_paged_attend_lists.argtypes = [
+        ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, f32, f32, ptr, i64, ptr, ptr, i64, i64, ptr,
+        ptr, ptr, i32,
     ]  # fmt: skip
     lib.sa_paged_invalidate.restype = None
     lib.sa_paged_invalidate.argtypes = [ptr, i64, i64, ptr, i64]
@@ -78,17 +93,24 @@ def fused_mode(policy: PagedPolicy) -> int | None:
     >>> from sparseattn import registry
     >>> [fused_mode(PagedPolicy(registry.build(n), n)) for n in ("dense", "streamingllm", "radar+", "quest", "radar")]
     [2, 2, 0, 1, None]
+    >>> fused_mode(PagedPolicy(registry.build("radar+", split="pooled", rest="merged"), "radar+:split=pooled,rest=merged"))
+    3
     """
+    if policy.layered:
+        raise ValueError(f"fused_mode: {policy.name!r} runs a method per layer; ask for each layer's policy (PagedPolicy.for_layer)")
     if policy.fixed:
         return FIXED
     m = policy.method
-    if type(m.selector) is not TopK:  # a subclass may rank otherwise
-        return None
+    if type(m.selector) is not TopK or (m.rest is not None and type(m.rest) is not MergedRest):
+        return None  # a subclass may rank otherwise
     summary = m.summary
-    if (
+    centroids = (
         type(summary) is Rerank and type(summary.coarse) is Centroid and summary.coarse.dtype in (None, torch.float32)
         and summary.per_group and summary.shortlist > 0
-    ):  # fmt: skip
+    )  # fmt: skip
+    if not m.allocation.uniform or m.rest is not None:  # per-head counts or a merged rest: scored, split, attended
+        return SPLIT if centroids else None
+    if centroids:
         return RERANK
     if type(summary) is MinMaxBound:
         return BOUND
@@ -132,19 +154,23 @@ def step_plan(policy: PagedPolicy, seq_lens: torch.Tensor, block_size: int) -> S
 
 
 class PageStore:
-    """One layer's page summaries for the fused kernel, per physical block: ``[N, H_kv, D]`` float32 (two for quest).
+    """One layer's page summaries for the fused kernel, per physical block: ``[N, H_kv, r, D]`` float32 (two for quest),
+    one row per segment of the page (``segments``: ``r``, the pages' tokens over the policy's ``segment``).
 
-    ``state[n]`` is 1 while block ``n``'s summary is valid; :meth:`invalidate` clears it for every block
+    ``state[n]`` is 1 while block ``n``'s summary is valid (``sums_state[n]`` its sums'); :meth:`invalidate` clears it for every block
     vLLM writes into (a block reused for another sequence, or still filling), so the kernel summarises
     it afresh the next time it is a candidate. A block that prefix caching shares is summarised once.
     """
 
-    def __init__(self, num_blocks: int, kv_heads: int, head_dim: int, mode: int) -> None:
-        shape = (num_blocks, kv_heads, head_dim)
+    def __init__(self, num_blocks: int, kv_heads: int, head_dim: int, mode: int, sums: bool = False, segments: int = 1) -> None:
+        shape = (num_blocks, kv_heads, segments, head_dim)
         self.summary = torch.zeros(shape, dtype=torch.float32)
         self.summary2 = torch.zeros(shape, dtype=torch.float32) if mode == BOUND else None
         self.state = torch.zeros(num_blocks, dtype=torch.uint8)
         self.mode = mode
+        #: A merged rest's per-segment key and value sums ``[N, H_kv, r, 2 D]`` and their validity, kept as the summaries are.
+        self.sums = torch.zeros(num_blocks, kv_heads, segments, 2 * head_dim, dtype=torch.float32) if sums else None
+        self.sums_state = torch.zeros(num_blocks, dtype=torch.uint8) if sums else None
 
     @property
     def num_blocks(self) -> int:
@@ -153,7 +179,9 @@ class PageStore:
     def invalidate(self, slot_mapping: torch.Tensor, block_size: int) -> None:
         """Mark stale the blocks ``slot_mapping`` (int64 slots, ``-1`` for padding) writes into."""
         slots = slot_mapping.to(torch.int64).contiguous()
-        _library().sa_paged_invalidate(slots.data_ptr(), slots.numel(), block_size, self.state.data_ptr(), self.num_blocks)
+        for state in (self.state, self.sums_state):
+            if state is not None:
+                _library().sa_paged_invalidate(slots.data_ptr(), slots.numel(), block_size, state.data_ptr(), self.num_blocks)
 
 
 def fused_decode(
@@ -180,17 +208,22 @@ def fused_decode(
                          f"not fit queries {tuple(query.shape)}; expected a contiguous [N, H_kv, bs, 2 * D] with H_q % H_kv == 0")
     if bs > MAX_BLOCK_SIZE:
         raise ValueError(f"fused paged decode: block size {bs} is out of range; allowed: <= {MAX_BLOCK_SIZE}")
+    r = policy.segments_per_page(bs)
     if (store is None) != (mode == FIXED):
         raise ValueError("fused paged decode: a PageStore is needed exactly when the mode scores pages")
     plan = plan or step_plan(policy, seq_lens, bs)
     if not (plan.plan.shape[0] == block_table.shape[0] == seq_lens.shape[0] == B):
         raise ValueError(f"fused paged decode: {B} queries, {block_table.shape[0]} block-table rows, {seq_lens.shape[0]} "
                          f"lengths and {plan.plan.shape[0]} plan rows; expected one of each per sequence")
-    if store is not None and (store.summary.shape != (N, H, D) or store.mode != mode):
+    if store is not None and (store.summary.shape != (N, H, r, D) or store.mode != mode):
         raise ValueError(f"fused paged decode: the page store {tuple(store.summary.shape)} (mode {store.mode}) does not fit "
-                         f"the cache's {(N, H, D)} in mode {mode}")
+                         f"the cache's {(N, H, r, D)} ({r} segment(s) per page) in mode {mode}")
     G = H_q // H
     shared = policy.shared_selection
+    if mode == SPLIT:
+        if with_selection:
+            raise ValueError("fused paged decode: the split step reports no selection (its lists are the allocation's)")
+        return split_decode(policy, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, out, r), None
     q = query.to(torch.float32).contiguous()
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
@@ -202,7 +235,7 @@ def fused_decode(
     kmax = max(plan.kmax, 1)
     selected = torch.empty(B, H, 1 if shared else G, kmax, dtype=torch.int32) if with_selection else None
     status = lib.sa_paged_decode(
-        q.data_ptr(), kv_cache.data_ptr(), DTYPE_CODES[kv_cache.dtype], N, H, bs, D, G, B, table.data_ptr(),
+        q.data_ptr(), kv_cache.data_ptr(), DTYPE_CODES[kv_cache.dtype], N, H, bs, D, r, G, B, table.data_ptr(),
         table.shape[1], lens.data_ptr(), plan.plan.data_ptr(), mode, int(shared), float(scale), float(softcap or 0.0),
         None if store is None else store.summary.data_ptr(),
         None if store is None or store.summary2 is None else store.summary2.data_ptr(),
@@ -212,3 +245,85 @@ def fused_decode(
     if status:
         raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
     return out, selected
+
+
+def split_decode(
+    policy: PagedPolicy, store: PageStore, kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan, out: torch.Tensor | None = None, r: int = 1,
+) -> torch.Tensor:
+    """The :data:`SPLIT` step (through :func:`fused_decode`, which checks the arguments): per-head page counts and a merged rest.
+
+    1. ``sa_paged_score`` (C): every candidate's centroid score, the KV group's shortlist and its exact log
+       masses (the logits kept), the sinks' and tail's log mass, for the sequences that select;
+    2. the policy's own allocation (any :class:`~sparseattn.allocations.Allocation`) over those scores, given
+       to it as a :class:`~sparseattn.vllm.paged.PageStep` exactly as the generic path gives them (the
+       :class:`~sparseattn.summaries.base.Shortlist`'s scores): each selection's own list of pages, one batch
+       per group of alike sequences;
+    3. ``sa_paged_attend_lists`` (C): sinks, tail and each selection's list (a shortlisted page's logits
+       reused), and the merged rest from the per-page sums in ``store``.
+
+    Returns ``[B, H_q, D]`` float32 (in ``out`` when given). ``r``: segments per page.
+    """
+    lib = _library()
+    N, H, bs, _ = kv_cache.shape
+    B, H_q, D = query.shape
+    G = H_q // H
+    m = policy.method
+    shared = policy.shared_selection
+    Gs = 1 if shared else G
+    rest = m.rest
+    if rest is not None and store.sums is None:
+        raise ValueError("fused paged decode: a merged rest needs a PageStore made with sums=True")
+    rows = plan.plan
+    S_max = max(int(rows[:, 1].max()) if B else 0, 1)
+    M_max = max(int(rows[:, 3].max()) if B else 0, 1)
+    q = query.to(torch.float32).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    dtype = DTYPE_CODES[kv_cache.dtype]
+    coarse = torch.empty(B, H, G, S_max)
+    short = torch.empty(B, H, M_max, dtype=torch.int32)
+    exact = torch.empty(B, H, G, M_max)
+    always = torch.empty(B, H, G)
+    kept = torch.empty(B, H, M_max, G, bs)
+    status = lib.sa_paged_score(
+        q.data_ptr(), kv_cache.data_ptr(), dtype, N, H, bs, D, r, G, B, table.data_ptr(), table.shape[1], lens.data_ptr(),
+        rows.data_ptr(), float(scale), store.summary.data_ptr(), store.state.data_ptr(), S_max, M_max, coarse.data_ptr(),
+        short.data_ptr(), exact.data_ptr(), always.data_ptr(), kept.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
+    # The allocation, per group of alike sequences (the same candidates, page count and shortlist), as choose_pages runs it.
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
+    for i, (sink_pages, n_cand, k, mm) in enumerate(rows.tolist()):
+        if 0 < k < n_cand:
+            groups.setdefault((sink_pages, n_cand, k, mm), []).append(i)
+    chosen = torch.zeros(B, H, Gs, S_max, dtype=torch.uint8)  # each selection's candidates (rows that do not select: none)
+    grouped = q.view(B, H, G, D)
+    for (sink_pages, n_cand, k, mm), members in groups.items():
+        idx = torch.tensor(members)
+        scores = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm]).scores
+
+        def scorer(top_k: int, scores=scores, k=k) -> torch.Tensor:
+            if top_k != k:
+                raise ValueError(f"the split step scored for top_k={k}; the allocation asked for {top_k}")
+            return scores
+
+        layout = policy.layout(int(lens[members[0]]), bs)
+        step = PageStep(m, None, torch.Generator(), grouped[idx], layout, k, Gs, scorer, lambda idx=idx: always[idx])
+        selection = m.select_stage.select_segments(step)
+        flags = torch.zeros(len(members), H, Gs, S_max, dtype=torch.uint8)
+        flags.scatter_(-1, selection.segments, 1 if selection.valid is None else selection.valid.to(torch.uint8))
+        chosen[idx] = flags
+    if out is None:
+        out = torch.empty(B, H_q, D, dtype=torch.float32)
+    per_block = 0 if rest is None else min(rest.per_block, 2**62)
+    status = lib.sa_paged_attend_lists(
+        q.data_ptr(), kv_cache.data_ptr(), dtype, N, H, bs, D, r, G, B, table.data_ptr(), table.shape[1], lens.data_ptr(),
+        rows.data_ptr(), int(shared), float(scale), float(softcap or 0.0), chosen.data_ptr(), S_max, short.data_ptr(),
+        kept.data_ptr(), M_max, per_block, None if store.sums is None else store.sums.data_ptr(),
+        None if store.sums_state is None else store.sums_state.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
+    return out

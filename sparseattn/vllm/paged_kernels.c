@@ -11,7 +11,8 @@
  * loop runs over tokens, contiguous), and its values are read row by row.
  *
  * Per sequence b the caller's plan says (sink_pages, n_cand, k, m): pages [0, sink_pages) are sinks,
- * the next n_cand are candidates, the rest (through the sequence's last, partial page) are the tail.
+ * the next n_cand / r pages hold the n_cand candidates (segments of bs / r tokens, r per page: r = 1, a page is
+ * a segment), the rest (through the sequence's last, partial page) are the tail.
  * Sinks and tail are always attended. Of the candidates the step attends
  *   - every one when k >= n_cand (dense, or a budget covering the context);
  *   - none when k == 0 (streamingllm as a selection);
@@ -44,6 +45,7 @@ typedef struct {
     const char *cache;
     int dtype;
     int64_t elem, H, bs, D; /* elem: bytes per element */
+    int64_t r, seg;         /* segments per page, tokens per segment (r seg = bs): candidate i is segment i % r of page i / r */
 } sa_pages;
 
 static inline const char *page_keys(const sa_pages *c, int64_t block, int64_t h) {
@@ -52,6 +54,22 @@ static inline const char *page_keys(const sa_pages *c, int64_t block, int64_t h)
 
 static inline const char *page_values(const sa_pages *c, int64_t block, int64_t h) {
     return page_keys(c, block, h) + c->bs * c->D * c->elem;
+}
+
+/* Candidate segment i of a sequence (block table row table, sinks sink_pages): its block, its keys' first column
+ * (rows of bs tokens: the segment is columns [0, seg) from there), its values' first row, its row in a store of
+ * r entries per (block, head). */
+static inline int64_t cand_block(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i) {
+    return table[sink_pages + i / c->r];
+}
+static inline const char *seg_keys(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i, int64_t h) {
+    return page_keys(c, cand_block(c, table, sink_pages, i), h) + (i % c->r) * c->seg * c->elem;
+}
+static inline const char *seg_values(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i, int64_t h) {
+    return page_values(c, cand_block(c, table, sink_pages, i), h) + (i % c->r) * c->seg * c->D * c->elem;
+}
+static inline int64_t seg_row(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i, int64_t h) {
+    return (cand_block(c, table, sink_pages, i) * c->H + h) * c->r + i % c->r;
 }
 
 /* ---- Vector loops (SA_LANES floats wide): a page's logits and its value sums, for head dims and page sizes that are
@@ -204,6 +222,9 @@ static inline int fast_shape(const sa_pages *c) { return c->bs % (2 * SA_LANES) 
 static void page_logits(const sa_pages *c, const char *keys, int n, const float *restrict q, int G, float *restrict lg,
                         int64_t ld, float *restrict row, const char *next_keys) {
     const int64_t D = c->D, bs = c->bs;
+    /* A segment smaller than a vector chunk (pages cut in r > 1) still takes the vector loops: they compute the
+     * whole chunk of 2 SA_LANES tokens (the page's next columns, unused), and that is faster than the scalar loop's
+     * conversion per channel (measured: 6.2 against 8.4 ms for the scores at 8k x 8 with 4-token segments). */
     if (fast_shape(c)) {
         if (c->dtype == SA_BF16) page_logits_bf16(keys, n, bs, D, q, G, lg, ld, next_keys);
 #ifndef SA_NO_FLOAT16
@@ -282,20 +303,49 @@ static void attend_page(const sa_pages *c, int64_t block, int64_t h, int n, cons
                   next >= 0 ? page_keys(c, next, h) : NULL);
 }
 
-/* Indices of the k largest of x[0..n) into out (any order), by insertion into a sorted list of k. */
+/* Indices of the k largest of x[0..n) into out, best first (ties: the earlier index first; the order the pages are
+ * then attended in, so the sums' rounding, is the insertion sort's this replaced): a min-heap of k (vals, out)
+ * holding the best so far, then sorted, O(n log k) (the insertion was O(n k)). A NaN never displaces a number. */
+static inline int heap_less(const float *vals, const int64_t *out, int64_t a, int64_t b) {
+    return vals[a] < vals[b] || (vals[a] == vals[b] && out[a] > out[b]);
+}
+static void heap_down(float *vals, int64_t *out, int64_t n, int64_t at) {
+    for (;;) {
+        int64_t low = at;
+        const int64_t l = 2 * at + 1, r = l + 1;
+        if (l < n && heap_less(vals, out, l, low)) low = l;
+        if (r < n && heap_less(vals, out, r, low)) low = r;
+        if (low == at) return;
+        const float v = vals[at];
+        const int64_t o = out[at];
+        vals[at] = vals[low], out[at] = out[low];
+        vals[low] = v, out[low] = o;
+        at = low;
+    }
+}
 static void top_k(const float *x, int64_t n, int64_t k, int64_t *out, float *vals) {
+    if (k <= 0) return;
     int64_t have = 0;
     for (int64_t i = 0; i < n; ++i) {
         const float v = x[i];
-        if (have == k && !(v > vals[k - 1])) continue;
-        int64_t at = have < k ? have++ : k - 1;
-        while (at > 0 && v > vals[at - 1]) {
-            vals[at] = vals[at - 1];
-            out[at] = out[at - 1];
-            --at;
+        if (have < k) {
+            vals[have] = v, out[have] = i;
+            if (++have == k)
+                for (int64_t j = k / 2 - 1; j >= 0; --j) heap_down(vals, out, k, j);
+        } else if (v > vals[0]) {
+            vals[0] = v, out[0] = i;
+            heap_down(vals, out, k, 0);
         }
-        vals[at] = v;
-        out[at] = i;
+    }
+    if (have < k) { /* fewer than k: a heap of them, then the same sort */
+        for (int64_t j = have / 2 - 1; j >= 0; --j) heap_down(vals, out, have, j);
+    }
+    for (int64_t end = have - 1; end > 0; --end) { /* the smallest to the end: best first */
+        const float v = vals[0];
+        const int64_t o = out[0];
+        vals[0] = vals[end], out[0] = out[end];
+        vals[end] = v, out[end] = o;
+        heap_down(vals, out, end, 0);
     }
 }
 
@@ -307,25 +357,29 @@ static inline float log_sum_exp(const float *x, int64_t n, int64_t stride) {
     return top + logf(sum);
 }
 
-/* Summarise one page of one head into summary (+ summary2 for the bound): the mean key, or min and max. */
+/* Summarise the r segments of one page of one head into summary (+ summary2 for the bound), r rows of D: each
+ * segment's mean key, or its min and max. */
 static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, float *restrict s1, float *restrict s2,
                       float *restrict row) {
-    const int64_t D = c->D, bs = c->bs;
+    const int64_t D = c->D, bs = c->bs, seg = c->seg;
     const char *keys = page_keys(c, block, h);
     for (int64_t d = 0; d < D; ++d) {
         sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
-        if (mode == SA_RERANK) {
-            double sum = 0.0;
-            for (int64_t j = 0; j < bs; ++j) sum += row[j];
-            s1[d] = (float)(sum / (double)bs);
-        } else {
-            float lo = row[0], hi = row[0];
-            for (int64_t j = 1; j < bs; ++j) {
-                lo = row[j] < lo ? row[j] : lo;
-                hi = row[j] > hi ? row[j] : hi;
+        for (int64_t u = 0; u < c->r; ++u) {
+            const float *x = row + u * seg;
+            if (mode == SA_RERANK) {
+                double sum = 0.0;
+                for (int64_t j = 0; j < seg; ++j) sum += x[j];
+                s1[u * D + d] = (float)(sum / (double)seg);
+            } else {
+                float lo = x[0], hi = x[0];
+                for (int64_t j = 1; j < seg; ++j) {
+                    lo = x[j] < lo ? x[j] : lo;
+                    hi = x[j] > hi ? x[j] : hi;
+                }
+                s1[u * D + d] = lo;
+                s2[u * D + d] = hi;
             }
-            s1[d] = lo;
-            s2[d] = hi;
         }
     }
 }
@@ -333,30 +387,31 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
 /*
  * One decode token per sequence. q: [B, H, G, D] float32 (unscaled); cache: [N, H, bs, 2 D] of dtype;
  * block_table: [B, bt_stride] int32 physical blocks; seq_lens: [B] int32 (the current token included);
- * plan: [B, 4] int32 (sink_pages, n_cand, k, m); shared: one selection per KV group (else per query
- * head); summary, summary2: [N, H, D] float32 stores (summary2 only for SA_BOUND), state: [N] uint8;
+ * plan: [B, 4] int32 (sink_pages, n_cand, k, m), n_cand in segments of bs / r tokens (r per page); shared: one
+ * selection per KV group (else per query head); summary, summary2: [N, H, r, D] float32 stores (summary2 only for
+ * SA_BOUND), state: [N] uint8;
  * selected: [B, H, G' = shared ? 1 : G, kmax] int32 candidate indices chosen (-1 past k), or NULL;
  * out: [B, H, G, D] float32.
  */
-int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t G,
-                    int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, const int32_t *plan,
-                    int mode, int shared, float scale, float softcap, float *summary, float *summary2, uint8_t *state,
-                    int32_t *selected, int64_t kmax, float *out, int threads) {
+int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t r,
+                    int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                    const int32_t *plan, int mode, int shared, float scale, float softcap, float *summary, float *summary2,
+                    uint8_t *state, int32_t *selected, int64_t kmax, float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
     if (mode != SA_FIXED && mode != SA_RERANK && mode != SA_BOUND) return SA_BAD_PLAN;
-    if (bs < 1 || bs > 4096 || D < 1 || G < 1 || G > 64 || H < 1) return SA_BAD_PLAN;
+    if (bs < 1 || bs > 4096 || D < 1 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r) return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
     if (dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
     const int64_t elem = dtype == SA_F32 ? 4 : 2;
-    const sa_pages c = {(const char *)cache, dtype, elem, H, bs, D};
+    const sa_pages c = {(const char *)cache, dtype, elem, H, bs, D, r, bs / r};
     /* Check the plan and the block table before any work; collect the stale candidate pages. */
     int64_t most_cand = 0, most_m = 0, stale_n = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int32_t *pl = plan + b * 4;
         const int64_t L = seq_lens[b], pages = (L + bs - 1) / bs;
         const int64_t attended = pl[2] < pl[1] ? pl[2] : pl[1];
-        if (L < 1 || pl[0] < 0 || pl[1] < 0 || pl[0] + pl[1] >= pages + (pl[1] == 0) || pl[2] < 0 || attended > kmax ||
+        if (L < 1 || pl[0] < 0 || pl[1] < 0 || pl[1] % r || pl[0] + pl[1] / r >= pages + (pl[1] == 0) || pl[2] < 0 || attended > kmax ||
             pages > bt_stride || (mode == SA_FIXED && pl[2] > 0 && pl[2] < pl[1]) ||
             (mode == SA_RERANK && pl[2] > 0 && pl[2] < pl[1] && (pl[3] < pl[2] || pl[3] > pl[1])))
             return SA_BAD_PLAN;
@@ -370,7 +425,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
         for (int64_t b = 0; b < B; ++b) {
             const int32_t *pl = plan + b * 4;
             if (pl[2] >= pl[1] || pl[2] == 0) continue; /* nothing to score */
-            for (int64_t i = 0; i < pl[1]; ++i) {
+            for (int64_t i = 0; i < pl[1] / r; ++i) {
                 const int32_t blk = block_table[b * bt_stride + pl[0] + i];
                 if (state[blk] != 1) {
                     if (!stale) stale = malloc(sizeof(int64_t) * (size_t)(B * most_cand + 1));
@@ -390,7 +445,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096]; /* bs <= 4096: checked above */
             const int64_t blk = stale[i / H], h = i % H;
-            summarise(&c, mode, blk, h, summary + (blk * H + h) * D, summary2 ? summary2 + (blk * H + h) * D : NULL, row);
+            summarise(&c, mode, blk, h, summary + (blk * H + h) * r * D, summary2 ? summary2 + (blk * H + h) * r * D : NULL, row);
         }
     }
     free(stale);
@@ -426,7 +481,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
             const int64_t h = item / B, b = item % B; /* head-major: see the top of the file */
             const int32_t *pl = plan + b * 4;
             const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
-            const int64_t pages = (L + bs - 1) / bs;
+            const int64_t pages = (L + bs - 1) / bs, cand_end = sink_pages + n_cand / r, seg = c.seg;
             const int32_t *table = block_table + b * bt_stride;
             for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
             sa_softmax st = {m, l, acc};
@@ -437,15 +492,15 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
             if (select) {
                 /* Coarse scores of every candidate, per query row. */
                 for (int64_t i = 0; i < n_cand; ++i) {
-                    const int64_t blk = table[sink_pages + i];
-                    const float *s1 = summary + (blk * H + h) * D;
+                    const int64_t srow = seg_row(&c, table, sink_pages, i, h);
+                    const float *s1 = summary + srow * D;
                     for (int64_t g = 0; g < G; ++g) {
                         const float *qg = qs + g * D;
                         float v = 0.f;
                         if (mode == SA_RERANK) {
                             for (int64_t d = 0; d < D; ++d) v += qg[d] * s1[d];
                         } else {
-                            const float *s2 = summary2 + (blk * H + h) * D;
+                            const float *s2 = summary2 + srow * D;
                             for (int64_t d = 0; d < D; ++d) {
                                 const float a = qg[d] * s1[d], z = qg[d] * s2[d];
                                 v += a > z ? a : z;
@@ -462,9 +517,9 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     short_n = mm;
                     for (int64_t s = 0; s < short_n; ++s) {
                         float *ks = kept + s * G * bs;
-                        const char *next = s + 1 < short_n ? page_keys(&c, table[sink_pages + short_ix[s + 1]], h) : NULL;
-                        page_logits(&c, page_keys(&c, table[sink_pages + short_ix[s]], h), (int)bs, qs, (int)G, ks, bs, row, next);
-                        for (int64_t g = 0; g < G; ++g) mass[g * short_n + s] = log_sum_exp(ks + g * bs, bs, 1);
+                        const char *next = s + 1 < short_n ? seg_keys(&c, table, sink_pages, short_ix[s + 1], h) : NULL;
+                        page_logits(&c, seg_keys(&c, table, sink_pages, short_ix[s], h), (int)seg, qs, (int)G, ks, bs, row, next);
+                        for (int64_t g = 0; g < G; ++g) mass[g * short_n + s] = log_sum_exp(ks + g * bs, seg, 1);
                     }
                     for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
                         const float *src = mass + gs_i * short_n;
@@ -487,12 +542,12 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     }
                 }
             }
-            /* Sinks, every candidate when not selecting, and the tail: attended by every row. */
-            const int64_t common_end = select || k == 0 ? sink_pages : sink_pages + n_cand;
+            /* Sinks, every candidate page when not selecting, and the tail: attended by every row. */
+            const int64_t common_end = select || k == 0 ? sink_pages : cand_end;
             for (int64_t pg = 0; pg < pages; ++pg) {
-                if (pg >= common_end && pg < sink_pages + n_cand) continue;
+                if (pg >= common_end && pg < cand_end) continue;
                 const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
-                const int64_t after = pg + 1 >= common_end && pg + 1 < sink_pages + n_cand ? sink_pages + n_cand : pg + 1;
+                const int64_t after = pg + 1 >= common_end && pg + 1 < cand_end ? cand_end : pg + 1;
                 attend_page(&c, table[pg], h, n, qs, (int)G, softcap, &st, lg, p, row, after < pages ? table[after] : -1);
             }
             /* The selected candidates: per selection, its rows. */
@@ -502,19 +557,19 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     for (int64_t t = 0; t < npick[gs_i]; ++t) {
                         const int64_t at = pick[gs_i * cand_cap + t];
                         const int64_t cand = mode == SA_RERANK ? short_ix[at] : at;
-                        const int64_t blk = table[sink_pages + cand];
-                        int64_t next = -1; /* the block attended after this one (prefetched meanwhile) */
+                        int64_t next = -1; /* the candidate attended after this one (prefetched meanwhile) */
                         if (t + 1 < npick[gs_i]) {
                             const int64_t at2 = pick[gs_i * cand_cap + t + 1];
-                            next = table[sink_pages + (mode == SA_RERANK ? short_ix[at2] : at2)];
+                            next = mode == SA_RERANK ? short_ix[at2] : at2;
                         }
+                        const char *vals_c = seg_values(&c, table, sink_pages, cand, h);
                         if (mode == SA_RERANK) { /* the logits are kept: only values are read */
-                            attend_logits(&c, page_values(&c, blk, h), (int)bs, kept + at * G * bs, bs, (int)G, rows, softcap,
-                                          &st, p, row, next >= 0 ? page_values(&c, next, h) : NULL);
+                            attend_logits(&c, vals_c, (int)seg, kept + at * G * bs, bs, (int)G, rows, softcap, &st, p, row,
+                                          next >= 0 ? seg_values(&c, table, sink_pages, next, h) : NULL);
                         } else {
-                            page_logits(&c, page_keys(&c, blk, h), (int)bs, qs, (int)G, lg, bs, row, page_values(&c, blk, h));
-                            attend_logits(&c, page_values(&c, blk, h), (int)bs, lg, bs, (int)G, rows, softcap, &st, p, row,
-                                          next >= 0 ? page_keys(&c, next, h) : NULL);
+                            page_logits(&c, seg_keys(&c, table, sink_pages, cand, h), (int)seg, qs, (int)G, lg, bs, row, vals_c);
+                            attend_logits(&c, vals_c, (int)seg, lg, bs, (int)G, rows, softcap, &st, p, row,
+                                          next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
                         }
                         if (selected) selected[((b * H + h) * Gs + gs_i) * kmax + t] = (int32_t)cand;
                     }
@@ -535,6 +590,352 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
         }
         free(qs); free(cs); free(gs); free(kept); free(mass); free(lg); free(p); free(row); free(vals);
         free(short_ix); free(pick); free(npick); free(rows); free(m); free(l); free(acc);
+    }
+    return status;
+}
+
+/* ---- The split step: per-head page counts and the merged rest (sa_paged_score, then sa_paged_attend_lists).
+ * A policy whose allocation splits the layer's pages between its heads (pooled mass, top-p, any allocation) needs
+ * every head's scores before any head's count is known, so the step is two calls with the allocation, in Python,
+ * between them: the first scores (centroids, the group's shortlist, its exact log masses, the sinks' and tail's
+ * log mass) and keeps the shortlist's logits; the second attends each selection's own list of candidates (the
+ * kept logits where the shortlist holds them) and, for a merged rest, one token per block of candidate pages
+ * made of the pages the selection leaves out, from per-page key and value sums kept per physical block. */
+
+/* Check a step's plan and block table (as sa_paged_decode does); most candidates and shortlist of any row. */
+static int check_step(int64_t N, int64_t B, int64_t bs, int64_t r, const int32_t *block_table, int64_t bt_stride,
+                      const int32_t *seq_lens, const int32_t *plan, int64_t *most_cand, int64_t *most_m) {
+    *most_cand = 0, *most_m = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int32_t *pl = plan + b * 4;
+        const int64_t L = seq_lens[b], pages = (L + bs - 1) / bs;
+        if (L < 1 || pl[0] < 0 || pl[1] < 0 || pl[1] % r || pl[0] + pl[1] / r >= pages + (pl[1] == 0) || pl[2] < 0 || pages > bt_stride ||
+            (pl[2] > 0 && pl[2] < pl[1] && (pl[3] < 1 || pl[3] > pl[1])))
+            return SA_BAD_PLAN;
+        for (int64_t p = 0; p < pages; ++p)
+            if (block_table[b * bt_stride + p] < 0 || block_table[b * bt_stride + p] >= N) return SA_BAD_BLOCK;
+        *most_cand = pl[1] > *most_cand ? pl[1] : *most_cand;
+        *most_m = pl[3] > *most_m ? pl[3] : *most_m;
+    }
+    return SA_OK;
+}
+
+/* The candidate blocks of the selecting rows (0 < k < n_cand) whose state is not 1, each listed once and marked 1. */
+static int64_t stale_blocks(int64_t B, int64_t r, const int32_t *block_table, int64_t bt_stride, const int32_t *plan,
+                            int64_t most_cand, uint8_t *state, int64_t **out) {
+    int64_t n = 0;
+    *out = NULL;
+    for (int64_t b = 0; b < B; ++b) {
+        const int32_t *pl = plan + b * 4;
+        if (pl[2] >= pl[1] || pl[2] == 0) continue;
+        for (int64_t i = 0; i < pl[1] / r; ++i) {
+            const int32_t blk = block_table[b * bt_stride + pl[0] + i];
+            if (state[blk] == 1) continue;
+            if (!*out) *out = malloc(sizeof(int64_t) * (size_t)(B * most_cand + 1));
+            if (!*out) return -1;
+            state[blk] = 1;
+            (*out)[n++] = blk;
+        }
+    }
+    return n;
+}
+
+/* Each of a page's r segments' key sum then value sum, r rows of [2 D] (keys [D, bs]: each channel's row summed
+ * per segment; values [bs, D]). */
+static void page_sums(const sa_pages *c, int64_t block, int64_t h, float *restrict out, float *restrict row) {
+    const int64_t D = c->D, bs = c->bs, seg = c->seg;
+    const char *keys = page_keys(c, block, h), *values = page_values(c, block, h);
+    for (int64_t d = 0; d < D; ++d) {
+        sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
+        for (int64_t u = 0; u < c->r; ++u) {
+            double sum = 0.0;
+            for (int64_t j = 0; j < seg; ++j) sum += row[u * seg + j];
+            out[u * 2 * D + d] = (float)sum;
+        }
+    }
+    double acc[4096]; /* D <= 4096: checked by the caller */
+    for (int64_t u = 0; u < c->r; ++u) {
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0;
+        for (int64_t j = u * seg; j < (u + 1) * seg; ++j) {
+            sa_to_float(values + j * D * c->elem, c->dtype, D, row);
+            for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
+        }
+        for (int64_t d = 0; d < D; ++d) out[u * 2 * D + D + d] = (float)acc[d];
+    }
+}
+
+/*
+ * Scores of one decode step (first call of the split step), for the rows that select (0 < k < n_cand):
+ * coarse[B, H, G, S_max] = scale q . centroid + log bs of every candidate (the centroid summary's score);
+ * short_ix[B, H, M_max] the KV group's m best by log-sum-exp over its rows (m = plan[3]); exact[B, H, G, M_max]
+ * their exact log masses logsumexp_j scale q . k_j, whose logits are kept in kept[B, H, M_max, G, bs];
+ * always[B, H, G] the log mass of the sinks' and the tail's tokens. Summaries as sa_paged_decode's (mode
+ * SA_RERANK). Entries past a row's own counts are left as they were.
+ */
+int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t r,
+                   int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, const int32_t *plan,
+                   float scale, float *summary, uint8_t *state, int64_t S_max, int64_t M_max, float *coarse,
+                   int32_t *short_out, float *exact, float *always, float *kept, int threads) {
+    if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
+    if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r) return SA_BAD_PLAN;
+#ifdef SA_NO_FLOAT16
+    if (dtype == SA_F16) return SA_BAD_DTYPE;
+#endif
+    const sa_pages c = {(const char *)cache, dtype, dtype == SA_F32 ? 4 : 2, H, bs, D, r, bs / r};
+    int64_t most_cand, most_m;
+    int status = check_step(N, B, bs, r, block_table, bt_stride, seq_lens, plan, &most_cand, &most_m);
+    if (status) return status;
+    if (most_cand > S_max || most_m > M_max) return SA_BAD_PLAN;
+    int64_t *stale = NULL;
+    const int64_t stale_n = stale_blocks(B, r, block_table, bt_stride, plan, most_cand, state, &stale);
+    if (stale_n < 0) return SA_NO_MEMORY;
+#ifdef _OPENMP
+    if (threads < 1) threads = 1;
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < stale_n * H; ++i) {
+        float row[4096];
+        const int64_t blk = stale[i / H], h = i % H;
+        summarise(&c, SA_RERANK, blk, h, summary + (blk * H + h) * r * D, NULL, row);
+    }
+    free(stale);
+    const float log_seg = logf((float)c.seg);
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t cand_cap = most_cand > 0 ? most_cand : 1;
+        float *qs = malloc(sizeof(float) * (size_t)(G * D));
+        float *gs = malloc(sizeof(float) * (size_t)cand_cap);
+        float *vals = malloc(sizeof(float) * (size_t)(cand_cap + 1));
+        int64_t *ix = malloc(sizeof(int64_t) * (size_t)cand_cap);
+        float *lg = malloc(sizeof(float) * (size_t)(G * bs));
+        float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
+        float *run = malloc(sizeof(float) * (size_t)G * 2); /* per row: running maximum, running sum */
+        const int ok = qs && gs && vals && ix && lg && row && run;
+        if (!ok) {
+#pragma omp atomic write
+            status = SA_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * H; ++item) {
+            if (!ok) continue;
+            const int64_t h = item / B, b = item % B;
+            const int32_t *pl = plan + b * 4;
+            const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], mm = pl[3], L = seq_lens[b];
+            if (!(k > 0 && k < n_cand)) continue;
+            const int64_t pages = (L + bs - 1) / bs;
+            const int32_t *table = block_table + b * bt_stride;
+            for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
+            float *cs = coarse + (b * H + h) * G * S_max;
+            for (int64_t i = 0; i < n_cand; ++i) {
+                const float *s1 = summary + seg_row(&c, table, sink_pages, i, h) * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *qg = qs + g * D;
+                    float v = 0.f;
+                    for (int64_t d = 0; d < D; ++d) v += qg[d] * s1[d];
+                    cs[g * S_max + i] = v + log_seg;
+                }
+            }
+            for (int64_t i = 0; i < n_cand; ++i) gs[i] = log_sum_exp(cs + i, G, S_max);
+            top_k(gs, n_cand, mm, ix, vals);
+            int32_t *sh = short_out + (b * H + h) * M_max;
+            float *ex = exact + (b * H + h) * G * M_max;
+            for (int64_t s = 0; s < mm; ++s) {
+                sh[s] = (int32_t)ix[s];
+                float *ks = kept + ((b * H + h) * M_max + s) * G * bs;
+                const char *next = s + 1 < mm ? seg_keys(&c, table, sink_pages, ix[s + 1], h) : NULL;
+                page_logits(&c, seg_keys(&c, table, sink_pages, ix[s], h), (int)c.seg, qs, (int)G, ks, bs, row, next);
+                for (int64_t g = 0; g < G; ++g) ex[g * M_max + s] = log_sum_exp(ks + g * bs, c.seg, 1);
+            }
+            /* The sinks' and the tail's log mass: a running log-sum-exp over their pages. */
+            for (int64_t g = 0; g < G; ++g) run[2 * g] = SA_NO_SCORE, run[2 * g + 1] = 0.f;
+            for (int64_t pg = 0; pg < pages; ++pg) {
+                if (pg >= sink_pages && pg < sink_pages + n_cand / r) continue;
+                const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
+                page_logits(&c, page_keys(&c, table[pg], h), n, qs, (int)G, lg, bs, row, NULL);
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *x = lg + g * bs;
+                    float top = SA_NO_SCORE;
+                    for (int j = 0; j < n; ++j) top = x[j] > top ? x[j] : top;
+                    const float mx = run[2 * g] > top ? run[2 * g] : top;
+                    float sum = run[2 * g + 1] * expf(run[2 * g] - mx);
+                    for (int j = 0; j < n; ++j) sum += expf(x[j] - mx);
+                    run[2 * g] = mx, run[2 * g + 1] = sum;
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) always[(b * H + h) * G + g] = run[2 * g] + logf(run[2 * g + 1]);
+        }
+        free(qs); free(gs); free(vals); free(ix); free(lg); free(row); free(run);
+    }
+    return status;
+}
+
+/*
+ * Attend one decode step's own lists (second call of the split step). Per (sequence b, KV head h): the sinks
+ * and the tail for every row; every candidate when the row does not select (k >= n_cand; none when k == 0);
+ * else each selection gs (< G' = shared ? 1 : G) attends the candidates i with chosen[b, h, gs, i] != 0 (those in
+ * the shortlist short_ix[b, h, :m] with the logits sa_paged_score kept, kept[b, h, place, :, :]), and with
+ * per_block > 0 one merged token per block of per_block candidate pages of what it leaves out: logit
+ * log m + scale q . (sum k) / m, value (sum v) / m, m its tokens (no token for a block it attends whole),
+ * from the per-page sums kept in sums[N, H, 2 D] (sums_state[N] as state). out: [B, H, G, D] float32.
+ */
+int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D,
+                          int64_t r, int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                          const int32_t *plan, int shared, float scale, float softcap, const uint8_t *chosen,
+                          int64_t S_max, const int32_t *short_ix, const float *kept, int64_t M_max, int64_t per_block,
+                          float *sums, uint8_t *sums_state, float *out, int threads) {
+    if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
+    if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || S_max < 1 || M_max < 1 || per_block < 0 ||
+        r < 1 || bs % r || (per_block > 0 && (!sums || !sums_state)))
+        return SA_BAD_PLAN;
+#ifdef SA_NO_FLOAT16
+    if (dtype == SA_F16) return SA_BAD_DTYPE;
+#endif
+    const sa_pages c = {(const char *)cache, dtype, dtype == SA_F32 ? 4 : 2, H, bs, D, r, bs / r};
+    int64_t most_cand, most_m;
+    int status = check_step(N, B, bs, r, block_table, bt_stride, seq_lens, plan, &most_cand, &most_m);
+    if (status) return status;
+    const int64_t Gs = shared ? 1 : G;
+    if (most_cand > S_max || most_m > M_max) return SA_BAD_PLAN;
+    for (int64_t i = 0; i < B * H * M_max; ++i) { /* the shortlists: candidates of their rows */
+        const int64_t b = i / (H * M_max);
+        if (i % M_max < plan[b * 4 + 3] && (short_ix[i] < 0 || short_ix[i] >= plan[b * 4 + 1])) return SA_BAD_PLAN;
+    }
+#ifdef _OPENMP
+    if (threads < 1) threads = 1;
+#endif
+    if (per_block > 0) {
+        int64_t *stale = NULL;
+        const int64_t stale_n = stale_blocks(B, r, block_table, bt_stride, plan, most_cand, sums_state, &stale);
+        if (stale_n < 0) return SA_NO_MEMORY;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < stale_n * H; ++i) {
+            float row[4096];
+            const int64_t blk = stale[i / H], h = i % H;
+            page_sums(&c, blk, h, sums + (blk * H + h) * r * 2 * D, row);
+        }
+        free(stale);
+    }
+    const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *qs = malloc(sizeof(float) * (size_t)(G * D));
+        float *lg = malloc(sizeof(float) * (size_t)(G * bs));
+        float *p = malloc(sizeof(float) * (size_t)(G * (bs > n_blocks_cap ? bs : n_blocks_cap)));
+        float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
+        uint8_t *rows = malloc((size_t)G);
+        float *m = malloc(sizeof(float) * (size_t)G), *l = malloc(sizeof(float) * (size_t)G);
+        float *acc = malloc(sizeof(float) * (size_t)(G * D));
+        double *total = malloc(sizeof(double) * (size_t)(n_blocks_cap * 2 * D)); /* the blocks' sums */
+        double *rest = malloc(sizeof(double) * (size_t)(n_blocks_cap * 2 * D)); /* one selection's rest */
+        int64_t *left = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
+        float *mean = malloc(sizeof(float) * (size_t)(n_blocks_cap * 2 * D));
+        int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
+        int32_t *at = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate's place in the shortlist, or -1 */
+        int64_t *list = malloc(sizeof(int64_t) * (size_t)S_max); /* one selection's chosen candidates, in order */
+        const int ok = qs && lg && p && row && rows && m && l && acc && total && rest && left && mean && nonempty && at && list;
+        if (!ok) {
+#pragma omp atomic write
+            status = SA_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * H; ++item) {
+            if (!ok) continue;
+            const int64_t h = item / B, b = item % B;
+            const int32_t *pl = plan + b * 4;
+            const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
+            const int64_t pages = (L + bs - 1) / bs, cand_end = sink_pages + n_cand / r, seg = c.seg;
+            const int32_t *table = block_table + b * bt_stride;
+            for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
+            sa_softmax st = {m, l, acc};
+            for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
+            memset(acc, 0, sizeof(float) * (size_t)(G * D));
+            const int select = k > 0 && k < n_cand;
+            const int64_t common_end = select || k == 0 ? sink_pages : cand_end;
+            for (int64_t pg = 0; pg < pages; ++pg) {
+                if (pg >= common_end && pg < cand_end) continue;
+                const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
+                const int64_t after = pg + 1 >= common_end && pg + 1 < cand_end ? cand_end : pg + 1;
+                attend_page(&c, table[pg], h, n, qs, (int)G, softcap, &st, lg, p, row, after < pages ? table[after] : -1);
+            }
+            int64_t n_blocks = 0;
+            if (select && per_block > 0) { /* the blocks' sums, once for the KV head's selections */
+                n_blocks = (n_cand + per_block - 1) / per_block;
+                memset(total, 0, sizeof(double) * (size_t)(n_blocks * 2 * D));
+                for (int64_t i = 0; i < n_cand; ++i) {
+                    const float *s = sums + seg_row(&c, table, sink_pages, i, h) * 2 * D;
+                    double *t = total + (i / per_block) * 2 * D;
+                    for (int64_t d = 0; d < 2 * D; ++d) t[d] += s[d];
+                }
+            }
+            if (select) {
+                for (int64_t i = 0; i < n_cand; ++i) at[i] = -1;
+                const int32_t *sh = short_ix + (b * H + h) * M_max;
+                for (int64_t j = 0; j < pl[3]; ++j) at[sh[j]] = (int32_t)j;
+            }
+            for (int64_t gs_i = 0; select && gs_i < Gs; ++gs_i) {
+                for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
+                const uint8_t *flags = chosen + ((b * H + h) * Gs + gs_i) * S_max;
+                int64_t n_list = 0;
+                for (int64_t i = 0; i < n_cand; ++i)
+                    if (flags[i]) list[n_list++] = i;
+                for (int64_t t = 0; t < n_list; ++t) {
+                    const int64_t next = t + 1 < n_list ? list[t + 1] : -1;
+                    const char *vals_c = seg_values(&c, table, sink_pages, list[t], h);
+                    if (at[list[t]] >= 0) {
+                        attend_logits(&c, vals_c, (int)seg, kept + ((b * H + h) * M_max + at[list[t]]) * G * bs, bs, (int)G, rows,
+                                      softcap, &st, p, row, next >= 0 ? seg_values(&c, table, sink_pages, next, h) : NULL);
+                    } else {
+                        page_logits(&c, seg_keys(&c, table, sink_pages, list[t], h), (int)seg, qs, (int)G, lg, bs, row, vals_c);
+                        attend_logits(&c, vals_c, (int)seg, lg, bs, (int)G, rows, softcap, &st, p, row,
+                                      next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
+                    }
+                }
+                if (!n_blocks) continue;
+                /* The merged rest: each block's sums less the pages this selection attends in it. */
+                memcpy(rest, total, sizeof(double) * (size_t)(n_blocks * 2 * D));
+                for (int64_t j = 0; j < n_blocks; ++j)
+                    left[j] = (j + 1) * per_block <= n_cand ? per_block : n_cand - j * per_block;
+                for (int64_t t = 0; t < n_list; ++t) {
+                    const float *s = sums + seg_row(&c, table, sink_pages, list[t], h) * 2 * D;
+                    double *r = rest + (list[t] / per_block) * 2 * D;
+                    for (int64_t d = 0; d < 2 * D; ++d) r[d] -= s[d];
+                    left[list[t] / per_block] -= 1;
+                }
+                int64_t nn = 0;
+                for (int64_t j = 0; j < n_blocks; ++j) {
+                    if (left[j] <= 0) continue;
+                    const double tokens = (double)(left[j] * seg);
+                    for (int64_t d = 0; d < 2 * D; ++d) mean[nn * 2 * D + d] = (float)(rest[j * 2 * D + d] / tokens);
+                    nonempty[nn++] = left[j] * seg;
+                }
+                if (!nn) continue;
+                for (int64_t g = 0; g < G; ++g) {
+                    if (!rows[g]) continue;
+                    const float *qg = qs + g * D;
+                    float *pg = p + g * n_blocks_cap, top = SA_NO_SCORE;
+                    for (int64_t j = 0; j < nn; ++j) {
+                        float x = 0.f;
+                        for (int64_t d = 0; d < D; ++d) x += qg[d] * mean[j * 2 * D + d];
+                        if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+                        x += logf((float)nonempty[j]);
+                        pg[j] = x;
+                        top = x > top ? x : top;
+                    }
+                    SA_SOFTMAX_STEP(pg, nn, top, m[g], l[g], alpha);
+                    float *ag = acc + g * D;
+                    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+                    for (int64_t j = 0; j < nn; ++j)
+                        for (int64_t d = 0; d < D; ++d) ag[d] += pg[j] * mean[j * 2 * D + D + d];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+                float *o = out + ((b * H + h) * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+            }
+        }
+        free(qs); free(lg); free(p); free(row); free(rows); free(m); free(l); free(acc); free(total); free(rest); free(left);
+        free(mean); free(nonempty); free(at); free(list);
     }
     return status;
 }

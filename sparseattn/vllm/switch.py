@@ -37,14 +37,13 @@ class MethodSwitch:
     def sparseattn_use(self, spec: Any) -> str:
         from sparseattn.vllm.backend import sparse_builders
         from sparseattn.vllm.config import CONFIG_KEY, request_from
-        from sparseattn.vllm.paged import PagedPolicy
 
         request = request_from({CONFIG_KEY: spec}, {})
         builders = sparse_builders(self.model_runner)
         if not builders:
             raise ValueError("this engine runs no sparseattn method, so it has none to switch: start it with one "
                              '(additional_config={"sparseattn": {"method": "dense"}})')  # fmt: skip
-        policy = PagedPolicy(request.build(), request.label)  # a method the paged engine cannot run raises here, before any change
+        policy = request.policy()  # a method the paged engine cannot run raises here, before any change
         for builder in builders:
             builder.use(policy)
         return request.label
