@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--method", default="radar+", help="the sparse method (a registry name the vLLM plugin runs)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--block-size", type=int, default=32, help="vLLM's page size in tokens (default 32)")
+    parser.add_argument("--segment", type=int, default=None, help="the paged engine's segment inside a page (a divisor of "
+                        "--block-size; default: the page); labels the runs '<method><budget>-seg<N>'")
     parser.add_argument("--prefill-chunk", type=int, default=1024,
                         help="vLLM's max_num_batched_tokens (chunked prefill); at 32k, 8192 prefills ~4x faster than 1024 on 2 cores")
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE): 3 prompts of 32k in float32 take ~4.4 GiB")
@@ -68,7 +70,10 @@ def main() -> None:
     samples = [PasskeyTask().sample(args.length, tok, seed=i, depths=d, reserve_tokens=NEW_TOKENS) for i, d in enumerate(DEPTHS)]
     ids = [tok.encode(s.prompt) for s in samples]
     print("lengths", [len(i) for i in ids], "engine logs in", logs, flush=True)
-    runs = {"stock": {}} | {f"{args.method}{b}": {"additional_config": {"sparseattn": {"method": args.method, "budget": b}}} for b in args.budgets}
+    segment = {} if args.segment is None else {"segment": args.segment}
+    tag = "" if args.segment is None else f"-seg{args.segment}"
+    runs = {"stock": {}} | {f"{args.method}{b}{tag}": {"additional_config": {"sparseattn": {"method": args.method, "budget": b, **segment}}}
+                            for b in args.budgets}  # fmt: skip
     name = f"vllm-passkey-{round(args.length / 1000)}k-block{args.block_size}{f'-yarn{args.yarn:g}' if args.yarn else ''}.json"
     path = REPO / "benchmarks" / "results" / name
     out = json.loads(path.read_text()) if path.exists() else {}  # resumable: runs already written are kept
