@@ -303,6 +303,29 @@ static void attend_page(const sa_pages *c, int64_t block, int64_t h, int n, cons
                   next >= 0 ? page_keys(c, next, h) : NULL);
 }
 
+/* The pages every row attends: the sinks, the tail and, when the row does not select (skip_candidates 0), every
+ * candidate page in [sink_pages, cand_end); each page's successor prefetched while it is attended. */
+static void attend_common(const sa_pages *c, const int32_t *table, int64_t h, int64_t L, int64_t sink_pages, int64_t cand_end,
+                          int skip_candidates, const float *qs, int G, float softcap, sa_softmax *st, float *lg, float *p,
+                          float *row) {
+    const int64_t bs = c->bs, pages = (L + bs - 1) / bs;
+    const int64_t common_end = skip_candidates ? sink_pages : cand_end;
+    for (int64_t pg = 0; pg < pages; ++pg) {
+        if (pg >= common_end && pg < cand_end) continue;
+        const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
+        const int64_t after = pg + 1 >= common_end && pg + 1 < cand_end ? cand_end : pg + 1;
+        attend_page(c, table[pg], h, n, qs, G, softcap, st, lg, p, row, after < pages ? table[after] : -1);
+    }
+}
+
+/* Each row's output, its accumulated values over its softmax sum: out[g, D] for g < G. */
+static void write_rows(const sa_softmax *st, int G, int64_t D, float *out) {
+    for (int64_t g = 0; g < G; ++g) {
+        const float inv = st->l[g] > 0.f ? 1.f / st->l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] = st->acc[g * D + d] * inv;
+    }
+}
+
 /* Indices of the k largest of x[0..n) into out, best first (ties: the earlier index first; the order the pages are
  * then attended in, so the sums' rounding, is the insertion sort's this replaced): a min-heap of k (vals, out)
  * holding the best so far, then sorted, O(n log k) (the insertion was O(n k)). A NaN never displaces a number. */
@@ -481,7 +504,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
             const int64_t h = item / B, b = item % B; /* head-major: see the top of the file */
             const int32_t *pl = plan + b * 4;
             const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
-            const int64_t pages = (L + bs - 1) / bs, cand_end = sink_pages + n_cand / r, seg = c.seg;
+            const int64_t cand_end = sink_pages + n_cand / r, seg = c.seg;
             const int32_t *table = block_table + b * bt_stride;
             for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
             sa_softmax st = {m, l, acc};
@@ -542,14 +565,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     }
                 }
             }
-            /* Sinks, every candidate page when not selecting, and the tail: attended by every row. */
-            const int64_t common_end = select || k == 0 ? sink_pages : cand_end;
-            for (int64_t pg = 0; pg < pages; ++pg) {
-                if (pg >= common_end && pg < cand_end) continue;
-                const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
-                const int64_t after = pg + 1 >= common_end && pg + 1 < cand_end ? cand_end : pg + 1;
-                attend_page(&c, table[pg], h, n, qs, (int)G, softcap, &st, lg, p, row, after < pages ? table[after] : -1);
-            }
+            attend_common(&c, table, h, L, sink_pages, cand_end, select || k == 0, qs, (int)G, softcap, &st, lg, p, row);
             /* The selected candidates: per selection, its rows. */
             if (select) {
                 for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
@@ -582,11 +598,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     for (int64_t t = from; t < kmax; ++t) sel[t] = (!select && t < n_cand && k > 0) ? (int32_t)t : -1;
                 }
             }
-            for (int64_t g = 0; g < G; ++g) {
-                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-                float *o = out + ((b * H + h) * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-            }
+            write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
         }
         free(qs); free(cs); free(gs); free(kept); free(mass); free(lg); free(p); free(row); free(vals);
         free(short_ix); free(pick); free(npick); free(rows); free(m); free(l); free(acc);
@@ -843,20 +855,14 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
             const int64_t h = item / B, b = item % B;
             const int32_t *pl = plan + b * 4;
             const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
-            const int64_t pages = (L + bs - 1) / bs, cand_end = sink_pages + n_cand / r, seg = c.seg;
+            const int64_t cand_end = sink_pages + n_cand / r, seg = c.seg;
             const int32_t *table = block_table + b * bt_stride;
             for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
             sa_softmax st = {m, l, acc};
             for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
             memset(acc, 0, sizeof(float) * (size_t)(G * D));
             const int select = k > 0 && k < n_cand;
-            const int64_t common_end = select || k == 0 ? sink_pages : cand_end;
-            for (int64_t pg = 0; pg < pages; ++pg) {
-                if (pg >= common_end && pg < cand_end) continue;
-                const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
-                const int64_t after = pg + 1 >= common_end && pg + 1 < cand_end ? cand_end : pg + 1;
-                attend_page(&c, table[pg], h, n, qs, (int)G, softcap, &st, lg, p, row, after < pages ? table[after] : -1);
-            }
+            attend_common(&c, table, h, L, sink_pages, cand_end, select || k == 0, qs, (int)G, softcap, &st, lg, p, row);
             int64_t n_blocks = 0;
             if (select && per_block > 0) { /* the blocks' sums, once for the KV head's selections */
                 n_blocks = (n_cand + per_block - 1) / per_block;
@@ -928,11 +934,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                         for (int64_t d = 0; d < D; ++d) ag[d] += pg[j] * mean[j * 2 * D + D + d];
                 }
             }
-            for (int64_t g = 0; g < G; ++g) {
-                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-                float *o = out + ((b * H + h) * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-            }
+            write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
         }
         free(qs); free(lg); free(p); free(row); free(rows); free(m); free(l); free(acc); free(total); free(rest); free(left);
         free(mean); free(nonempty); free(at); free(list);
