@@ -306,8 +306,10 @@ SEGMENT_SHAPES = [
 @pytest.mark.parametrize("shape", SEGMENT_SHAPES, ids=lambda s: f"L{'-'.join(map(str, s[0]))}-bs{s[1]}-seg{s[2]}-H{s[3]}-G{s[4]}-D{s[5]}")
 @pytest.mark.parametrize("name, options", [
     ("radar+", {"budget": 256}), ("quest", {"budget": 200}), ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 3}),
+    # merge 4: every page in one block (r = 2 or 4), so the blocks sum the pages' own rows, and a whole page chosen leaves in one
+    ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 4}),
     ("radar+", {"budget": 256, "split": "topp", "p": 0.9}), ("radar+", {"budget": 10**6}),
-], ids=["radar+", "quest", "pooled-merged", "topp", "full-budget"])  # fmt: skip
+], ids=["radar+", "quest", "pooled-merged", "pooled-merged-pages", "topp", "full-budget"])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_segments_inside_pages_in_the_fused_step_give_the_generic_paths_output(shape, name, options, dtype):
     """``PagedPolicy(segment=c)``: every fused mode scores, selects and attends c-token segments of the pages as the

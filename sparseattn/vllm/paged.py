@@ -42,7 +42,8 @@ from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.methods.streaming import StreamingLLM
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.selectors.base import selector_seed
-from sparseattn.summaries.base import SegmentKeys, TopKAwareSummary
+from sparseattn.selectors.topk import TopK
+from sparseattn.summaries.base import SegmentKeys, Shortlist, TopKAwareSummary
 
 __all__ = [
     "FP8_FORMATS", "KVFormat", "MergedPages", "PageKeys", "PageSelection", "PageStep", "PageSummaries", "PagedPolicy",
@@ -438,11 +439,14 @@ class PageStep:
 
     def __init__(
         self, method: SegmentSearch, params: Any, generator: torch.Generator, query: torch.Tensor, layout: SegmentLayout,
-        k: int, shared: int, scorer: Any, always: Any,
+        k: int, shared: int, scorer: Any, always: Any, shortlist: Shortlist | None = None,
     ) -> None:
         self.method, self._params, self._generator = method, params, generator
         self.query, self.layout, self.k, self.shared, self.group = query, layout, k, shared, query.shape[2]
         self._scorer, self._always = scorer, always
+        #: The scores' :class:`~sparseattn.summaries.base.Shortlist` when the scorer has one (the split step's):
+        #: a :class:`TopK` selection of at most its length reads its best off it, as the decode state does.
+        self._shortlist = shortlist
         self._scores: dict[int, torch.Tensor] = {}
 
     def scores(self, top_k: int | None = None) -> torch.Tensor:
@@ -467,11 +471,20 @@ class PageStep:
             raise ValueError(f"{self.method.selector!r} picked {tuple(picked.shape)} indices out of {scores.shape[-1]} pages")
         return picked
 
+    def _read_off_shortlist(self, n: int) -> bool:
+        sl = self._shortlist
+        return sl is not None and self.shared != 1 and type(self.method.selector) is TopK and n <= sl.exact.shape[-1]
+
     def picks(self, n: int) -> torch.Tensor:
+        if self._read_off_shortlist(n):
+            return self._shortlist.top(n, sorted=False)[1]
         return self.choose(n, self.selector_scores(self.k))
 
     def scored_picks(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(scores [b, H_kv, G', S], estimates [b, H_kv, G', n], pages [b, H_kv, G', n])``."""
+        """``(scores [b, H_kv, G', S], estimates [b, H_kv, G', n], pages [b, H_kv, G', n])``; ``n`` best under
+        :class:`TopK`, read off the shortlist when there is one that holds them (the same pages: it ranks above the rest)."""
+        if self._read_off_shortlist(n):
+            return (self.scores(self.k), *self._shortlist.top(n, sorted=False))
         scores = self.scores(self.k)
         picked = self.choose(n, scores)
         return scores, scores.gather(-1, picked), picked

@@ -168,8 +168,10 @@ class PageStore:
         self.summary2 = torch.zeros(shape, dtype=torch.float32) if mode == BOUND else None
         self.state = torch.zeros(num_blocks, dtype=torch.uint8)
         self.mode = mode
-        #: A merged rest's per-segment key and value sums ``[N, H_kv, r, 2 D]`` and their validity, kept as the summaries are.
-        self.sums = torch.zeros(num_blocks, kv_heads, segments, 2 * head_dim, dtype=torch.float32) if sums else None
+        #: A merged rest's per-segment key and value sums ``[N, H_kv, r, 2 D]`` (with ``r > 1`` each page's own after its
+        #: segments': ``[N, H_kv, r + 1, 2 D]``, so a block of pages sums one row per page) and their validity, kept as the summaries are.
+        rows = segments + 1 if segments > 1 else 1
+        self.sums = torch.zeros(num_blocks, kv_heads, rows, 2 * head_dim, dtype=torch.float32) if sums else None
         self.sums_state = torch.zeros(num_blocks, dtype=torch.uint8) if sums else None
 
     @property
@@ -302,15 +304,15 @@ def split_decode(
     grouped = q.view(B, H, G, D)
     for (sink_pages, n_cand, k, mm), members in groups.items():
         idx = torch.tensor(members)
-        scores = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm]).scores
+        shortlist = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm])
 
-        def scorer(top_k: int, scores=scores, k=k) -> torch.Tensor:
+        def scorer(top_k: int, shortlist=shortlist, k=k) -> torch.Tensor:
             if top_k != k:
                 raise ValueError(f"the split step scored for top_k={k}; the allocation asked for {top_k}")
-            return scores
+            return shortlist.scores
 
         layout = policy.layout(int(lens[members[0]]), bs)
-        step = PageStep(m, None, torch.Generator(), grouped[idx], layout, k, Gs, scorer, lambda idx=idx: always[idx])
+        step = PageStep(m, None, torch.Generator(), grouped[idx], layout, k, Gs, scorer, lambda idx=idx: always[idx], shortlist)
         selection = m.select_stage.select_segments(step)
         flags = torch.zeros(len(members), H, Gs, S_max, dtype=torch.uint8)
         flags.scatter_(-1, selection.segments, 1 if selection.valid is None else selection.valid.to(torch.uint8))

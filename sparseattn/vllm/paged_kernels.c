@@ -34,6 +34,8 @@
  * The Python references are sparseattn.vllm.paged.select_pages (the selection) and attend_pages
  * (the attention); tests/test_vllm_paged_kernel.py holds the kernel to them.
  */
+#include <float.h>
+
 #include "kernel_common.h"
 
 enum { SA_RERANK = 0, SA_BOUND = 1, SA_FIXED = 2 };
@@ -372,6 +374,56 @@ static void top_k(const float *x, int64_t n, int64_t k, int64_t *out, float *val
     }
 }
 
+/* x with a NaN read as the lowest number (a bit test: -ffast-math may fold isnan away), so that it ranks last. */
+static inline float ranked(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x7fffffffu) > 0x7f800000u ? -FLT_MAX : x;
+}
+
+/* The k (1 <= k <= n) largest of x[0..n) into out, in no particular order (ties at the k-th value: the earlier
+ * indices), O(n): the k-th largest by quickselect on copies (v, w: scratch of n), whose partitions are branch-free
+ * stores (a branch per value mispredicts half the time on scores in no order), then one pass collects. For a
+ * shortlist whose order nothing reads (the split step's: its pages are ranked by slot, its masses by place). */
+static void top_k_set(const float *x, int64_t n, int64_t k, int64_t *out, float *v, float *w) {
+    for (int64_t i = 0; i < n; ++i) v[i] = ranked(x[i]);
+    int64_t m = n, want = k; /* the want-th largest of v[0..m) */
+    float kth;
+    for (;;) {
+        if (m <= 16) { /* a few left: sort them, best first */
+            for (int64_t i = 1; i < m; ++i)
+                for (int64_t j = i; j > 0 && v[j] > v[j - 1]; --j) {
+                    const float t = v[j];
+                    v[j] = v[j - 1], v[j - 1] = t;
+                }
+            kth = v[want - 1];
+            break;
+        }
+        const float a = v[0], b = v[m / 2], z = v[m - 1];
+        const float pivot = a > b ? (b > z ? b : (a > z ? z : a)) : (a > z ? a : (b > z ? z : b)); /* median of three */
+        int64_t above = 0, equal = 0;
+        for (int64_t i = 0; i < m; ++i) w[above] = v[i], above += v[i] > pivot;
+        if (want <= above) {
+            float *t = v;
+            v = w, w = t, m = above;
+            continue;
+        }
+        for (int64_t i = 0; i < m; ++i) equal += v[i] == pivot;
+        if (want <= above + equal) {
+            kth = pivot;
+            break;
+        }
+        int64_t below = 0;
+        for (int64_t i = 0; i < m; ++i) w[below] = v[i], below += v[i] < pivot;
+        float *t = v;
+        v = w, w = t, m = below, want -= above + equal;
+    }
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; ++i) out[have] = i, have += ranked(x[i]) > kth; /* fewer than k: kth is the k-th */
+    for (int64_t i = 0; i < n && have < k; ++i)
+        if (ranked(x[i]) == kth) out[have++] = i;
+}
+
 static inline float log_sum_exp(const float *x, int64_t n, int64_t stride) {
     float top = SA_NO_SCORE;
     for (int64_t i = 0; i < n; ++i) top = x[i * stride] > top ? x[i * stride] : top;
@@ -652,35 +704,72 @@ static int64_t stale_blocks(int64_t B, int64_t r, const int32_t *block_table, in
     return n;
 }
 
+/* Rows of [2 D] per (block, head) in a store of sums: a page cut in r > 1 segments keeps its own total after
+ * the segments' rows, so a block of pages is summed from one row per page, not r. */
+static inline int64_t sums_rows(int64_t r) { return r > 1 ? r + 1 : 1; }
+
 /* Each of a page's r segments' key sum then value sum, r rows of [2 D] (keys [D, bs]: each channel's row summed
- * per segment; values [bs, D]). */
+ * per segment; values [bs, D]), then (r > 1) the page's, row r. */
 static void page_sums(const sa_pages *c, int64_t block, int64_t h, float *restrict out, float *restrict row) {
-    const int64_t D = c->D, bs = c->bs, seg = c->seg;
+    const int64_t D = c->D, bs = c->bs, seg = c->seg, r = c->r;
     const char *keys = page_keys(c, block, h), *values = page_values(c, block, h);
     for (int64_t d = 0; d < D; ++d) {
         sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
-        for (int64_t u = 0; u < c->r; ++u) {
+        double page = 0.0;
+        for (int64_t u = 0; u < r; ++u) {
             double sum = 0.0;
             for (int64_t j = 0; j < seg; ++j) sum += row[u * seg + j];
             out[u * 2 * D + d] = (float)sum;
+            page += sum;
         }
+        if (r > 1) out[r * 2 * D + d] = (float)page;
     }
-    double acc[4096]; /* D <= 4096: checked by the caller */
-    for (int64_t u = 0; u < c->r; ++u) {
+    double acc[4096], page[4096]; /* D <= 4096: checked by the caller */
+    for (int64_t d = 0; d < D; ++d) page[d] = 0.0;
+    for (int64_t u = 0; u < r; ++u) {
         for (int64_t d = 0; d < D; ++d) acc[d] = 0.0;
         for (int64_t j = u * seg; j < (u + 1) * seg; ++j) {
             sa_to_float(values + j * D * c->elem, c->dtype, D, row);
             for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
         }
-        for (int64_t d = 0; d < D; ++d) out[u * 2 * D + D + d] = (float)acc[d];
+        for (int64_t d = 0; d < D; ++d) out[u * 2 * D + D + d] = (float)acc[d], page[d] += acc[d];
     }
+    if (r > 1)
+        for (int64_t d = 0; d < D; ++d) out[r * 2 * D + D + d] = (float)page[d];
+}
+
+/* out[i] = log sum_g exp x[g * ld + i] for i < n (G rows): the loops run along i, so the exponentials vectorise
+ * (libmvec) where a per-candidate log_sum_exp over its G rows would call expf once per value. top: scratch [n]. */
+static void lse_columns(const float *restrict x, int64_t G, int64_t ld, int64_t n, float *restrict out, float *restrict top) {
+    for (int64_t i = 0; i < n; ++i) top[i] = x[i];
+    for (int64_t g = 1; g < G; ++g)
+        for (int64_t i = 0; i < n; ++i) top[i] = x[g * ld + i] > top[i] ? x[g * ld + i] : top[i];
+    for (int64_t i = 0; i < n; ++i) out[i] = 0.f;
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < n; ++i) out[i] += expf(x[g * ld + i] - top[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = top[i] + logf(out[i]);
+}
+
+/* The candidate pages that hold a shortlisted segment (sh[0..mm), candidate indices, r per page), each once:
+ * slot[p] its place among them in ascending page order, -1 for the others; order[j] the j-th. Both calls of the
+ * split step derive the same slots from the same shortlist: the kept logits are one whole page per slot (a page's
+ * logits cost what one segment's do in the vector loops, which compute whole chunks), so a page holding several
+ * shortlisted segments is read once and its other segments' logits come free. Returns the number of slots. */
+static int64_t shortlist_slots(const int32_t *sh, int64_t mm, int64_t r, int64_t n_pages, int32_t *slot, int64_t *order) {
+    for (int64_t p = 0; p < n_pages; ++p) slot[p] = -1;
+    for (int64_t s = 0; s < mm; ++s) slot[sh[s] / r] = -2;
+    int64_t n = 0;
+    for (int64_t p = 0; p < n_pages; ++p)
+        if (slot[p] == -2) order[n] = p, slot[p] = (int32_t)n++;
+    return n;
 }
 
 /*
  * Scores of one decode step (first call of the split step), for the rows that select (0 < k < n_cand):
  * coarse[B, H, G, S_max] = scale q . centroid + log bs of every candidate (the centroid summary's score);
  * short_ix[B, H, M_max] the KV group's m best by log-sum-exp over its rows (m = plan[3]); exact[B, H, G, M_max]
- * their exact log masses logsumexp_j scale q . k_j, whose logits are kept in kept[B, H, M_max, G, bs];
+ * their exact log masses logsumexp_j scale q . k_j, whose logits are kept in kept[B, H, M_max, G, bs], one whole
+ * page per slot of shortlist_slots;
  * always[B, H, G] the log mass of the sinks' and the tail's tokens. Summaries as sa_paged_decode's (mode
  * SA_RERANK). Entries past a row's own counts are left as they were.
  */
@@ -719,10 +808,15 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
         float *gs = malloc(sizeof(float) * (size_t)cand_cap);
         float *vals = malloc(sizeof(float) * (size_t)(cand_cap + 1));
         int64_t *ix = malloc(sizeof(int64_t) * (size_t)cand_cap);
+        float *spare = malloc(sizeof(float) * (size_t)cand_cap);
+        const int64_t m_cap = most_m > 0 ? most_m : 1;
+        float *shifted = malloc(sizeof(float) * (size_t)(m_cap * G * bs)), *tops = malloc(sizeof(float) * (size_t)(m_cap * G));
+        int32_t *slot = malloc(sizeof(int32_t) * (size_t)cand_cap);
+        int64_t *order = malloc(sizeof(int64_t) * (size_t)cand_cap);
         float *lg = malloc(sizeof(float) * (size_t)(G * bs));
         float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
         float *run = malloc(sizeof(float) * (size_t)G * 2); /* per row: running maximum, running sum */
-        const int ok = qs && gs && vals && ix && lg && row && run;
+        const int ok = qs && gs && vals && spare && shifted && tops && ix && slot && order && lg && row && run;
         if (!ok) {
 #pragma omp atomic write
             status = SA_NO_MEMORY;
@@ -740,6 +834,8 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
             float *cs = coarse + (b * H + h) * G * S_max;
             for (int64_t i = 0; i < n_cand; ++i) {
                 const float *s1 = summary + seg_row(&c, table, sink_pages, i, h) * D;
+                if (i % r == 0 && i + 2 * r < n_cand) /* a later page's r rows (scattered blocks: the prefetcher misses them) */
+                    SA_PREFETCH((const char *)(summary + seg_row(&c, table, sink_pages, i + 2 * r, h) * D), 0, r * D * (int64_t)sizeof(float));
                 for (int64_t g = 0; g < G; ++g) {
                     const float *qg = qs + g * D;
                     float v = 0.f;
@@ -747,17 +843,41 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
                     cs[g * S_max + i] = v + log_seg;
                 }
             }
-            for (int64_t i = 0; i < n_cand; ++i) gs[i] = log_sum_exp(cs + i, G, S_max);
-            top_k(gs, n_cand, mm, ix, vals);
+            lse_columns(cs, G, S_max, n_cand, gs, vals);
+            top_k_set(gs, n_cand, mm, ix, vals, spare);
             int32_t *sh = short_out + (b * H + h) * M_max;
             float *ex = exact + (b * H + h) * G * M_max;
-            for (int64_t s = 0; s < mm; ++s) {
-                sh[s] = (int32_t)ix[s];
-                float *ks = kept + ((b * H + h) * M_max + s) * G * bs;
-                const char *next = s + 1 < mm ? seg_keys(&c, table, sink_pages, ix[s + 1], h) : NULL;
-                page_logits(&c, seg_keys(&c, table, sink_pages, ix[s], h), (int)c.seg, qs, (int)G, ks, bs, row, next);
-                for (int64_t g = 0; g < G; ++g) ex[g * M_max + s] = log_sum_exp(ks + g * bs, c.seg, 1);
+            for (int64_t s = 0; s < mm; ++s) sh[s] = (int32_t)ix[s];
+            /* The shortlist's pages' logits, each page once (its successor's keys prefetched), then each
+             * shortlisted segment's exact log mass from its columns. */
+            const int64_t n_slots = shortlist_slots(sh, mm, r, n_cand / r, slot, order);
+            float *kept_bh = kept + (b * H + h) * M_max * G * bs;
+            for (int64_t j = 0; j < n_slots; ++j) {
+                const char *next = j + 1 < n_slots ? page_keys(&c, table[sink_pages + order[j + 1]], h) : NULL;
+                page_logits(&c, page_keys(&c, table[sink_pages + order[j]], h), (int)bs, qs, (int)G, kept_bh + j * G * bs, bs, row, next);
             }
+            /* Each (segment, row)'s logits less their maximum gathered into one array, so that the exponentials
+             * and the logarithms run as vector loops (libmvec) rather than one call per value. */
+            const int64_t seg = c.seg;
+            for (int64_t s = 0; s < mm; ++s) {
+                const float *ks = kept_bh + slot[sh[s] / r] * G * bs + (sh[s] % r) * seg;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *x = ks + g * bs;
+                    float top = x[0];
+                    for (int64_t j = 1; j < seg; ++j) top = x[j] > top ? x[j] : top;
+                    float *e = shifted + (s * G + g) * seg;
+                    for (int64_t j = 0; j < seg; ++j) e[j] = x[j] - top;
+                    tops[s * G + g] = top;
+                }
+            }
+            for (int64_t i = 0; i < mm * G * seg; ++i) shifted[i] = expf(shifted[i]);
+            for (int64_t i = 0; i < mm * G; ++i) {
+                float sum = 0.f;
+                for (int64_t j = 0; j < seg; ++j) sum += shifted[i * seg + j];
+                tops[i] += logf(sum);
+            }
+            for (int64_t s = 0; s < mm; ++s)
+                for (int64_t g = 0; g < G; ++g) ex[g * M_max + s] = tops[s * G + g];
             /* The sinks' and the tail's log mass: a running log-sum-exp over their pages. */
             for (int64_t g = 0; g < G; ++g) run[2 * g] = SA_NO_SCORE, run[2 * g + 1] = 0.f;
             for (int64_t pg = 0; pg < pages; ++pg) {
@@ -776,7 +896,7 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
             }
             for (int64_t g = 0; g < G; ++g) always[(b * H + h) * G + g] = run[2 * g] + logf(run[2 * g + 1]);
         }
-        free(qs); free(gs); free(vals); free(ix); free(lg); free(row); free(run);
+        free(qs); free(gs); free(vals); free(spare); free(shifted); free(tops); free(ix); free(slot); free(order); free(lg); free(row); free(run);
     }
     return status;
 }
@@ -788,7 +908,7 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
  * the shortlist short_ix[b, h, :m] with the logits sa_paged_score kept, kept[b, h, place, :, :]), and with
  * per_block > 0 one merged token per block of per_block candidate pages of what it leaves out: logit
  * log m + scale q . (sum k) / m, value (sum v) / m, m its tokens (no token for a block it attends whole),
- * from the per-page sums kept in sums[N, H, 2 D] (sums_state[N] as state). out: [B, H, G, D] float32.
+ * from the sums kept in sums[N, H, sums_rows(r), 2 D] (page_sums; sums_state[N] as state). out: [B, H, G, D] float32.
  */
 int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D,
                           int64_t r, int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
@@ -823,11 +943,11 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096];
             const int64_t blk = stale[i / H], h = i % H;
-            page_sums(&c, blk, h, sums + (blk * H + h) * r * 2 * D, row);
+            page_sums(&c, blk, h, sums + (blk * H + h) * sums_rows(r) * 2 * D, row);
         }
         free(stale);
     }
-    const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1;
+    const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1, rows_s = sums_rows(r);
 #pragma omp parallel num_threads(threads)
     {
         float *qs = malloc(sizeof(float) * (size_t)(G * D));
@@ -838,13 +958,16 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         float *m = malloc(sizeof(float) * (size_t)G), *l = malloc(sizeof(float) * (size_t)G);
         float *acc = malloc(sizeof(float) * (size_t)(G * D));
         double *total = malloc(sizeof(double) * (size_t)(n_blocks_cap * 2 * D)); /* the blocks' sums */
-        double *rest = malloc(sizeof(double) * (size_t)(n_blocks_cap * 2 * D)); /* one selection's rest */
-        int64_t *left = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
+        double *rest = malloc(sizeof(double) * (size_t)(Gs * n_blocks_cap * 2 * D)); /* each selection's rest */
+        int64_t *left = malloc(sizeof(int64_t) * (size_t)(Gs * n_blocks_cap));
         float *mean = malloc(sizeof(float) * (size_t)(n_blocks_cap * 2 * D));
         int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
-        int32_t *at = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate's place in the shortlist, or -1 */
-        int64_t *list = malloc(sizeof(int64_t) * (size_t)S_max); /* one selection's chosen candidates, in order */
-        const int ok = qs && lg && p && row && rows && m && l && acc && total && rest && left && mean && nonempty && at && list;
+        int32_t *slot = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate page's kept logits, or -1 */
+        int64_t *order = malloc(sizeof(int64_t) * (size_t)S_max);
+        int64_t *list = malloc(sizeof(int64_t) * (size_t)S_max); /* the candidates any selection chose, in order */
+        uint64_t *chosen_by = malloc(sizeof(uint64_t) * (size_t)S_max); /* which selections chose each (bit gs) */
+        const int ok = qs && lg && p && row && rows && m && l && acc && total && rest && left && mean && nonempty && slot && order &&
+                       list && chosen_by;
         if (!ok) {
 #pragma omp atomic write
             status = SA_NO_MEMORY;
@@ -864,55 +987,83 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
             const int select = k > 0 && k < n_cand;
             attend_common(&c, table, h, L, sink_pages, cand_end, select || k == 0, qs, (int)G, softcap, &st, lg, p, row);
             int64_t n_blocks = 0;
+            const int whole_pages = per_block > 0 && per_block % r == 0; /* no page across two blocks: one row per page */
             if (select && per_block > 0) { /* the blocks' sums, once for the KV head's selections */
                 n_blocks = (n_cand + per_block - 1) / per_block;
                 memset(total, 0, sizeof(double) * (size_t)(n_blocks * 2 * D));
-                for (int64_t i = 0; i < n_cand; ++i) {
-                    const float *s = sums + seg_row(&c, table, sink_pages, i, h) * 2 * D;
+                const int64_t step = whole_pages ? r : 1, ahead = 4 * step; /* rows prefetched this many candidates ahead */
+                for (int64_t i = 0; i < n_cand; i += step) {
+                    const int64_t row_of = whole_pages && r > 1 ? r : i % r;
+                    const float *s = sums + ((cand_block(&c, table, sink_pages, i) * H + h) * rows_s + row_of) * 2 * D;
+                    if (i + ahead < n_cand)
+                        SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, i + ahead) * H + h) * rows_s +
+                                                           (whole_pages && r > 1 ? r : (i + ahead) % r)) * 2 * D), 0, 2 * D * (int64_t)sizeof(float));
                     double *t = total + (i / per_block) * 2 * D;
                     for (int64_t d = 0; d < 2 * D; ++d) t[d] += s[d];
                 }
             }
-            if (select) {
-                for (int64_t i = 0; i < n_cand; ++i) at[i] = -1;
-                const int32_t *sh = short_ix + (b * H + h) * M_max;
-                for (int64_t j = 0; j < pl[3]; ++j) at[sh[j]] = (int32_t)j;
+            if (select) shortlist_slots(short_ix + (b * H + h) * M_max, pl[3], r, n_cand / r, slot, order);
+            const float *kept_bh = kept + (b * H + h) * M_max * G * bs;
+            int64_t n_list = 0;
+            for (int64_t i = 0; select && i < n_cand; ++i) { /* the union of the selections' lists */
+                uint64_t by = 0;
+                for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) by |= (uint64_t)(chosen[((b * H + h) * Gs + gs_i) * S_max + i] != 0) << gs_i;
+                if (by) list[n_list] = i, chosen_by[n_list++] = by;
+            }
+            for (int64_t gs_i = 0; gs_i < Gs && n_blocks; ++gs_i) { /* each selection's rest: its blocks' sums, less what it attends */
+                memcpy(rest + gs_i * n_blocks_cap * 2 * D, total, sizeof(double) * (size_t)(n_blocks * 2 * D));
+                for (int64_t j = 0; j < n_blocks; ++j)
+                    left[gs_i * n_blocks_cap + j] = (j + 1) * per_block <= n_cand ? per_block : n_cand - j * per_block;
+            }
+            /* One pass over the union, one call per run of adjacent segments of a page (contiguous tokens) that the
+             * same selections chose, for their rows: a segment several heads chose is read once. The logits are
+             * the page's kept ones when the shortlist holds it, else computed here; then the run's sums leave each
+             * choosing selection's rest (a whole page's in one row). Each row still sees its own candidates in
+             * ascending order, as its own list would give them. */
+            for (int64_t t = 0, end; t < n_list; t = end) {
+                const int64_t first = list[t], page = first / r;
+                const uint64_t by = chosen_by[t];
+                for (end = t + 1; end < n_list && list[end] == list[end - 1] + 1 && list[end] / r == page && chosen_by[end] == by; ++end) {}
+                for (int64_t g = 0; g < G; ++g) rows[g] = (by >> (shared ? 0 : g)) & 1;
+                const int n = (int)((end - t) * seg);
+                const int64_t next = end < n_list ? list[end] : -1;
+                const char *vals_c = seg_values(&c, table, sink_pages, first, h);
+                if (slot[page] >= 0) {
+                    attend_logits(&c, vals_c, n, kept_bh + slot[page] * G * bs + (first % r) * seg, bs, (int)G, rows, softcap, &st,
+                                  p, row, next >= 0 ? seg_values(&c, table, sink_pages, next, h) : NULL);
+                } else {
+                    page_logits(&c, seg_keys(&c, table, sink_pages, first, h), n, qs, (int)G, lg, bs, row, vals_c);
+                    attend_logits(&c, vals_c, n, lg, bs, (int)G, rows, softcap, &st, p, row,
+                                  next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
+                }
+                if (!n_blocks) continue;
+                const float *page_rows = sums + (cand_block(&c, table, sink_pages, first) * H + h) * rows_s * 2 * D;
+                if (next >= 0) /* the next run's rows, through its page's own */
+                    SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, next) * H + h) * rows_s + next % r) * 2 * D), 0,
+                                (rows_s - next % r) * 2 * D * (int64_t)sizeof(float));
+                const int whole = whole_pages && r > 1 && end - t == r;
+                for (int64_t x = t; x < (whole ? t + 1 : end); ++x) {
+                    const float *sx = page_rows + (whole ? r : list[x] % r) * 2 * D;
+                    const int64_t j = list[x] / per_block;
+                    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                        if (!((by >> gs_i) & 1)) continue;
+                        double *rx = rest + (gs_i * n_blocks_cap + j) * 2 * D;
+                        for (int64_t d = 0; d < 2 * D; ++d) rx[d] -= sx[d];
+                        left[gs_i * n_blocks_cap + j] -= whole ? r : 1;
+                    }
+                }
             }
             for (int64_t gs_i = 0; select && gs_i < Gs; ++gs_i) {
                 for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
-                const uint8_t *flags = chosen + ((b * H + h) * Gs + gs_i) * S_max;
-                int64_t n_list = 0;
-                for (int64_t i = 0; i < n_cand; ++i)
-                    if (flags[i]) list[n_list++] = i;
-                for (int64_t t = 0; t < n_list; ++t) {
-                    const int64_t next = t + 1 < n_list ? list[t + 1] : -1;
-                    const char *vals_c = seg_values(&c, table, sink_pages, list[t], h);
-                    if (at[list[t]] >= 0) {
-                        attend_logits(&c, vals_c, (int)seg, kept + ((b * H + h) * M_max + at[list[t]]) * G * bs, bs, (int)G, rows,
-                                      softcap, &st, p, row, next >= 0 ? seg_values(&c, table, sink_pages, next, h) : NULL);
-                    } else {
-                        page_logits(&c, seg_keys(&c, table, sink_pages, list[t], h), (int)seg, qs, (int)G, lg, bs, row, vals_c);
-                        attend_logits(&c, vals_c, (int)seg, lg, bs, (int)G, rows, softcap, &st, p, row,
-                                      next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
-                    }
-                }
+                const double *rest_s = rest + gs_i * n_blocks_cap * 2 * D;
+                const int64_t *left_s = left + gs_i * n_blocks_cap;
                 if (!n_blocks) continue;
-                /* The merged rest: each block's sums less the pages this selection attends in it. */
-                memcpy(rest, total, sizeof(double) * (size_t)(n_blocks * 2 * D));
-                for (int64_t j = 0; j < n_blocks; ++j)
-                    left[j] = (j + 1) * per_block <= n_cand ? per_block : n_cand - j * per_block;
-                for (int64_t t = 0; t < n_list; ++t) {
-                    const float *s = sums + seg_row(&c, table, sink_pages, list[t], h) * 2 * D;
-                    double *r = rest + (list[t] / per_block) * 2 * D;
-                    for (int64_t d = 0; d < 2 * D; ++d) r[d] -= s[d];
-                    left[list[t] / per_block] -= 1;
-                }
                 int64_t nn = 0;
                 for (int64_t j = 0; j < n_blocks; ++j) {
-                    if (left[j] <= 0) continue;
-                    const double tokens = (double)(left[j] * seg);
-                    for (int64_t d = 0; d < 2 * D; ++d) mean[nn * 2 * D + d] = (float)(rest[j * 2 * D + d] / tokens);
-                    nonempty[nn++] = left[j] * seg;
+                    if (left_s[j] <= 0) continue;
+                    const double tokens = (double)(left_s[j] * seg);
+                    for (int64_t d = 0; d < 2 * D; ++d) mean[nn * 2 * D + d] = (float)(rest_s[j * 2 * D + d] / tokens);
+                    nonempty[nn++] = left_s[j] * seg;
                 }
                 if (!nn) continue;
                 for (int64_t g = 0; g < G; ++g) {
@@ -937,7 +1088,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
             write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
         }
         free(qs); free(lg); free(p); free(row); free(rows); free(m); free(l); free(acc); free(total); free(rest); free(left);
-        free(mean); free(nonempty); free(at); free(list);
+        free(mean); free(nonempty); free(slot); free(order); free(list); free(chosen_by);
     }
     return status;
 }
