@@ -522,8 +522,9 @@ def _on_segments(method, seg: int, bs: int):
 
 @pytest.mark.parametrize("bs, seg", [(16, 8), (32, 8), (32, 16)])
 @pytest.mark.parametrize("name, options", [("radar+", {}), ("radar+", {"split": "pooled", "rest": "merged", "merge": 3}),
-                                           ("radar+", {"split": "topp", "p": 0.9}), ("quest", {}), ("radar", {})],
-                         ids=["radar+", "pooled-merged", "topp", "quest", "radar"])  # fmt: skip
+                                           ("radar+", {"split": "topp", "p": 0.9}), ("quest", {}), ("radar", {}),
+                                           ("radar+", {"split": "pooled", "prefilter": 2, "prefilter_keep": 1.5})],
+                         ids=["radar+", "pooled-merged", "topp", "quest", "radar", "prefilter"])  # fmt: skip
 @pytest.mark.parametrize("G", [1, 3])
 def test_segments_inside_pages_equal_the_decode_state_on_that_grid(bs, seg, name, options, G):
     """``PagedPolicy(segment=c)``: c-token segments inside each page (a page holds bs / c), selected and attended as

@@ -213,6 +213,8 @@ def test_policies_the_kernel_does_not_know_keep_the_generic_path():
     assert fused_mode(PagedPolicy(bf16, "radar+bf16")) is None
     per_head = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(), per_group=False))
     assert fused_mode(PagedPolicy(per_head, "radar+per-head")) is None
+    for split in ("uniform", "pooled"):  # the page-level prefilter: the C step scores every segment's centroid
+        assert fused_mode(PagedPolicy(registry.build("radar+", split=split, prefilter=4), "radar+:prefilter=4")) is None
 
     class Shuffled(TopK):
         pass

@@ -179,7 +179,7 @@ def RadarPlus(
     cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
     merge: int | None = None, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None,
     allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None, p: float | None = None,
-    samples: int | None = None, delta: float | None = None,
+    samples: int | None = None, delta: float | None = None, prefilter: int = 0, prefilter_keep: float | None = None,
 ) -> SegmentSearch | SplitLayers | FirstLayers:  # fmt: skip
     """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
 
@@ -214,7 +214,10 @@ def RadarPlus(
       (default 0.05) in each step's report; ``plain_layers`` first layers drop it even then (merging
       in layer 0 hurt texts that repeat themselves);
     * ``first_layers``: that many first layers get ``layer_factor`` (default 4) times the budget,
-      the others what is left (:class:`FirstLayers`; the total over layers is kept).
+      the others what is left (:class:`FirstLayers`; the total over layers is kept);
+    * ``prefilter`` (experimental): groups of that many segments scored first by their mean key, only the
+      best ``prefilter_keep`` (default 4) times the shortlist's segments scored one by one
+      (:class:`Rerank`'s ``prefilter``: a page-level pass before the segments inside the pages).
 
     ``per_group=False`` gives each query head its own shortlist (G times the key reads under
     grouped-query attention). ``allocation`` is ``split`` given as a part.
@@ -226,7 +229,10 @@ def RadarPlus(
         if centroid_dtype not in (None, torch.bfloat16):
             raise ValueError(f"RadarPlus: bf16_centroids=True and centroid_dtype={centroid_dtype}: give one of them")
         centroid_dtype = torch.bfloat16
-    summary = Rerank(Centroid(centroid_dtype), shortlist, factor, per_group)
+    if prefilter_keep is not None and not prefilter:
+        raise ValueError(f"RadarPlus: prefilter_keep={prefilter_keep} changes nothing without prefilter (segments per group, >= 2)")
+    extra = {"prefilter": prefilter, "prefilter_keep": 4.0 if prefilter_keep is None else prefilter_keep} if prefilter else {}
+    summary = Rerank(Centroid(centroid_dtype), shortlist, factor, per_group, **extra)
     method = SegmentSearch(
         summary=summary, selector=TopK(), schedule=SqrtSchedule(aspect=aspect), top_k=top_k, sinks=sinks,
         window=window, budget=budget,
@@ -240,7 +246,7 @@ def RadarPlus(
 def RadarPlusAdaptive(
     top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
     cap: float = 2.0, floor: float = 0.25, merge: int = 128, plain_layers: int = 1, budget: int | None = None,
-    bf16_centroids: bool = False,
+    bf16_centroids: bool = False, prefilter: int = 0, prefilter_keep: float | None = None,
 ) -> SplitLayers | SegmentSearch:  # fmt: skip
     """radar+ with the budget spent where attention is: the recommended method, in both engines.
 
@@ -265,6 +271,7 @@ def RadarPlusAdaptive(
     return RadarPlus(
         top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget, split="pooled", cap=cap,
         floor=floor, bf16_centroids=bf16_centroids, rest="merged", merge=merge, plain_layers=plain_layers,
+        prefilter=prefilter, prefilter_keep=prefilter_keep,
     )  # fmt: skip
 
 
@@ -473,9 +480,16 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
         Option("floor", float, help="fewest segments a head keeps, x the uniform share (split=pooled; None: 0.25)"),
     )  # fmt: skip
     bf16 = Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half the bytes of the scoring pass)")
+    prefilter = (
+        Option("prefilter", int, help="experimental: groups of this many segments (a page's) scored first by their mean key; "
+               "0: none", minimum=0),
+        Option("prefilter_keep", float, help="groups whose segments are scored, x the shortlist in segments (with prefilter; "
+               "None: 4)", allowed=Range(1.0, 1024.0, integer=False)),
+    )  # fmt: skip
     if not variants:
         return (*shared, *pool, Option("merge", int, help="segments per merged token of the rest (0: one block)", minimum=0),
-                Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0), bf16)  # fmt: skip
+                Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0), bf16,
+                *prefilter)  # fmt: skip
     return (
         *shared,
         Option("split", str, help="a layer's segments between its heads: uniform, pooled by estimated attention share, "
@@ -492,6 +506,7 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
         Option("delta", float, help="the sampled rest's error bound holds with probability 1 - delta (rest=sampled; None: 0.05)"),
         Option("plain_layers", int, help="first layers that drop the rest even with rest=merged or sampled", minimum=0),
         *_layer_options("segments"),
+        *prefilter,
     )  # fmt: skip
 
 

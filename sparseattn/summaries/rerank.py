@@ -10,6 +10,7 @@ import torch
 
 from sparseattn.validation import check_bool, check_int, check_real
 from sparseattn.summaries.base import Shortlist, Summary, segment_log_mass
+from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.performer import PerformerFeatures
 
 
@@ -39,12 +40,22 @@ class Rerank:
             ``G`` query heads (G times fewer key bytes under grouped-query attention). Each head
             still selects the exact top-k *within the group's shortlist*; what is no longer
             guaranteed is that a segment only that head's coarse score ranks high is shortlisted.
+        prefilter: 0, or a first pass over groups of that many consecutive segments (a paged cache's
+            page: its segments' mean centroid is the page's mean key): every group is scored as one
+            segment (``log n + q . mean``, n its tokens) and only the best ``prefilter_keep x m / prefilter``
+            groups (at least one; ``m`` the shortlist) have their segments scored one by one and
+            shortlisted; a segment of another group is estimated from its group's mean (``log c + q .
+            mean``, the group's bound split evenly). The scoring then reads about ``S / prefilter +
+            prefilter_keep x m`` centroids instead of ``S``. Needs a :class:`Centroid` coarse summary.
+        prefilter_keep: groups kept, as segments over the shortlist (>= 1).
     """
 
     coarse: Summary = field(default_factory=lambda: PerformerFeatures(n_features=256))
     shortlist: int = 16
     factor: float = 2.0
     per_group: bool = False
+    prefilter: int = field(default=0, repr=False)
+    prefilter_keep: float = field(default=4.0, repr=False)
 
     reads_keys = True  # only the shortlisted segments' keys are read (a view is passed)
     uses_top_k = True  # score() takes the step's top_k
@@ -55,6 +66,14 @@ class Rerank:
         check_int("Rerank", "shortlist", self.shortlist, 0)
         check_real("Rerank", "factor", self.factor, at_least=0)
         check_bool("Rerank", "per_group", self.per_group)
+        check_int("Rerank", "prefilter", self.prefilter, 0)
+        check_real("Rerank", "prefilter_keep", self.prefilter_keep, at_least=1)
+        if self.prefilter and not isinstance(self.coarse, Centroid):
+            raise ValueError(f"Rerank.prefilter={self.prefilter} needs a Centroid coarse summary (its groups' mean keys), got {self.coarse!r}")
+
+    def __repr__(self) -> str:  # the prefilter is shown when set: Rerank(...) as before the option existed otherwise
+        extra = f", prefilter={self.prefilter}, prefilter_keep={self.prefilter_keep}" if self.prefilter else ""
+        return f"Rerank(coarse={self.coarse!r}, shortlist={self.shortlist}, factor={self.factor}, per_group={self.per_group}{extra})"
 
     def prepare(self, kv_heads: int, head_dim: int, *, layer_idx: int, device: torch.device, dtype: torch.dtype) -> Any:
         return self.coarse.prepare(kv_heads, head_dim, layer_idx=layer_idx, device=device, dtype=dtype)
@@ -87,10 +106,37 @@ class Rerank:
             return Shortlist(scores, empty.long(), empty)
         if segment_keys is None:
             raise ValueError("Rerank.score needs the segments' keys")
+        ranked = scores
+        if self.prefilter > 1:
+            scores, ranked = self._prefiltered(summaries[0], queries, scores, segment_size, m)
         if self.per_group:  # one shortlist per KV group: its keys are read once for the G query heads
-            short = torch.logsumexp(scores, dim=2).topk(m, dim=-1, sorted=False).indices.unsqueeze(2)  # [B, H, 1, m]
+            short = torch.logsumexp(ranked, dim=2).topk(m, dim=-1, sorted=False).indices.unsqueeze(2)  # [B, H, 1, m]
         else:
-            short = scores.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
+            short = ranked.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
         exact = segment_log_mass(segment_keys, queries, short)  # [B, H, G, m]
         # The coarse scores are shifted below the exact ones only when asked for (Shortlist.scores).
         return Shortlist(scores, short, exact)
+
+    def _prefiltered(
+        self, centroids: torch.Tensor, queries: torch.Tensor, scores: torch.Tensor, segment_size: int, m: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores, ranked)`` under the prefilter: each segment of a group not kept estimated from its
+        group's mean key, and the scores the shortlist ranks (those segments at -inf: shortlisted only
+        when the kept groups hold fewer than ``m`` segments, a short last group among them)."""
+        B, H, S, D = centroids.shape
+        fan = self.prefilter
+        n_groups = -(-S // fan)
+        means = centroids.to(scores.dtype)
+        padded = torch.nn.functional.pad(means, (0, 0, 0, n_groups * fan - S)).view(B, H, n_groups, fan, D)
+        counts = torch.full((n_groups,), float(fan), dtype=scores.dtype, device=scores.device)
+        counts[-1] = S - (n_groups - 1) * fan
+        group_means = padded.sum(3) / counts[:, None]  # [B, H, n_groups, D]: each group's mean key
+        per_segment = queries.to(scores.dtype) @ group_means.transpose(-1, -2)  # [B, H, G, n_groups]
+        group_rank = per_segment + torch.log(counts * segment_size)  # the group scored as one segment
+        keep = min(n_groups, max(1, math.ceil(self.prefilter_keep * m / fan), -(-m // fan)))
+        rank = torch.logsumexp(group_rank, dim=2, keepdim=True) if self.per_group else group_rank
+        kept = torch.zeros(rank.shape, dtype=torch.bool, device=scores.device)
+        kept.scatter_(-1, rank.topk(keep, dim=-1, sorted=False).indices, True)
+        kept = kept.repeat_interleave(fan, dim=-1)[..., :S].expand_as(scores)  # [B, H, G, S]
+        estimate = (per_segment + math.log(segment_size)).repeat_interleave(fan, dim=-1)[..., :S]
+        return torch.where(kept, scores, estimate), scores.masked_fill(~kept, float("-inf"))

@@ -106,7 +106,7 @@ def fused_mode(policy: PagedPolicy) -> int | None:
     summary = m.summary
     centroids = (
         type(summary) is Rerank and type(summary.coarse) is Centroid and summary.coarse.dtype in (None, torch.float32)
-        and summary.per_group and summary.shortlist > 0
+        and summary.per_group and summary.shortlist > 0 and not summary.prefilter
     )  # fmt: skip
     if not m.allocation.uniform or m.rest is not None:  # per-head counts or a merged rest: scored, split, attended
         return SPLIT if centroids else None
