@@ -67,6 +67,9 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "bench beyond the window": (bench + ["--context", "4050", "--steps", "32"],
                                     ["'--context' / '--steps'", "4115 positions", "model's 4096", "<= 4064"]),
         "bench block size": (bench + ["--block-size", "48"], ["'--block-size'", "48 is not allowed", "multiple of 32"]),
+        "bench segment 0": (bench + ["--segment", "0"], ["'--segment'", "0 is out of range"]),
+        "bench segment not dividing": (bench + ["--block-size", "32", "--segment", "5"], ["'--segment'", "5 does not divide the block size 32"]),
+        "bench segment vs the default page": (bench + ["--segment", "48"], ["'--segment'", "48 does not divide the block size 128"]),
         "bench unknown text": (bench + ["--text", "hamlett"], ["'--text'", "'hamlett'", "did you mean hamlet", "sparseattn data list"]),
         "bench budget 0": (bench + ["--budget", "0"], ["'--budget'", "0 is out of range"]),
         "bench dense as a method": (bench + ["-m", "dense"], ["'--method'", "dense path is always run"]),
@@ -194,3 +197,31 @@ def test_the_runs_are_stock_first_then_the_plugins_dense_path_then_each_method()
     assert [(r.label, r.engine, r.attended) for r in runs] == [
         ("stock", "stock", None), ("dense", "plugin", None), ("quest (1024)", "plugin", 1024), ("radar+ (512)", "plugin", 512)]
     assert [r.label for r in plan_runs({}, float32=True)] == ["stock", "stock float32", "dense"]
+
+
+def test_the_benchmarks_segment_goes_to_every_methods_plugin_config(workspace, monkeypatch, tmp_path):
+    """``serving-bench --segment 4``: each sparse run's ``additional_config`` carries the paged engine's segment
+    (what ``sparseattn serve --segment`` sets), and its label says so; the engines' run itself is replaced."""
+    from typer.testing import CliRunner
+
+    from sparseattn.cli import app
+    from sparseattn.evaluation import serving
+
+    _, model = workspace
+    seen = {}
+
+    def fake_run(model_dir, plan, **kwargs):
+        seen["plan"], seen["block_size"] = plan, kwargs["block_size"]
+        raise SystemExit(0)
+
+    monkeypatch.setattr(serving, "vllm_unavailable_reason", lambda import_it=False: None)
+    monkeypatch.setattr(serving, "run", fake_run)
+    args = ["serving-bench", "--model", model, "-m", "radar+adaptive", "-m", "quest", "--budget", "512", "--block-size", "32",
+            "--segment", "4", "--context", "256", "--steps", "4", "--out", str(tmp_path / "bench.json")]  # fmt: skip
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    sparse = [r for r in seen["plan"] if r.label not in ("stock", "stock float32", "dense")]
+    assert [(r.label, r.method) for r in sparse] == [
+        ("radar+adaptive (512), 4-token segments", {"method": "radar+adaptive", "budget": 512, "segment": 4}),
+        ("quest (512), 4-token segments", {"method": "quest", "budget": 512, "segment": 4})]
+    assert seen["block_size"] == 32

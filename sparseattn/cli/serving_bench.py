@@ -39,6 +39,8 @@ def serving_bench(
                                 "(prefix caching; a labelled extra row per run)"),
     kv_cache_gib: int = typer.Option(3, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE; twice this for stock float32)"),
     block_size: int | None = typer.Option(None, help="vLLM's page size (default: vLLM's, 128 on CPU): the paged engine's segment"),
+    segment: int | None = typer.Option(None, help="tokens per segment inside a page for every --method (a divisor of the block "
+                                       "size, e.g. 4: radar+adaptive's grid at 4-8k tokens); default: a page is a segment"),
     yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
                                       "hf_overrides), for contexts beyond the trained window: untrained, every row is labelled so"),
     out: Path | None = typer.Option(None, help="the JSON, rewritten after every round (default: results/serving-c<context>-b<batch>.json)"),
@@ -64,6 +66,11 @@ def serving_bench(
         raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
     if block_size is not None and (block_size < 32 or block_size % 32):
         raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 32 (vLLM's CPU attention backend takes MultipleOf(32))")
+    if segment is not None:
+        check_range("--segment", segment, 1)
+        page = block_size or 128  # vLLM's CPU default
+        if page % segment:
+            raise bad("--segment", f"{segment} does not divide the block size {page}; allowed: a divisor of --block-size")
     if yarn is not None and not yarn > 1:
         raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
     methods: dict[str, dict] = {}
@@ -73,6 +80,9 @@ def serving_bench(
             raise bad("--method", f"{spec!r}: the plugin's dense path is always run (the reference); give sparse methods")
         if config == {"method": config["method"], "budget": budget}:
             label = f"{config['method']} ({budget})"
+        if segment is not None:  # the paged engine's setting beside the method, as `sparseattn serve --segment`
+            config["segment"] = segment
+            label = f"{label}, {segment}-token segments"
         if label in methods:
             raise bad("--method", f"{label} given twice; each method once")
         methods[label] = config
@@ -101,7 +111,7 @@ def serving_bench(
 
     args = {"model": model, "method": method, "budget": budget, "context": context, "batch": batch, "steps": steps, "runs": runs,
             "held": held, "texts": texts, "dtype": dtype, "float32": float32, "shared": shared, "kv_cache_gib": kv_cache_gib,
-            "block_size": block_size, "yarn": yarn, "out": out}  # fmt: skip
+            "block_size": block_size, "segment": segment, "yarn": yarn, "out": out}  # fmt: skip
 
     def checkpoint(machine, rows, complete=False):
         serving.write(out, machine, str(info.directory), args, rows, complete=complete)
