@@ -26,11 +26,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from sparseattn.backends.cpu_kernels import DTYPE_CODES, build_library, build_refusal
+from sparseattn.allocations.pooled import PooledMass
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.minmax import MinMaxBound
@@ -75,6 +77,8 @@ def _library() -> ctypes.CDLL:
         ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, f32, f32, ptr, i64, ptr, ptr, i64, i64, ptr,
         ptr, ptr, i32,
     ]  # fmt: skip
+    lib.sa_paged_pooled_split.restype = ctypes.c_int
+    lib.sa_paged_pooled_split.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i32]
     lib.sa_paged_invalidate.restype = None
     lib.sa_paged_invalidate.argtypes = [ptr, i64, i64, ptr, i64]
     lib.sa_paged_float16_supported.restype = ctypes.c_int
@@ -249,6 +253,25 @@ def fused_decode(
     return out, selected
 
 
+class _Scratch(threading.local):
+    """The split step's scratch between its C calls, one set per thread, reused by every layer and step: a fresh
+    tensor per call (the shortlist's logits are megabytes at 8k x 8) would be new pages for the kernel to fault in
+    every time, and one set per layer would hold those megabytes 30 times. Each buffer grows to the largest step seen."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n = math.prod(shape)
+        have = self.buffers.get(name)
+        if have is None or have.numel() < n or have.dtype != dtype:
+            have = self.buffers[name] = torch.empty(n, dtype=dtype)
+        return have[:n].view(shape)
+
+
+_SCRATCH = _Scratch()
+
+
 def split_decode(
     policy: PagedPolicy, store: PageStore, kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan, out: torch.Tensor | None = None, r: int = 1,
@@ -283,11 +306,11 @@ def split_decode(
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     dtype = DTYPE_CODES[kv_cache.dtype]
-    coarse = torch.empty(B, H, G, S_max)
-    short = torch.empty(B, H, M_max, dtype=torch.int32)
-    exact = torch.empty(B, H, G, M_max)
-    always = torch.empty(B, H, G)
-    kept = torch.empty(B, H, M_max, G, bs)
+    coarse = _SCRATCH.get("coarse", (B, H, G, S_max))
+    short = _SCRATCH.get("short", (B, H, M_max), torch.int32)
+    exact = _SCRATCH.get("exact", (B, H, G, M_max))
+    always = _SCRATCH.get("always", (B, H, G))
+    kept = _SCRATCH.get("kept", (B, H, M_max, G, bs))
     status = lib.sa_paged_score(
         q.data_ptr(), kv_cache.data_ptr(), dtype, N, H, bs, D, r, G, B, table.data_ptr(), table.shape[1], lens.data_ptr(),
         rows.data_ptr(), float(scale), store.summary.data_ptr(), store.state.data_ptr(), S_max, M_max, coarse.data_ptr(),
@@ -300,9 +323,23 @@ def split_decode(
     for i, (sink_pages, n_cand, k, mm) in enumerate(rows.tolist()):
         if 0 < k < n_cand:
             groups.setdefault((sink_pages, n_cand, k, mm), []).append(i)
-    chosen = torch.zeros(B, H, Gs, S_max, dtype=torch.uint8)  # each selection's candidates (rows that do not select: none)
+    chosen = _SCRATCH.get("chosen", (B, H, Gs, S_max), torch.uint8).zero_()  # each selection's candidates (rows that do not select: none)
     grouped = q.view(B, H, G, D)
+    stage = m.select_stage
     for (sink_pages, n_cand, k, mm), members in groups.items():
+        if type(stage) is PooledMass and not shared and type(m.selector) is TopK and stage.width(k, n_cand) <= mm:
+            # PooledMass's plan in C on the same scores (its picks are the shortlist's best, as PageStep reads them
+            # off): the Python part below is its reference, and the tests hold the two steps' outputs equal.
+            w = stage.width(k, n_cand)
+            only = rows.clone()
+            only[[i for i in range(B) if i not in members], 2] = 0  # the other rows select nothing here
+            status = lib.sa_paged_pooled_split(
+                B, H, G, only.data_ptr(), coarse.data_ptr(), S_max, short.data_ptr(), exact.data_ptr(), M_max,
+                always.data_ptr(), w, min(stage.floor_count(k), w), chosen.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            if status:
+                raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
+            continue
         idx = torch.tensor(members)
         shortlist = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm])
 

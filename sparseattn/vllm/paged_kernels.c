@@ -381,6 +381,14 @@ static inline float ranked(float x) {
     return (bits & 0x7fffffffu) > 0x7f800000u ? -FLT_MAX : x;
 }
 
+/* x, or the lowest number for a NaN or an infinity (a head whose scores are not finite keeps its floor and takes
+ * none of the layer's slots, as PooledMass ranks it). */
+static inline float finite_or_lowest(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x7f800000u) == 0x7f800000u ? -FLT_MAX : x;
+}
+
 /* The k (1 <= k <= n) largest of x[0..n) into out, in no particular order (ties at the k-th value: the earlier
  * indices), O(n): the k-th largest by quickselect on copies (v, w: scratch of n), whose partitions are branch-free
  * stores (a branch per value mispredicts half the time on scores in no order), then one pass collects. For a
@@ -897,6 +905,96 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
             for (int64_t g = 0; g < G; ++g) always[(b * H + h) * G + g] = run[2 * g] + logf(run[2 * g + 1]);
         }
         free(qs); free(gs); free(vals); free(spare); free(shifted); free(tops); free(ix); free(slot); free(order); free(lg); free(row); free(run);
+    }
+    return status;
+}
+
+/*
+ * PooledMass's split of each selecting row's candidates between its KV heads' query heads, from sa_paged_score's
+ * outputs (the Python part, sparseattn.allocations.PooledMass.plan on the Shortlist's scores, is the reference;
+ * the split step runs this when the policy's allocation is exactly PooledMass and each query head selects).
+ * Per row b with 0 < k < n_cand and per (h, g): the Shortlist's scores are the coarse ones shifted below the
+ * smallest exact mass (shift = max coarse - min exact, at least 0, plus 1) with the shortlist's exact masses in
+ * place; log_total = log(sum exp(scores) + exp(always)); the w best (w <= m: the shortlist's w best exact masses)
+ * are listed with their shares exact - log_total (NaN: the lowest); each (h, g) takes its `floor` best, then the
+ * row the H G k largest shares of the rest (at most H G w). chosen[b, h, g, i] = 1 for each candidate taken (else
+ * left as it was: the caller zeroes it). Scratch per row: shares of H G w, and a candidate's n_cand.
+ */
+int sa_paged_pooled_split(int64_t B, int64_t H, int64_t G, const int32_t *plan, const float *coarse, int64_t S_max,
+                          const int32_t *short_ix, const float *exact, int64_t M_max, const float *always, int64_t w,
+                          int64_t floor_n, uint8_t *chosen, int threads) {
+    if (B < 0 || H < 1 || G < 1 || S_max < 1 || M_max < 1 || w < 1 || floor_n < 0 || floor_n > w) return SA_BAD_PLAN;
+    for (int64_t b = 0; b < B; ++b) {
+        const int32_t *pl = plan + b * 4;
+        if (pl[2] > 0 && pl[2] < pl[1] && (pl[1] > S_max || pl[3] > M_max || w > pl[3] || (int64_t)pl[2] * H * G < 1)) return SA_BAD_PLAN;
+    }
+#ifdef _OPENMP
+    if (threads < 1) threads = 1;
+#endif
+    int status = SA_OK;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t n_share = H * G * w;
+        float *share = malloc(sizeof(float) * (size_t)n_share), *v = malloc(sizeof(float) * (size_t)(n_share > M_max ? n_share : M_max));
+        float *spare = malloc(sizeof(float) * (size_t)(n_share > M_max ? n_share : M_max));
+        int64_t *place = malloc(sizeof(int64_t) * (size_t)n_share); /* each listed share's candidate */
+        int64_t *pick = malloc(sizeof(int64_t) * (size_t)(n_share > M_max ? n_share : M_max));
+        uint8_t *is_short = calloc((size_t)S_max, 1);
+        const int ok = share && v && spare && place && pick && is_short;
+        if (!ok) {
+#pragma omp atomic write
+            status = SA_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; ++b) {
+            if (!ok) continue;
+            const int32_t *pl = plan + b * 4;
+            const int64_t n_cand = pl[1], k = pl[2], mm = pl[3];
+            if (!(k > 0 && k < n_cand)) continue;
+            for (int64_t h = 0; h < H; ++h) {
+                const int32_t *sh = short_ix + (b * H + h) * M_max;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *cs = coarse + ((b * H + h) * G + g) * S_max;
+                    const float *ex = exact + ((b * H + h) * G + g) * M_max;
+                    float top = -FLT_MAX, low = FLT_MAX;
+                    for (int64_t i = 0; i < n_cand; ++i) top = cs[i] > top ? cs[i] : top;
+                    for (int64_t s = 0; s < mm; ++s) low = ex[s] < low ? ex[s] : low;
+                    const float shift = (top - low > 0.f ? top - low : 0.f) + 1.f;
+                    /* log-sum-exp of the Shortlist's scores: the coarse ones shifted (the shortlisted ones' in
+                     * their place are their exact masses), in float32 as torch computes it. */
+                    float mx = low; /* every exact mass is above every shifted coarse score */
+                    for (int64_t s = 0; s < mm; ++s) mx = ex[s] > mx ? ex[s] : mx;
+                    for (int64_t s = 0; s < mm; ++s) is_short[sh[s]] = 1;
+                    float sum = 0.f;
+                    for (int64_t i = 0; i < n_cand; ++i) sum += is_short[i] ? 0.f : expf((cs[i] - shift) - mx);
+                    for (int64_t s = 0; s < mm; ++s) sum += expf(ex[s] - mx), is_short[sh[s]] = 0;
+                    float log_total = mx + logf(sum > 0.f ? sum : FLT_MIN);
+                    const float al = always[(b * H + h) * G + g];
+                    log_total = log_total > al ? log_total + log1pf(expf(al - log_total)) : al + log1pf(expf(log_total - al));
+                    /* The w best exact masses of the shortlist (all of it when w == m), each a share. */
+                    int64_t *listed = pick;
+                    if (w < mm) top_k_set(ex, mm, w, listed, v, spare);
+                    else
+                        for (int64_t s = 0; s < mm; ++s) listed[s] = s;
+                    float *row = share + (h * G + g) * w;
+                    for (int64_t j = 0; j < w; ++j) {
+                        row[j] = finite_or_lowest(ex[listed[j]] - log_total);
+                        place[(h * G + g) * w + j] = sh[listed[j]];
+                    }
+                    if (floor_n > 0) { /* the row's floor best first: pushed above every share */
+                        top_k_set(row, w, floor_n, listed, v, spare);
+                        for (int64_t j = 0; j < floor_n; ++j) row[listed[j]] = FLT_MAX;
+                    }
+                }
+            }
+            const int64_t total = k * H * G < n_share ? k * H * G : n_share;
+            top_k_set(share, n_share, total, pick, v, spare);
+            for (int64_t j = 0; j < total; ++j) {
+                const int64_t at = pick[j], hg = at / w;
+                chosen[((b * H) * G + hg) * S_max + place[at]] = 1;
+            }
+        }
+        free(share); free(v); free(spare); free(place); free(pick); free(is_short);
     }
     return status;
 }
