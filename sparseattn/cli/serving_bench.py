@@ -68,7 +68,9 @@ def serving_bench(
         raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 32 (vLLM's CPU attention backend takes MultipleOf(32))")
     if segment is not None:
         check_range("--segment", segment, 1)
-        page = block_size or 128  # vLLM's CPU default
+        from sparseattn.evaluation.vllm_ppl import DEFAULT_BLOCK_SIZE
+
+        page = block_size or DEFAULT_BLOCK_SIZE  # vLLM's CPU default
         if page % segment:
             raise bad("--segment", f"{segment} does not divide the block size {page}; allowed: a divisor of --block-size")
     if yarn is not None and not yarn > 1:

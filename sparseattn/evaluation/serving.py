@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparseattn.evaluation.vllm_ppl import DEFAULT_BLOCK_SIZE
 from sparseattn.machine import cpu_model
 
 #: Run labels every comparison has.
@@ -487,7 +488,7 @@ def run(
     if longest + max(steps + 1, len(rows_in[0].question) + ANSWER_TOKENS) > max_len:
         raise ValueError(f"a prompt of {longest} tokens does not fit {max_len} positions: the margin is too small")
     info = machine_info()
-    page = block_size or 128
+    page = block_size or DEFAULT_BLOCK_SIZE
     head = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     info["attention_isa"] = {d: attention_isas(d, page, head) for d in sorted({dtype, *(["float32"] if any(r.engine == STOCK_F32 for r in runs) else [])})}
     say(f"machine: {info.get('cpu')} ({', '.join(info.get('isa', []))}); vLLM {info['vllm']}; attention ISA {json.dumps(info['attention_isa'])}")

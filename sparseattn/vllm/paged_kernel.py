@@ -332,7 +332,9 @@ def split_decode(
             # off): the Python part below is its reference, and the tests hold the two steps' outputs equal.
             w = stage.width(k, n_cand)
             only = rows.clone()
-            only[[i for i in range(B) if i not in members], 2] = 0  # the other rows select nothing here
+            others = torch.ones(B, dtype=torch.bool)
+            others[members] = False
+            only[others, 2] = 0  # the other rows select nothing here
             status = lib.sa_paged_pooled_split(
                 B, H, G, only.data_ptr(), coarse.data_ptr(), S_max, short.data_ptr(), exact.data_ptr(), M_max,
                 always.data_ptr(), w, min(stage.floor_count(k), w), chosen.data_ptr(), torch.get_num_threads(),
