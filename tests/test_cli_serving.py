@@ -51,6 +51,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "always-kept part": (serve + ["-m", "radar+h2o", "--budget", "512"], ["'--method'", "always-kept", "not supported in vLLM"]),
         "bad dtype": (serve + ["--dtype", "float8"], ["'--dtype'", "'float8'", "bfloat16, float16, float32"]),
         "segment 0": (serve + ["--segment", "0"], ["'--segment'", "0 is out of range", ">= 1"]),
+        "segment a word": (serve + ["--segment", "pages"], ["'--segment'", "'pages' is not allowed", "auto, page or a number"]),
         "port 0": (serve + ["--port", "0"], ["'--port'", "0 is out of range", "from 1 to 65535"]),
         "memory fraction 0": (serve + ["--memory-fraction", "0"], ["'--memory-fraction'", "0.0 is out of range", "at most 1"]),
         "model len beyond the window": (serve + ["--max-model-len", "5000", "--dry-run"],
@@ -74,7 +75,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "bench budget 0": (bench + ["--budget", "0"], ["'--budget'", "0 is out of range"]),
         "bench dense as a method": (bench + ["-m", "dense"], ["'--method'", "dense path is always run"]),
         "bench eviction method": (bench + ["-m", "snapkv"], ["'--method'", "cannot run in vLLM"]),
-        "bench method twice": (bench + ["-m", "quest", "-m", "quest:budget=1024"], ["'--method'", "quest (1024) given twice"]),
+        "bench method twice": (bench + ["-m", "quest", "-m", "quest:budget=1024"], ["'--method'", "quest (1024), 16-token segments given twice"]),
         "bench out not json": (bench + ["--out", "table.txt"], ["'--out'", "not a .json file"]),
         "bench dtype": (bench + ["--dtype", "float16"], ["'--dtype'", "'float16' is not allowed", "bfloat16, float32"]),
         "bench yarn 1": (bench + ["--yarn", "1"], ["'--yarn'", "1.0 is out of range", "> 1"]),
@@ -92,6 +93,7 @@ def dry_runs(model: str) -> dict[str, list[str]]:
     cases = {
         "radar+": ["serve", "--model", model, "-m", "radar+", "--budget", "1024", "--dry-run"],
         "the default method with segments": ["serve", "--model", model, "--budget", "512", "--segment", "4", "--dry-run"],
+        "the default method on pages": ["serve", "--model", model, "--budget", "512", "--segment", "page", "--dry-run"],
         "quest with options": ["serve", "--model", model, "-m", "quest:sinks=128", "--budget", "512", "--port", "8123",
                                "--host", "0.0.0.0", "--name", "tiny", "--kv-cache-gib", "2", "--dry-run", "--",
                                "--max-num-seqs", "8"],
@@ -149,9 +151,12 @@ def test_dry_run_prints_vllms_server_with_the_method_as_additional_config(worksp
     assert env == {}
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert _option(argv, "--model") == model
-    assert json.loads(_option(argv, "--additional-config")) == {"sparseattn": {"method": "radar+", "budget": 1024}}
+    # By default the method runs on its own grid: the engine resolves "auto" for its pages and longest sequence.
+    assert json.loads(_option(argv, "--additional-config")) == {"sparseattn": {"method": "radar+", "budget": 1024, "segment": "auto"}}
     _, segmented = _server_argv(results["dry run: the default method with segments"])
     assert json.loads(_option(segmented, "--additional-config")) == {"sparseattn": {"method": "radar+adaptive", "budget": 512, "segment": 4}}
+    _, pages = _server_argv(results["dry run: the default method on pages"])
+    assert json.loads(_option(pages, "--additional-config")) == {"sparseattn": {"method": "radar+adaptive", "budget": 512}}
     assert _option(argv, "--dtype") == "bfloat16"
     assert _option(argv, "--max-model-len") == "4096"  # the model's positions
     assert _option(argv, "--served-model-name") == model
@@ -162,7 +167,7 @@ def test_dry_run_passes_spec_options_server_options_and_what_follows_the_double_
     env, argv = _server_argv(results["dry run: quest with options"])
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
     config = json.loads(_option(argv, "--additional-config"))
-    assert config == {"sparseattn": {"method": "quest", "sinks": 128, "budget": 512}}
+    assert config == {"sparseattn": {"method": "quest", "sinks": 128, "budget": 512, "segment": "auto"}}
     assert (_option(argv, "--host"), _option(argv, "--port"), _option(argv, "--served-model-name")) == ("0.0.0.0", "8123", "tiny")
     assert argv[-2:] == ["--max-num-seqs", "8"]
 
@@ -172,7 +177,10 @@ def test_the_dry_run_config_is_what_the_plugin_reads(results):
 
     _, argv = _server_argv(results["dry run: quest with options"])
     request = request_from(json.loads(_option(argv, "--additional-config")), {})
-    assert (request.name, request.options) == ("quest", {"sinks": 128, "budget": 512})
+    assert (request.name, request.options, request.segment) == ("quest", {"sinks": 128, "budget": 512}, "auto")
+    # what the engine then runs: Quest's own 16-token pages inside a 32-token page, at any length
+    assert request.policy(block_size=32, length=4096).segment == 16
+    assert request.policy(block_size=16, length=4096).segment is None
 
 
 @pytest.mark.skipif(DEFAULT_DIR is None, reason="the default model is not available here")
@@ -199,9 +207,17 @@ def test_the_runs_are_stock_first_then_the_plugins_dense_path_then_each_method()
     assert [r.label for r in plan_runs({}, float32=True)] == ["stock", "stock float32", "dense"]
 
 
-def test_the_benchmarks_segment_goes_to_every_methods_plugin_config(workspace, monkeypatch, tmp_path):
-    """``serving-bench --segment 4``: each sparse run's ``additional_config`` carries the paged engine's segment
-    (what ``sparseattn serve --segment`` sets), and its label says so; the engines' run itself is replaced."""
+@pytest.mark.parametrize("segment, expected", [
+    (["--segment", "4"], [("radar+adaptive (512), 4-token segments", 4), ("quest (512), 4-token segments", 4)]),
+    # the default, "auto": each method's own grid at the engine's longest sequence (256 + 32 + 32 = 320 tokens:
+    # sqrt(320) / 16 -> 1 token for radar+adaptive), Quest's 16-token pages
+    ([], [("radar+adaptive (512), 1-token segments", 1), ("quest (512), 16-token segments", 16)]),
+    (["--segment", "page"], [("radar+adaptive (512)", None), ("quest (512)", None)]),
+], ids=["4", "auto", "page"])  # fmt: skip
+def test_the_benchmarks_segment_goes_to_every_methods_plugin_config(workspace, monkeypatch, tmp_path, segment, expected):
+    """``serving-bench --segment``: each sparse run's ``additional_config`` carries the paged engine's segment
+    (what ``sparseattn serve --segment`` sets; "auto" resolved as the engine would), and its label says so; the
+    engines' run itself is replaced."""
     from typer.testing import CliRunner
 
     from sparseattn.cli import app
@@ -217,11 +233,11 @@ def test_the_benchmarks_segment_goes_to_every_methods_plugin_config(workspace, m
     monkeypatch.setattr(serving, "vllm_unavailable_reason", lambda import_it=False: None)
     monkeypatch.setattr(serving, "run", fake_run)
     args = ["serving-bench", "--model", model, "-m", "radar+adaptive", "-m", "quest", "--budget", "512", "--block-size", "32",
-            "--segment", "4", "--context", "256", "--steps", "4", "--out", str(tmp_path / "bench.json")]  # fmt: skip
+            *segment, "--context", "256", "--steps", "4", "--out", str(tmp_path / "bench.json")]  # fmt: skip
     done = CliRunner().invoke(app, args)
     assert done.exit_code == 0, done.output
     sparse = [r for r in seen["plan"] if r.label not in ("stock", "stock float32", "dense")]
+    methods = [{"method": "radar+adaptive", "budget": 512}, {"method": "quest", "budget": 512}]
     assert [(r.label, r.method) for r in sparse] == [
-        ("radar+adaptive (512), 4-token segments", {"method": "radar+adaptive", "budget": 512, "segment": 4}),
-        ("quest (512), 4-token segments", {"method": "quest", "budget": 512, "segment": 4})]
+        (label, method if own is None else {**method, "segment": own}) for (label, own), method in zip(expected, methods)]
     assert seen["block_size"] == 32

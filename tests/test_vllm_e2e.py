@@ -135,8 +135,8 @@ def test_requests_arriving_while_others_decode_with_prefix_caching_give_stock_to
     assert tokens == stock
 
 
-@pytest.mark.parametrize("method, engine", [("radar+", {}), ("radar+adaptive", {}), ("radar+adaptive", {"segment": 4})],
-                         ids=["radar+", "radar+adaptive", "radar+adaptive-segment4"])
+@pytest.mark.parametrize("method, engine", [("radar+", {}), ("radar+adaptive", {}), ("radar+adaptive", {"segment": "auto"})],
+                         ids=["radar+", "radar+adaptive", "radar+adaptive-own-grid"])
 def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts, method, engine):
     """radar+ keeps page summaries per physical block (radar+adaptive also each page's key and value sums, for
     its merged rest). In a cache of 64 blocks of 32 tokens (65: vLLM keeps
@@ -145,7 +145,8 @@ def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts, met
     run (fresh blocks), not those of summaries left over from the other request. At budget 512 (16 pages of
     the ~55) the selection depends on every summary. radar+adaptive runs a method per layer (layer 0 without
     the merged rest), per-head page counts and the merged rest: every decode step answered, none fallen back;
-    with ``segment`` 4, eight segments per page, each with its own summary and sums."""
+    with ``segment`` "auto" (``sparseattn serve``'s default), its own grid at 2048 tokens: sqrt(2048) / 16 -> 2-token
+    segments, sixteen per page, each with its own summary and sums."""
     from vllm import LLM, SamplingParams
 
     again, other = token_prompts[5][:1700], token_prompts[4][:1500]
@@ -159,6 +160,8 @@ def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts, met
         del llm
     text = log.read_text()
     assert f"first decode step answered by the paged engine ({method}:budget=512)" in text, text[-3000:]
+    grid = "2-token segments" if engine else "whole pages"
+    assert f"in the paged engine on {grid} of 32-token pages" in text, text[-3000:]
     assert "fell back to vLLM's dense kernel" not in text, text[-3000:]
     assert runs[1] != runs[0]  # two different texts: a wrong reuse of the first one's summaries could show
     assert runs[2] == runs[0]

@@ -7,12 +7,14 @@ SegmentSearchState outputs on the same tokens.
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from sparseattn import registry
 from sparseattn.methods.base import LayerSpec
+from sparseattn.methods.layers import SplitLayers
 from sparseattn.methods.rest import MergedRest
 from sparseattn.testing import assert_close
 from sparseattn.vllm.config import MethodRequest, parse_spec, request_from
@@ -346,6 +348,36 @@ def test_the_engines_segment_is_read_beside_the_method_and_checked():
             request_from({"sparseattn": {"method": "quest", "segment": bad}}, {})
     with pytest.raises(ValueError, match="segment 12 does not divide the block size 32"):
         PagedPolicy(request.build(), "r", 12).segments_per_page(32)
+
+
+def test_segment_auto_is_the_methods_own_grid_rounded_to_a_divisor_of_the_page():
+    """``"auto"`` (``sparseattn serve``'s default) runs a method on its schedule's segment at the engine's longest
+    sequence, rounded down to a divisor of the page: the transformers engine's grid where the pages allow it."""
+    from sparseattn.vllm.paged import own_segment
+
+    for name, aspect in (("radar+adaptive", 16), ("radar+", 8)):
+        method = registry.build(name, budget=512)
+        for length in (300, 1024, 4096, 8192, 65536, 300_000):
+            own = math.isqrt(length) // aspect  # the transformers grid at this length (SqrtSchedule)
+            for page in (16, 32, 128):
+                got = own_segment(method, length, page)
+                want = max(d for d in range(1, min(max(own, 1), page) + 1) if page % d == 0)
+                assert got == (None if want == page else want), (name, length, page)
+    assert own_segment(registry.build("streamingllm", budget=512), 8192, 32) is None
+    # a per-layer method: its layers' finest grid
+    coarse, fine = registry.build("radar+", budget=512), registry.build("radar+", budget=512, aspect=16.0)
+    assert own_segment(SplitLayers(coarse, fine), 8192, 32) == own_segment(SplitLayers(fine, coarse), 8192, 32) == 4
+    assert own_segment(registry.build("radar+", budget=512, first_layers=1), 8192, 32) == 8
+    request = request_from({"sparseattn": {"method": "radar+adaptive", "budget": 512, "segment": "AUTO"}}, {})
+    assert request.segment == "auto"
+    assert request.policy(block_size=32, length=8192).segment == 4
+    assert request.policy(block_size=128, length=65536).segment == 16
+    with pytest.raises(ValueError, match="segment 'auto' needs the engine's block size"):
+        request.policy()
+    page = request_from({"sparseattn": {"method": "radar+adaptive", "budget": 512, "segment": "page"}}, {})
+    assert page.policy().segment is None
+    with pytest.raises(ValueError, match="own_segment: length and block_size must be >= 1"):
+        own_segment(request.build(), 0, 32)
 
 
 def test_page_summaries_are_kept_and_invalidated_by_writes():

@@ -81,6 +81,27 @@ def check_range(option: str, value: float | None, low: float, high: float | None
     raise bad(option, f"{_number(value)} is out of range; allowed: {allowed}")
 
 
+#: ``--segment``'s help, for ``serve`` and ``serving-bench``.
+SEGMENT_HELP = ("the paged engine's segments inside vLLM's pages: auto (the method's own grid at the longest sequence, e.g. "
+                "radar+adaptive's 4 tokens at 8k), page (a page is a segment: fastest, coarser), or a number of tokens "
+                "dividing the block size")
+
+
+def segment_choice(value: str, option: str = "--segment") -> int | str | None:
+    """``--segment`` as the plugin's config takes it: ``"auto"``, None for ``"page"``, or a number of tokens (>= 1).
+
+    >>> segment_choice("auto"), segment_choice("page"), segment_choice("4")
+    ('auto', None, 4)
+    """
+    word = value.strip().lower()
+    if word in ("auto", "page"):
+        return None if word == "page" else word
+    if not word.isdigit():
+        raise bad(option, f"{value!r} is not allowed; allowed: auto, page or a number of tokens dividing the block size")
+    check_range(option, int(word), 1)
+    return int(word)
+
+
 def _number(value: float) -> str:
     """``150`` for 150.0 and for 150 (however large), ``2.5`` for 2.5."""
     return str(int(value)) if float(value).is_integer() else f"{value:g}"

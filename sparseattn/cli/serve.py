@@ -19,7 +19,8 @@ import sys
 
 import typer
 
-from sparseattn.cli.common import MODEL, bad, check_dtype, check_range, inspect_model, refuse, vllm_method
+from sparseattn.cli.common import (MODEL, SEGMENT_HELP, bad, check_dtype, check_range, inspect_model, refuse, segment_choice,
+                                   vllm_method)
 
 #: vLLM's OpenAI-compatible server, run as a module (see the module docstring).
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -38,8 +39,7 @@ def serve(
                                "(`sparseattn methods`; the recommended radar+adaptive, dense, quest, radar+, ...)"),
     budget: int | None = typer.Option(None, help="past KV tokens a decode step may attend (>= 1), unless the spec sets "
                                       "budget or top_k"),
-    segment: int | None = typer.Option(None, help="tokens per segment inside vLLM's pages (a divisor of its block size, "
-                                       "e.g. 4 of 32: the recommended method's grid at 4-8k tokens); default: a page is a segment"),
+    segment: str = typer.Option("auto", help=SEGMENT_HELP),
     model: str = MODEL,
     max_model_len: int | None = typer.Option(None, help="longest sequence served, prompt and answer (default: the model's positions)"),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32"),
@@ -55,14 +55,14 @@ def serve(
 ) -> None:
     """Serve a model through vLLM's OpenAI-compatible server with a sparseattn method deciding what decode attends.
 
-    Example: sparseattn serve --budget 1024 --segment 4 -- --block-size 32 --max-num-seqs 8
+    Example: sparseattn serve --budget 512 -- --block-size 32 --max-num-seqs 8
     """
     from sparseattn.evaluation.serving import vllm_unavailable_reason
 
-    check_range("--segment", segment, 1)
+    chosen = segment_choice(segment)
     label, config = vllm_method(method, budget)
-    if segment is not None:
-        config["segment"] = segment  # the paged engine's, beside the method (checked against the block size at start-up)
+    if chosen is not None:  # the paged engine's, beside the method (checked against the block size, "auto" resolved, at start-up)
+        config["segment"] = chosen
     check_dtype(dtype, DTYPES)
     check_range("--port", port, 1, 65535)
     check_range("--kv-cache-gib", kv_cache_gib, 1)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import typer
 
-from sparseattn.cli.common import (MODEL, bad, check_out, check_positions, check_range, inspect_model, read_text,
-                                   refuse, vllm_method, wrote)
+from sparseattn.cli.common import (MODEL, SEGMENT_HELP, bad, check_out, check_positions, check_range, inspect_model,
+                                   read_text, refuse, segment_choice, vllm_method, wrote)
 from sparseattn.cli.consoles import console
 
 
@@ -39,8 +39,7 @@ def serving_bench(
                                 "(prefix caching; a labelled extra row per run)"),
     kv_cache_gib: int = typer.Option(3, help="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE; twice this for stock float32)"),
     block_size: int | None = typer.Option(None, help="vLLM's page size (default: vLLM's, 128 on CPU): the paged engine's segment"),
-    segment: int | None = typer.Option(None, help="tokens per segment inside a page for every --method (a divisor of the block "
-                                       "size, e.g. 4: radar+adaptive's grid at 4-8k tokens); default: a page is a segment"),
+    segment: str = typer.Option("auto", help=SEGMENT_HELP + ", for every --method (as `sparseattn serve` runs it)"),
     yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
                                       "hf_overrides), for contexts beyond the trained window: untrained, every row is labelled so"),
     out: Path | None = typer.Option(None, help="the JSON, rewritten after every round (default: results/serving-c<context>-b<batch>.json)"),
@@ -66,13 +65,14 @@ def serving_bench(
         raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
     if block_size is not None and (block_size < 32 or block_size % 32):
         raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 32 (vLLM's CPU attention backend takes MultipleOf(32))")
-    if segment is not None:
-        check_range("--segment", segment, 1)
-        from sparseattn.evaluation.vllm_ppl import DEFAULT_BLOCK_SIZE
+    from sparseattn.evaluation.vllm_ppl import DEFAULT_BLOCK_SIZE
+    from sparseattn.vllm.config import AUTO, CONFIG_KEY, request_from
+    from sparseattn.vllm.paged import own_segment
 
-        page = block_size or DEFAULT_BLOCK_SIZE  # vLLM's CPU default
-        if page % segment:
-            raise bad("--segment", f"{segment} does not divide the block size {page}; allowed: a divisor of --block-size")
+    page = block_size or DEFAULT_BLOCK_SIZE  # vLLM's CPU default
+    chosen = segment_choice(segment)
+    if isinstance(chosen, int) and page % chosen:
+        raise bad("--segment", f"{chosen} does not divide the block size {page}; allowed: a divisor of --block-size")
     if yarn is not None and not yarn > 1:
         raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
     methods: dict[str, dict] = {}
@@ -82,9 +82,12 @@ def serving_bench(
             raise bad("--method", f"{spec!r}: the plugin's dense path is always run (the reference); give sparse methods")
         if config == {"method": config["method"], "budget": budget}:
             label = f"{config['method']} ({budget})"
-        if segment is not None:  # the paged engine's setting beside the method, as `sparseattn serve --segment`
-            config["segment"] = segment
-            label = f"{label}, {segment}-token segments"
+        own = chosen
+        if own == AUTO:  # resolved here, as the engine would (its page, its longest sequence), so the label can say it
+            own = own_segment(request_from({CONFIG_KEY: config}, {}).build(), serving.positions_needed(context, steps, held), page)
+        if own is not None:  # the paged engine's setting beside the method, as `sparseattn serve --segment`
+            config["segment"] = own
+            label = f"{label}, {own}-token segments"
         if label in methods:
             raise bad("--method", f"{label} given twice; each method once")
         methods[label] = config

@@ -27,34 +27,49 @@ from typing import Any
 
 from sparseattn import registry
 
-__all__ = ["CONFIG_KEY", "ENV_VAR", "MethodRequest", "current_request", "parse_spec", "request_from"]
+__all__ = ["AUTO", "CONFIG_KEY", "ENV_VAR", "PAGE", "MethodRequest", "current_request", "parse_spec", "request_from"]
 
 #: The key of vLLM's ``additional_config`` the plugin reads.
 CONFIG_KEY = "sparseattn"
 #: The environment variable the plugin reads when ``additional_config`` names no method.
 ENV_VAR = "SPARSEATTN_VLLM_METHOD"
+#: ``segment`` values that are not a number of tokens: the method's own grid, and a page per segment.
+AUTO, PAGE = "auto", "page"
 
 
 @dataclass(frozen=True)
 class MethodRequest:
     """A method name and the options given for it (the others keep the registry's defaults), and the paged
-    engine's ``segment``: tokens per segment inside vLLM's pages (None: a page is a segment; the dict form's
-    ``"segment"`` key, an engine setting rather than a method option).
+    engine's ``segment``: tokens per segment inside vLLM's pages (None or ``"page"``: a page is a segment;
+    ``"auto"``: the method's own grid at the engine's longest sequence, :func:`~sparseattn.vllm.paged.own_segment`,
+    what ``sparseattn serve`` asks for by default; the dict form's ``"segment"`` key, an engine setting rather
+    than a method option).
 
     >>> request_from({"sparseattn": {"method": "radar+adaptive", "budget": 512, "segment": 16}}, {}).segment
     16
+    >>> request = request_from({"sparseattn": {"method": "radar+adaptive", "budget": 512, "segment": "auto"}}, {})
+    >>> request.policy(block_size=32, length=8192).segment
+    4
     """
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
-    segment: int | None = field(default=None, repr=False)
+    segment: int | str | None = field(default=None, repr=False)
 
-    def policy(self) -> Any:
+    def policy(self, block_size: int | None = None, length: int | None = None) -> Any:
         """The method as the paged engine runs it (:class:`~sparseattn.vllm.paged.PagedPolicy`; ValueError saying
-        why when it cannot)."""
-        from sparseattn.vllm.paged import PagedPolicy
+        why when it cannot). ``block_size`` and ``length`` (the engine's page size and longest sequence) resolve
+        ``segment="auto"``; they are needed only then."""
+        from sparseattn.vllm.paged import PagedPolicy, own_segment
 
-        return PagedPolicy(self.build(), self.label, self.segment)
+        method = self.build()
+        segment = None if self.segment == PAGE else self.segment
+        if segment == AUTO:
+            if block_size is None or length is None:
+                raise ValueError(f"sparseattn method {self.label!r}: segment 'auto' needs the engine's block size and "
+                                 "longest sequence to pick the method's own grid")  # fmt: skip
+            segment = own_segment(method, length, block_size)
+        return PagedPolicy(method, self.label, segment)
 
     def check(self) -> registry.MethodEntry:
         """The registry entry, after the registry's checks of the name and options (ValueError otherwise)."""
@@ -89,11 +104,11 @@ def _request(parsed: registry.Spec) -> MethodRequest:
 def _from_config_value(value: Any) -> MethodRequest:
     if isinstance(value, Mapping) and "segment" in value:
         segment = value["segment"]
-        if isinstance(segment, str) and segment.strip().isdigit():
-            segment = int(segment)
-        if segment is not None and (isinstance(segment, bool) or not isinstance(segment, int) or segment < 1):
+        if isinstance(segment, str):
+            segment = int(segment) if segment.strip().isdigit() else segment.strip().lower()
+        if segment not in (None, AUTO, PAGE) and (isinstance(segment, bool) or not isinstance(segment, int) or segment < 1):
             raise ValueError(f'additional_config["{CONFIG_KEY}"]["segment"] must be a positive number of tokens (a divisor of '
-                             f"vLLM's block size) or null (a page), got {value['segment']!r}")
+                             f'vLLM\'s block size), "auto" (the method\'s own grid) or "page"/null (a page), got {value["segment"]!r}')
         rest = {k: v for k, v in value.items() if k != "segment"}
         request = _request(registry.parse(rest))
         return MethodRequest(request.name, request.options, segment)

@@ -47,7 +47,7 @@ from sparseattn.summaries.base import SegmentKeys, Shortlist, TopKAwareSummary
 
 __all__ = [
     "FP8_FORMATS", "KVFormat", "MergedPages", "PageKeys", "PageSelection", "PageStep", "PageSummaries", "PagedPolicy",
-    "attend_pages", "choose_pages", "merged_pages_ref", "page_layout", "page_sums", "page_views", "paged_decode",
+    "attend_pages", "choose_pages", "merged_pages_ref", "own_segment", "page_layout", "page_sums", "page_views", "paged_decode",
     "paged_decode_ref", "select_pages",
 ]
 
@@ -135,6 +135,36 @@ def page_layout(length: int, block_size: int, sinks: int, window: int, segment: 
         length=length, sinks=sink_pages * block_size, segment_size=segment,
         n_segments=(first_tail_page - sink_pages) * (block_size // segment),
     )
+
+
+def own_segment(method: Any, length: int, block_size: int) -> int | None:
+    """The segment the paged engine runs ``method`` on when none is given: the method's own grid.
+
+    The transformers engine cuts a sequence by the method's schedule (radar+adaptive: ``sqrt(t) /
+    16`` tokens, radar+: ``sqrt(t) / 8``, quest: 16); the paged engine keeps one segment size for a
+    cache's life, so it takes the schedule's segment at ``length`` (the longest sequence served: the
+    coarsest grid the method reaches there, the cheapest) and rounds it down to a divisor of the
+    page. None (a page is a segment) when that is the whole page, and for dense and streamingllm,
+    which read whole pages. A per-layer method takes its layers' finest grid.
+
+    >>> from sparseattn import registry
+    >>> [own_segment(registry.build(n, budget=512), 8192, 32) for n in ("radar+adaptive", "radar+", "quest", "radar")]
+    [4, 8, 16, 16]
+    >>> own_segment(registry.build("dense"), 8192, 32) is None
+    True
+    >>> own_segment(registry.build("radar+adaptive", budget=512), 8192, 128), own_segment(registry.build("radar+"), 1024, 32)
+    (4, 4)
+    """
+    if length < 1 or block_size < 1:
+        raise ValueError(f"own_segment: length and block_size must be >= 1, got {length} and {block_size}")
+    sizes = [
+        m.schedule.plan(length, None).segment_size for m in _layer_methods(method) if isinstance(m, SegmentSearch)
+    ]  # fmt: skip
+    if not sizes:
+        return None
+    own = min(min(sizes), block_size)
+    segment = max(d for d in range(1, own + 1) if block_size % d == 0)
+    return None if segment == block_size else segment
 
 
 @dataclass(frozen=True)

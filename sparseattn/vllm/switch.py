@@ -43,8 +43,8 @@ class MethodSwitch:
         if not builders:
             raise ValueError("this engine runs no sparseattn method, so it has none to switch: start it with one "
                              '(additional_config={"sparseattn": {"method": "dense"}})')  # fmt: skip
-        policy = request.policy()  # a method the paged engine cannot run raises here, before any change
-        for builder in builders:
+        policies = [builder.policy(request) for builder in builders]  # a method the engine cannot run raises here, before any change
+        for builder, policy in zip(builders, policies):
             builder.use(policy)
         return request.label
 
