@@ -139,8 +139,7 @@ def main() -> None:
         policy = PagedPolicy(built[name], name, segments[name]).for_layer(args.layer, 30)
         mode = fused_mode(policy)
         if mode is not None:
-            store = None if mode == FIXED else PageStore(cache.shape[0], H, D, mode, sums=policy.merged is not None,
-                                                                segments=policy.segments_per_page(bs))
+            store = None if mode == FIXED else PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
             plan = step_plan(policy, lens, bs)
             calls[f"fused {name}"] = (lambda p=policy, m=mode, s=store, pl=plan: fused_decode(
                 p, m, s, cache, query, table, lens, scale, plan=pl)[0])  # fmt: skip

@@ -6,6 +6,8 @@ its output is float64 attention over exactly those pages. Page summaries kept be
 by sequences (prefix caching) and invalidated by writes give what fresh summaries give.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from sparseattn.vllm.paged_kernel import (
     BOUND,
     FIXED,
     RERANK,
+    SPLIT,
     PageStore,
     StepPlan,
     fused_decode,
@@ -63,7 +66,7 @@ def build(name, options):
 
 def store_for(policy, cache):
     mode = fused_mode(policy)
-    return None if mode == FIXED else PageStore(cache.shape[0], cache.shape[1], cache.shape[3] // 2, mode)
+    return None if mode == FIXED else PageStore.for_policy(policy, mode, cache.shape[0], cache.shape[1], cache.shape[3] // 2, cache.shape[2])
 
 
 def candidate_sets(policy, cache, table, query, lens, bs):
@@ -209,8 +212,10 @@ def test_policies_the_kernel_does_not_know_keep_the_generic_path():
     from sparseattn.summaries import Centroid, Rerank
 
     assert fused_mode(PagedPolicy(registry.build("radar"), "radar")) is None
+    f16 = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(t.float16), per_group=True))
+    assert fused_mode(PagedPolicy(f16, "radar+f16")) is None
     bf16 = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(t.bfloat16), per_group=True))
-    assert fused_mode(PagedPolicy(bf16, "radar+bf16")) is None
+    assert fused_mode(PagedPolicy(bf16, "radar+bf16")) == SPLIT  # bf16 centroids: the split step's scoring only
     per_head = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(), per_group=False))
     assert fused_mode(PagedPolicy(per_head, "radar+per-head")) is None
     for split in ("uniform", "pooled"):  # the page-level prefilter: the C step scores every segment's centroid
@@ -246,6 +251,9 @@ SPLIT_POLICIES = [
     ("radar+", {"budget": 256, "rest": "merged", "merge": 4}),
     ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 3}),
     ("radar+", {"budget": 10**6, "split": "pooled", "rest": "merged"}),  # nothing to select: no rest
+    # bfloat16 centroids (stored so, scored in float32): the split step runs them, uniform top-k included
+    ("radar+", {"budget": 256, "bf16_centroids": True}),
+    ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 3, "bf16_centroids": True}),
 ]
 
 
@@ -255,17 +263,45 @@ SPLIT_POLICIES = [
 def test_the_split_step_gives_the_generic_paths_output(shape, name, options, dtype):
     """Per-head page counts and the merged rest in the fused kernel == the generic path (the policy's own parts in torch)."""
     from sparseattn.vllm.paged import paged_decode
-    from sparseattn.vllm.paged_kernel import SPLIT
 
     lengths, bs, H, G, D = shape
     policy, cache, table, query, lens = setup(name, options, lengths, bs, H, G, D, dtype)
     assert fused_mode(policy) == SPLIT
-    store = PageStore(cache.shape[0], H, D, SPLIT, sums=policy.merged is not None)
+    store = PageStore.for_policy(policy, SPLIT, cache.shape[0], H, D, bs)
     params, gen = policy.prepare(H, D, 0)
     want = paged_decode(policy, params, gen, cache, query.float(), table, lens, D**-0.5)
     for _ in range(2):  # summaries and sums computed, then kept
         got, _ = fused_decode(policy, SPLIT, store, cache, query, table, lens, D**-0.5)
         assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("bs, seg", [(16, None), (32, 4), (32, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_centroids_in_the_kernel_are_the_generic_paths_bit_for_bit(bs, seg, dtype):
+    """The C step's bfloat16 centroids are the ones ``Centroid(torch.bfloat16).summarize`` stores from the generic
+    path's scaled keys, every bit: a mean one bf16 step off would move a score by 0.4% of a coordinate and
+    could change the shortlist, so both engines must round alike. The float32 store, kept for contrast, is not bf16."""
+    from sparseattn.vllm.paged import PageSummaries
+
+    lengths, H, G, D = (700, 1000), 2, 3, 64
+    seed = int(torch.randint(0, 2**30, ()))
+    policy, cache, table, query, lens = setup("radar+", {"budget": 256, "bf16_centroids": True}, lengths, bs, H, G, D, dtype, seed)
+    policy = PagedPolicy(policy.method, "radar+bf16", seg)
+    r = policy.segments_per_page(bs)
+    store = PageStore.for_policy(policy, SPLIT, cache.shape[0], H, D, bs)
+    assert store.summary.dtype == torch.bfloat16
+    fused_decode(policy, SPLIT, store, cache, query, table, lens, D**-0.5)
+    plan = step_plan(policy, lens, bs).plan
+    for b in range(len(lengths)):
+        sink_pages, n_cand = int(plan[b, 0]), int(plan[b, 1])
+        blocks = table[b, sink_pages : sink_pages + n_cand // r].long()
+        assert bool(store.state[blocks].all())
+        summaries = PageSummaries(cache.shape[0], bs)
+        keys_t = cache.view(cache.shape[0], H, 2, bs * D)[:, :, 0].view(cache.shape[0], H, D, bs)
+        (want,) = summaries.get(policy.method.summary, None, keys_t, blocks[None], math.sqrt(D**-0.5), r)  # [1, H, P r, D]
+        got = store.summary[blocks].transpose(0, 1).flatten(1, 2)  # [H, P r, D]
+        assert want.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want[0].view(torch.int16)), f"seed {seed}"
 
 
 def test_the_split_steps_rest_changes_the_output_and_follows_writes():
@@ -311,7 +347,8 @@ SEGMENT_SHAPES = [
     # merge 4: every page in one block (r = 2 or 4), so the blocks sum the pages' own rows, and a whole page chosen leaves in one
     ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 4}),
     ("radar+", {"budget": 256, "split": "topp", "p": 0.9}), ("radar+", {"budget": 10**6}),
-], ids=["radar+", "quest", "pooled-merged", "pooled-merged-pages", "topp", "full-budget"])  # fmt: skip
+    ("radar+", {"budget": 192, "split": "pooled", "rest": "merged", "merge": 3, "bf16_centroids": True}),
+], ids=["radar+", "quest", "pooled-merged", "pooled-merged-pages", "topp", "full-budget", "bf16-centroids"])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_segments_inside_pages_in_the_fused_step_give_the_generic_paths_output(shape, name, options, dtype):
     """``PagedPolicy(segment=c)``: every fused mode scores, selects and attends c-token segments of the pages as the
@@ -326,12 +363,16 @@ def test_segments_inside_pages_in_the_fused_step_give_the_generic_paths_output(s
     lens = torch.tensor(lengths)
     mode = fused_mode(policy)
     assert mode is not None and mode != FIXED
-    store = PageStore(cache.shape[0], H, D, mode, sums=policy.merged is not None, segments=bs // seg)
+    # radar+ with uniform top-k runs the split step on segments (the faster there); RERANK, its mode on whole pages,
+    # must give the same output on segments too
+    uniform = mode == SPLIT and policy.method.allocation.uniform and policy.merged is None
     params, gen = policy.prepare(H, D, 0)
     want = paged_decode(policy, params, gen, cache, query.float(), table, lens, D**-0.5)
-    for _ in range(2):  # summaries computed, then kept
-        got, _ = fused_decode(policy, mode, store, cache, query, table, lens, D**-0.5)
-        assert_close(got, want, torch.float32)
+    for each in (mode, RERANK) if uniform else (mode,):
+        store = PageStore.for_policy(policy, each, cache.shape[0], H, D, bs)
+        for _ in range(2):  # summaries computed, then kept
+            got, _ = fused_decode(policy, each, store, cache, query, table, lens, D**-0.5)
+            assert_close(got, want, torch.float32)
 
 
 def test_a_store_for_whole_pages_is_refused_for_segments():

@@ -20,11 +20,14 @@ class Centroid:
 
     Args:
         dtype: storage of the mean keys; None keeps the compute dtype (float32, or float64 for
-            float64 inputs). ``torch.bfloat16`` halves the bytes a step reads to score every segment
-            (the scoring is a memory-bound matrix-vector product over all S centroids) and scores
-            in that dtype: each score is rounded to bf16 (8 bits of mantissa, a relative error below
-            0.4%), enough to shortlist (:class:`~sparseattn.summaries.Rerank` rescores the shortlist
-            exactly), not to bound: the Jensen bound holds up to that rounding.
+            float64 inputs). ``torch.bfloat16`` (or ``torch.float16``) halves the bytes a step reads
+            to score every segment (the scoring is a memory-bound pass over all S centroids): each
+            mean is taken in float64 and rounded to the storage dtype once (through float32, as torch
+            converts), and scored in the query's dtype from the stored values. The stored mean is off
+            by up to 0.4% of each coordinate (8 bits of mantissa), enough to shortlist
+            (:class:`~sparseattn.summaries.Rerank` rescores the shortlist exactly), not to bound: the
+            Jensen bound holds up to that rounding. vLLM's fused step stores and scores bfloat16
+            centroids the same way (``paged_kernels.c``, ``summarise_bf16``), so both engines rank alike.
     """
 
     dtype: torch.dtype | None = None
@@ -42,6 +45,8 @@ class Centroid:
         return None
 
     def summarize(self, params: None, keys: torch.Tensor) -> tuple[torch.Tensor]:
+        if self.dtype in (torch.bfloat16, torch.float16):  # one rounding of a float64 mean: reproducible in C
+            return (keys.to(torch.float64).mean(dim=-2).to(self.dtype),)
         means = keys.mean(dim=-2)
         return (means if self.dtype is None else means.to(self.dtype),)
 
@@ -54,5 +59,6 @@ class Centroid:
         segment_size: int,
     ) -> torch.Tensor:
         (centroids,) = summaries
-        products = queries.to(centroids.dtype) @ centroids.transpose(-1, -2)
-        return products.to(queries.dtype) + math.log(segment_size)
+        # Scored in the query's dtype: a bf16 product would round every score to 8 bits and tie many.
+        products = queries @ centroids.to(queries.dtype).transpose(-1, -2)
+        return products + math.log(segment_size)

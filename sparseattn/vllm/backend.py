@@ -62,7 +62,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from sparseattn.vllm.config import current_request, request_from
+from sparseattn.vllm.config import MethodRequest, current_request, request_from
 from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
 from sparseattn.vllm.paged_kernel import FIXED, PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
@@ -246,7 +246,13 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             raise ValueError("SparseCPUAttentionMetadataBuilder built with no sparseattn method requested (see sparseattn.vllm.config)")
         self.fallbacks = Fallbacks()
         self.n_layers = vllm_config.model_config.get_total_num_hidden_layers()
-        self.use(request.policy())
+        self.max_len = vllm_config.model_config.max_model_len  # the longest sequence: where segment "auto" reads the grid
+        self.use(self.policy(request))
+
+    def policy(self, request: MethodRequest) -> PagedPolicy:
+        """``request`` as this engine runs it: a segment of ``"auto"`` resolved for this engine's pages and longest
+        sequence (the method's own grid, :func:`~sparseattn.vllm.paged.own_segment`)."""
+        return request.policy(self.block_size, self.max_len)
 
     def use(self, policy: PagedPolicy) -> None:
         """Answer decode tokens with ``policy`` from the next step on (the engine's own method, or a switch).
@@ -261,7 +267,9 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if refusal is None and is_quantized_kv_cache(self.kv_cache_dtype):
             refusal = f"the fused kernel reads float32, bfloat16 and float16 pages, this cache is {self.kv_cache_dtype}"
         self.method = DecodeMethod.of(policy, self.n_layers, refusal)
-        logger.info_once("sparseattn: decode tokens run %r in the paged engine: %s%s", policy.name, self.method.describe(),
+        grid = "whole pages" if policy.segments_per_page(self.block_size) == 1 else f"{policy.segment}-token segments"
+        logger.info_once("sparseattn: decode tokens run %r in the paged engine on %s of %d-token pages: %s%s", policy.name,
+                         grid, self.block_size, self.method.describe(),
                          f" (the fused kernel cannot run: {refusal})" if refusal else "")  # fmt: skip
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> SparseCPUAttentionMetadata:
@@ -371,8 +379,11 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         if fused is not None:
             if fused != FIXED and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
-                self._store = PageStore(kv_cache.shape[0], self.num_kv_heads, self.head_size, fused, sums=policy.merged is not None,
-                                        segments=policy.segments_per_page(kv_cache.shape[2]))
+                self._store = PageStore.for_policy(policy, fused, kv_cache.shape[0], self.num_kv_heads, self.head_size, kv_cache.shape[2])
+                logger.info_once("sparseattn: the fused step's page store holds %.1f MiB per layer beside vLLM's KV cache "
+                                 "(%.0f%% of the layer's cache: summaries%s)", self._store.nbytes / 2**20,
+                                 100 * self._store.nbytes / (kv_cache.numel() * kv_cache.element_size()),
+                                 " and the merged rest's sums" if self._store.sums is not None else "")  # fmt: skip
             # Decode rows 0..n-1 of a float32 output: the kernel writes them in place.
             direct = rows is None and out.dtype == torch.float32 and out.is_contiguous()
             result, _ = fused_decode(policy, fused, self._store, kv_cache, q, step.table, step.lens, self.scale,

@@ -467,6 +467,35 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
     }
 }
 
+/* float32 -> the nearest bfloat16 (ties to even), as torch's conversion rounds (finite values: a mean of keys). */
+static inline uint16_t sa_float_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* The r segments of one page of one head as bfloat16 mean keys of the keys times key_root, r rows of D, exactly
+ * as Centroid(dtype=torch.bfloat16).summarize rounds them from the float32 scaled keys the generic path hands it:
+ * each product in float32, their mean in float64, rounded to float32 and then to bfloat16. */
+static void summarise_bf16(const sa_pages *c, int64_t block, int64_t h, float key_root, uint16_t *restrict s1,
+                           float *restrict row) {
+    const int64_t D = c->D, bs = c->bs, seg = c->seg;
+    const char *keys = page_keys(c, block, h);
+    for (int64_t d = 0; d < D; ++d) {
+        sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
+        for (int64_t u = 0; u < c->r; ++u) {
+            const float *x = row + u * seg;
+            double sum = 0.0;
+            for (int64_t j = 0; j < seg; ++j) {
+                const float scaled = x[j] * key_root;
+                sum += (double)scaled;
+            }
+            s1[u * D + d] = sa_float_to_bf16((float)(sum / (double)seg));
+        }
+    }
+}
+
 /*
  * One decode token per sequence. q: [B, H, G, D] float32 (unscaled); cache: [N, H, bs, 2 D] of dtype;
  * block_table: [B, bt_stride] int32 physical blocks; seq_lens: [B] int32 (the current token included);
@@ -779,12 +808,14 @@ static int64_t shortlist_slots(const int32_t *sh, int64_t mm, int64_t r, int64_t
  * their exact log masses logsumexp_j scale q . k_j, whose logits are kept in kept[B, H, M_max, G, bs], one whole
  * page per slot of shortlist_slots;
  * always[B, H, G] the log mass of the sinks' and the tail's tokens. Summaries as sa_paged_decode's (mode
- * SA_RERANK). Entries past a row's own counts are left as they were.
+ * SA_RERANK: float32 raw means, scored against q times scale), or with summary_bf16 the bfloat16 means of the keys
+ * times root (summarise_bf16: Centroid(dtype=torch.bfloat16)), scored in float32 against q times root (half the
+ * bytes of the scoring pass, which reads every candidate's row). Entries past a row's own counts are left as they were.
  */
 int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t r,
                    int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, const int32_t *plan,
-                   float scale, float *summary, uint8_t *state, int64_t S_max, int64_t M_max, float *coarse,
-                   int32_t *short_out, float *exact, float *always, float *kept, int threads) {
+                   float scale, void *summary_store, int summary_bf16, float root, uint8_t *state, int64_t S_max, int64_t M_max,
+                   float *coarse, int32_t *short_out, float *exact, float *always, float *kept, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
     if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r) return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
@@ -801,11 +832,17 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
 #ifdef _OPENMP
     if (threads < 1) threads = 1;
 #endif
+    float *summary = summary_bf16 ? NULL : (float *)summary_store;
+    uint16_t *summary16 = summary_bf16 ? (uint16_t *)summary_store : NULL;
+    const int64_t row_bytes = summary_bf16 ? 2 : (int64_t)sizeof(float);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < stale_n * H; ++i) {
         float row[4096];
         const int64_t blk = stale[i / H], h = i % H;
-        summarise(&c, SA_RERANK, blk, h, summary + (blk * H + h) * r * D, NULL, row);
+        if (summary_bf16)
+            summarise_bf16(&c, blk, h, root, summary16 + (blk * H + h) * r * D, row);
+        else
+            summarise(&c, SA_RERANK, blk, h, summary + (blk * H + h) * r * D, NULL, row);
     }
     free(stale);
     const float log_seg = logf((float)c.seg);
@@ -824,7 +861,8 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
         float *lg = malloc(sizeof(float) * (size_t)(G * bs));
         float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
         float *run = malloc(sizeof(float) * (size_t)G * 2); /* per row: running maximum, running sum */
-        const int ok = qs && gs && vals && spare && shifted && tops && ix && slot && order && lg && row && run;
+        float *qr = malloc(sizeof(float) * (size_t)(G * D)), *wide = malloc(sizeof(float) * (size_t)D); /* bf16 centroids */
+        const int ok = qs && gs && vals && spare && shifted && tops && ix && slot && order && lg && row && run && qr && wide;
         if (!ok) {
 #pragma omp atomic write
             status = SA_NO_MEMORY;
@@ -839,13 +877,32 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
             const int64_t pages = (L + bs - 1) / bs;
             const int32_t *table = block_table + b * bt_stride;
             for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
+            /* bf16 centroids hold the scaled keys' means: scored against the query times root (the generic path's
+             * q.root . mean(k.root)); float32 ones hold the raw means, scored against the query times scale. */
+            for (int64_t i = 0; i < G * D; ++i) qr[i] = q[(b * H + h) * G * D + i] * root;
+            const float *qc = summary_bf16 ? qr : qs;
+            const char *store = (const char *)summary_store;
             float *cs = coarse + (b * H + h) * G * S_max;
             for (int64_t i = 0; i < n_cand; ++i) {
-                const float *s1 = summary + seg_row(&c, table, sink_pages, i, h) * D;
+                const float *s1;
+                if (summary_bf16) {
+                    const char *src = (const char *)(summary16 + seg_row(&c, table, sink_pages, i, h) * D);
+                    if (D % SA_LANES == 0) {
+                        for (int64_t d = 0; d < D; d += SA_LANES) {
+                            const sa_v16 v = load16(src + 2 * d, SA_BF16);
+                            memcpy(wide + d, &v, sizeof v);
+                        }
+                    } else {
+                        sa_to_float(src, SA_BF16, D, wide);
+                    }
+                    s1 = wide;
+                } else {
+                    s1 = summary + seg_row(&c, table, sink_pages, i, h) * D;
+                }
                 if (i % r == 0 && i + 2 * r < n_cand) /* a later page's r rows (scattered blocks: the prefetcher misses them) */
-                    SA_PREFETCH((const char *)(summary + seg_row(&c, table, sink_pages, i + 2 * r, h) * D), 0, r * D * (int64_t)sizeof(float));
+                    SA_PREFETCH(store + seg_row(&c, table, sink_pages, i + 2 * r, h) * D * row_bytes, 0, r * D * row_bytes);
                 for (int64_t g = 0; g < G; ++g) {
-                    const float *qg = qs + g * D;
+                    const float *qg = qc + g * D;
                     float v = 0.f;
                     for (int64_t d = 0; d < D; ++d) v += qg[d] * s1[d];
                     cs[g * S_max + i] = v + log_seg;
@@ -905,6 +962,7 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
             for (int64_t g = 0; g < G; ++g) always[(b * H + h) * G + g] = run[2 * g] + logf(run[2 * g + 1]);
         }
         free(qs); free(gs); free(vals); free(spare); free(shifted); free(tops); free(ix); free(slot); free(order); free(lg); free(row); free(run);
+        free(qr); free(wide);
     }
     return status;
 }
