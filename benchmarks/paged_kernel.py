@@ -12,7 +12,11 @@ benchmark's shared document), one decode query per sequence, the default model's
   selection, attention), page summaries kept between calls as the serving engine keeps them;
 * ``generic <method>``: :func:`~sparseattn.vllm.paged.choose_pages` (the policy's own parts in torch)
   then vLLM's kernel over the listed pages (a merged rest: :func:`~sparseattn.vllm.paged.attend_pages`
-  with its tokens), the path any other policy takes (needs vLLM).
+  with its tokens), the path any other policy takes (needs vLLM; ``--fused-only`` leaves them out);
+* ``fused <method> (segment rows)`` (``--segment-rows``): the same step on a page store that keeps every
+  segment's sums row, where the method's own store keeps page totals only (the same output, more memory).
+
+The table gives each fused run's page store in MiB (what the engine holds beside vLLM's cache for one layer).
 
 Methods are specs (``radar+:split=pooled,rest=merged``); a per-layer method (``radar+adaptive``) runs
 the method of layer ``--layer`` of the default model's 30.
@@ -99,6 +103,9 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=1, help="the layer whose method a per-layer method runs (of 30)")
     parser.add_argument("--segment", type=int, default=None, help="tokens per segment inside a page (a divisor of --block-size; "
                         "default: the page) for every method; a spec's own '@seg<N>' suffix (radar+adaptive@seg4) sets it for that row")
+    parser.add_argument("--segment-rows", action="store_true", help="also time each fused method whose store keeps page "
+                        "totals only on a store that keeps every segment's sums (the former layout), as '<run> (segment rows)'")
+    parser.add_argument("--fused-only", action="store_true", help="leave out the generic rows (a merged rest's take ~180 ms a call)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
@@ -132,7 +139,7 @@ def main() -> None:
     lens = torch.full((args.batch,), args.length, dtype=torch.int32)
     scale = D**-0.5
 
-    calls = {}
+    calls, store_mib = {}, {}
     if have_vllm:
         calls["vllm kernel (all pages)"] = vllm_kernel(cache, table, lens, query, scale)
     for name in args.methods:
@@ -143,7 +150,14 @@ def main() -> None:
             plan = step_plan(policy, lens, bs)
             calls[f"fused {name}"] = (lambda p=policy, m=mode, s=store, pl=plan: fused_decode(
                 p, m, s, cache, query, table, lens, scale, plan=pl)[0])  # fmt: skip
-        if have_vllm and name != "dense":
+            store_mib[f"fused {name}"] = 0.0 if store is None else store.nbytes / 2**20
+            if args.segment_rows and store is not None and not store.segment_sums:
+                rows_store = PageStore(cache.shape[0], H, D, mode, sums=True, segments=policy.segments_per_page(bs),
+                                       summary_dtype=store.summary.dtype, segment_sums=True)  # fmt: skip
+                calls[f"fused {name} (segment rows)"] = (lambda p=policy, m=mode, s=rows_store, pl=plan: fused_decode(
+                    p, m, s, cache, query, table, lens, scale, plan=pl)[0])  # fmt: skip
+                store_mib[f"fused {name} (segment rows)"] = rows_store.nbytes / 2**20
+        if have_vllm and name != "dense" and not args.fused_only:
             from sparseattn.vllm.backend import kernel_attend_pages
             from sparseattn.vllm.paged import PageSummaries
 
@@ -168,7 +182,7 @@ def main() -> None:
     reference = "vllm kernel (all pages)" if have_vllm else next(iter(calls))
     base = statistics.median(times[reference])
     rows = [{"run": label, "median_us": 1e6 * statistics.median(t), "min_us": 1e6 * min(t),
-             "vs_reference": base / statistics.median(t)} for label, t in times.items()]  # fmt: skip
+             "vs_reference": base / statistics.median(t), "store_mib": store_mib.get(label)} for label, t in times.items()]  # fmt: skip
 
     from rich.console import Console
     from rich.table import Table
@@ -176,10 +190,11 @@ def main() -> None:
     shared = "shared blocks" if args.shared else "own blocks"
     table_out = Table(title=f"one layer's decode attention: batch {args.batch} x {args.length} tokens ({shared}), {args.dtype}, "
                             f"{bs}-token pages, budget {args.budget}, {args.threads} thread(s), median of {args.repeats}")
-    for col in ("run", "us / call", "min us", f"speed vs {reference}"):
+    for col in ("run", "us / call", "min us", f"speed vs {reference}", "page store MiB"):
         table_out.add_column(col, justify="left" if col == "run" else "right")
     for row in rows:
-        table_out.add_row(row["run"], f"{row['median_us']:.0f}", f"{row['min_us']:.0f}", f"{row['vs_reference']:.2f}x")
+        mib = "" if row["store_mib"] is None else f"{row['store_mib']:.1f}"
+        table_out.add_row(row["run"], f"{row['median_us']:.0f}", f"{row['min_us']:.0f}", f"{row['vs_reference']:.2f}x", mib)
     Console(width=160).print(table_out)
     out = args.out or REPO / "benchmarks" / "results" / f"paged-kernel-{args.dtype}-b{args.batch}-L{args.length}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

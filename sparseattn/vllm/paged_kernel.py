@@ -77,7 +77,7 @@ def _library() -> ctypes.CDLL:
     lib.sa_paged_attend_lists.restype = ctypes.c_int
     lib.sa_paged_attend_lists.argtypes = [
         ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, f32, f32, ptr, i64, ptr, ptr, i64, i64, ptr,
-        ptr, ptr, i32,
+        ptr, i32, ptr, ptr, i32,
     ]  # fmt: skip
     lib.sa_paged_pooled_split.restype = ctypes.c_int
     lib.sa_paged_pooled_split.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i32]
@@ -184,11 +184,16 @@ class PageStore:
 
     def __init__(
         self, num_blocks: int, kv_heads: int, head_dim: int, mode: int, sums: bool = False, segments: int = 1,
-        summary_dtype: torch.dtype = torch.float32,
+        summary_dtype: torch.dtype = torch.float32, segment_sums: bool = True,
     ) -> None:  # fmt: skip
         if summary_dtype not in (torch.float32, torch.bfloat16) or (summary_dtype == torch.bfloat16 and mode != SPLIT):
             raise ValueError(f"PageStore: summary_dtype {summary_dtype} in mode {mode}; allowed: torch.float32, or "
                              f"torch.bfloat16 centroids in the split step (mode {SPLIT})")  # fmt: skip
+        if not segment_sums and summary_dtype != torch.float32:
+            raise ValueError("PageStore: segment_sums=False takes the segments' key sums from float32 centroids; "
+                             f"these are {summary_dtype}")  # fmt: skip
+        #: Whether the sums keep each segment's row beside its page's (else the page's alone; see ``sums``).
+        self.segment_sums = segment_sums or segments == 1
         shape = (num_blocks, kv_heads, segments, head_dim)
         self.summary = torch.zeros(shape, dtype=summary_dtype)
         self.summary2 = torch.zeros(shape, dtype=torch.float32) if mode == BOUND else None
@@ -196,7 +201,9 @@ class PageStore:
         self.mode = mode
         #: A merged rest's per-segment key and value sums ``[N, H_kv, r, 2 D]`` (with ``r > 1`` each page's own after its
         #: segments': ``[N, H_kv, r + 1, 2 D]``, so a block of pages sums one row per page) and their validity, kept as the summaries are.
-        rows = segments + 1 if segments > 1 else 1
+        #: Without ``segment_sums`` (blocks of whole pages) each page's own row alone, ``[N, H_kv, 1, 2 D]``: the step
+        #: takes a run of segments' keys' sum from their centroids and its values' from the values it attends.
+        rows = segments + 1 if segments > 1 and segment_sums else 1
         self.sums = torch.zeros(num_blocks, kv_heads, rows, 2 * head_dim, dtype=torch.float32) if sums else None
         self.sums_state = torch.zeros(num_blocks, dtype=torch.uint8) if sums else None
 
@@ -204,8 +211,12 @@ class PageStore:
     def for_policy(cls, policy: PagedPolicy, mode: int, num_blocks: int, kv_heads: int, head_dim: int, block_size: int) -> PageStore:
         """The store ``policy`` runs on in ``mode`` over a cache of ``num_blocks`` pages of ``block_size`` tokens: its
         segments per page, the merged rest's sums when it has one, its centroids' storage dtype."""
-        return cls(num_blocks, kv_heads, head_dim, mode, sums=policy.merged is not None,
-                   segments=policy.segments_per_page(block_size), summary_dtype=summary_dtype(policy))  # fmt: skip
+        r, dtype, rest = policy.segments_per_page(block_size), summary_dtype(policy), policy.merged
+        # Page totals alone when every block of the merged rest is whole pages and the centroids give the segments'
+        # key sums (float32 raw means): the store is then the centroids and one row per page, not r + 1 rows.
+        whole_pages = rest is not None and min(rest.per_block, 2**62) % r == 0
+        return cls(num_blocks, kv_heads, head_dim, mode, sums=rest is not None, segments=r, summary_dtype=dtype,
+                   segment_sums=not (whole_pages and dtype == torch.float32))  # fmt: skip
 
     @property
     def num_blocks(self) -> int:
@@ -406,7 +417,8 @@ def split_decode(
         q.data_ptr(), kv_cache.data_ptr(), dtype, N, H, bs, D, r, G, B, table.data_ptr(), table.shape[1], lens.data_ptr(),
         rows.data_ptr(), int(shared), float(scale), float(softcap or 0.0), chosen.data_ptr(), S_max, short.data_ptr(),
         kept.data_ptr(), M_max, per_block, None if store.sums is None else store.sums.data_ptr(),
-        None if store.sums_state is None else store.sums_state.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        None if store.sums_state is None else store.sums_state.data_ptr(), int(store.segment_sums),
+        store.summary.data_ptr() if store.summary.dtype == torch.float32 else None, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")

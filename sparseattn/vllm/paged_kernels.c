@@ -743,12 +743,13 @@ static int64_t stale_blocks(int64_t B, int64_t r, const int32_t *block_table, in
 
 /* Rows of [2 D] per (block, head) in a store of sums: a page cut in r > 1 segments keeps its own total after
  * the segments' rows, so a block of pages is summed from one row per page, not r. */
-static inline int64_t sums_rows(int64_t r) { return r > 1 ? r + 1 : 1; }
+/* Rows of [2 D] a page keeps in the sums store: its r segments' then its own (r > 1 with segment rows), else its own. */
+static inline int64_t sums_rows(int64_t r, int segment_rows) { return r > 1 && segment_rows ? r + 1 : 1; }
 
-/* Each of a page's r segments' key sum then value sum, r rows of [2 D] (keys [D, bs]: each channel's row summed
- * per segment; values [bs, D]), then (r > 1) the page's, row r. */
-static void page_sums(const sa_pages *c, int64_t block, int64_t h, float *restrict out, float *restrict row) {
-    const int64_t D = c->D, bs = c->bs, seg = c->seg, r = c->r;
+/* With segment_rows, each of a page's r segments' key sum then value sum, r rows of [2 D] (keys [D, bs]: each
+ * channel's row summed per segment; values [bs, D]), then (r > 1) the page's, row r; without, the page's alone. */
+static void page_sums(const sa_pages *c, int64_t block, int64_t h, int segment_rows, float *restrict out, float *restrict row) {
+    const int64_t D = c->D, bs = c->bs, seg = c->seg, r = c->r, own = sums_rows(r, segment_rows) - 1;
     const char *keys = page_keys(c, block, h), *values = page_values(c, block, h);
     for (int64_t d = 0; d < D; ++d) {
         sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
@@ -756,10 +757,10 @@ static void page_sums(const sa_pages *c, int64_t block, int64_t h, float *restri
         for (int64_t u = 0; u < r; ++u) {
             double sum = 0.0;
             for (int64_t j = 0; j < seg; ++j) sum += row[u * seg + j];
-            out[u * 2 * D + d] = (float)sum;
+            if (own) out[u * 2 * D + d] = (float)sum;
             page += sum;
         }
-        if (r > 1) out[r * 2 * D + d] = (float)page;
+        if (r > 1 || !own) out[own * 2 * D + d] = (float)page;
     }
     double acc[4096], page[4096]; /* D <= 4096: checked by the caller */
     for (int64_t d = 0; d < D; ++d) page[d] = 0.0;
@@ -769,10 +770,12 @@ static void page_sums(const sa_pages *c, int64_t block, int64_t h, float *restri
             sa_to_float(values + j * D * c->elem, c->dtype, D, row);
             for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
         }
-        for (int64_t d = 0; d < D; ++d) out[u * 2 * D + D + d] = (float)acc[d], page[d] += acc[d];
+        for (int64_t d = 0; d < D; ++d) {
+            if (own) out[u * 2 * D + D + d] = (float)acc[d];
+            page[d] += acc[d];
+        }
     }
-    if (r > 1)
-        for (int64_t d = 0; d < D; ++d) out[r * 2 * D + D + d] = (float)page[d];
+    for (int64_t d = 0; d < D; ++d) out[own * 2 * D + D + d] = (float)page[d];
 }
 
 /* out[i] = log sum_g exp x[g * ld + i] for i < n (G rows): the loops run along i, so the exponentials vectorise
@@ -1064,16 +1067,21 @@ int sa_paged_pooled_split(int64_t B, int64_t H, int64_t G, const int32_t *plan, 
  * the shortlist short_ix[b, h, :m] with the logits sa_paged_score kept, kept[b, h, place, :, :]), and with
  * per_block > 0 one merged token per block of per_block candidate pages of what it leaves out: logit
  * log m + scale q . (sum k) / m, value (sum v) / m, m its tokens (no token for a block it attends whole),
- * from the sums kept in sums[N, H, sums_rows(r), 2 D] (page_sums; sums_state[N] as state). out: [B, H, G, D] float32.
+ * from the sums kept in sums[N, H, sums_rows(r, segment_rows), 2 D] (page_sums; sums_state[N] as state). Without
+ * segment rows (r > 1, blocks of whole pages) the store keeps each page's total only, and a run of a page's segments
+ * leaves its block with its keys' sum taken from the centroids (float32 raw means, summary[N, H, r, D], valid after
+ * sa_paged_score: a mean times its power-of-two count is the sum page_sums would keep, every bit) and its values'
+ * from the value rows it has just attended. out: [B, H, G, D] float32.
  */
 int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D,
                           int64_t r, int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
                           const int32_t *plan, int shared, float scale, float softcap, const uint8_t *chosen,
                           int64_t S_max, const int32_t *short_ix, const float *kept, int64_t M_max, int64_t per_block,
-                          float *sums, uint8_t *sums_state, float *out, int threads) {
+                          float *sums, uint8_t *sums_state, int segment_rows, const float *summary, float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
     if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || S_max < 1 || M_max < 1 || per_block < 0 ||
-        r < 1 || bs % r || (per_block > 0 && (!sums || !sums_state)))
+        r < 1 || bs % r || (per_block > 0 && (!sums || !sums_state)) ||
+        (per_block > 0 && r > 1 && !segment_rows && (per_block % r || !summary)))
         return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
     if (dtype == SA_F16) return SA_BAD_DTYPE;
@@ -1099,11 +1107,12 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096];
             const int64_t blk = stale[i / H], h = i % H;
-            page_sums(&c, blk, h, sums + (blk * H + h) * sums_rows(r) * 2 * D, row);
+            page_sums(&c, blk, h, segment_rows, sums + (blk * H + h) * sums_rows(r, segment_rows) * 2 * D, row);
         }
         free(stale);
     }
-    const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1, rows_s = sums_rows(r);
+    const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1;
+    const int64_t rows_s = sums_rows(r, segment_rows), page_row = rows_s - 1; /* the page's own row */
 #pragma omp parallel num_threads(threads)
     {
         float *qs = malloc(sizeof(float) * (size_t)(G * D));
@@ -1118,12 +1127,14 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         int64_t *left = malloc(sizeof(int64_t) * (size_t)(Gs * n_blocks_cap));
         float *mean = malloc(sizeof(float) * (size_t)(n_blocks_cap * 2 * D));
         int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
+        double *run_sum = malloc(sizeof(double) * (size_t)(2 * D)); /* a run's keys' and values' sums (page totals only) */
+        float *vsum = malloc(sizeof(float) * (size_t)D);
         int32_t *slot = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate page's kept logits, or -1 */
         int64_t *order = malloc(sizeof(int64_t) * (size_t)S_max);
         int64_t *list = malloc(sizeof(int64_t) * (size_t)S_max); /* the candidates any selection chose, in order */
         uint64_t *chosen_by = malloc(sizeof(uint64_t) * (size_t)S_max); /* which selections chose each (bit gs) */
         const int ok = qs && lg && p && row && rows && m && l && acc && total && rest && left && mean && nonempty && slot && order &&
-                       list && chosen_by;
+                       list && chosen_by && run_sum && vsum;
         if (!ok) {
 #pragma omp atomic write
             status = SA_NO_MEMORY;
@@ -1149,11 +1160,11 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                 memset(total, 0, sizeof(double) * (size_t)(n_blocks * 2 * D));
                 const int64_t step = whole_pages ? r : 1, ahead = 4 * step; /* rows prefetched this many candidates ahead */
                 for (int64_t i = 0; i < n_cand; i += step) {
-                    const int64_t row_of = whole_pages && r > 1 ? r : i % r;
+                    const int64_t row_of = whole_pages ? page_row : i % r;
                     const float *s = sums + ((cand_block(&c, table, sink_pages, i) * H + h) * rows_s + row_of) * 2 * D;
                     if (i + ahead < n_cand)
                         SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, i + ahead) * H + h) * rows_s +
-                                                           (whole_pages && r > 1 ? r : (i + ahead) % r)) * 2 * D), 0, 2 * D * (int64_t)sizeof(float));
+                                                           (whole_pages ? page_row : (i + ahead) % r)) * 2 * D), 0, 2 * D * (int64_t)sizeof(float));
                     double *t = total + (i / per_block) * 2 * D;
                     for (int64_t d = 0; d < 2 * D; ++d) t[d] += s[d];
                 }
@@ -1194,12 +1205,38 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                 }
                 if (!n_blocks) continue;
                 const float *page_rows = sums + (cand_block(&c, table, sink_pages, first) * H + h) * rows_s * 2 * D;
-                if (next >= 0) /* the next run's rows, through its page's own */
-                    SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, next) * H + h) * rows_s + next % r) * 2 * D), 0,
-                                (rows_s - next % r) * 2 * D * (int64_t)sizeof(float));
+                if (next >= 0) { /* the next run's rows, through its page's own (and its centroids: page totals only) */
+                    const int64_t from = rows_s > 1 ? next % r : 0;
+                    SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, next) * H + h) * rows_s + from) * 2 * D), 0,
+                                (rows_s - from) * 2 * D * (int64_t)sizeof(float));
+                    if (r > 1 && rows_s == 1)
+                        SA_PREFETCH((const char *)(summary + seg_row(&c, table, sink_pages, next, h) * D), 0,
+                                    (r - next % r) * D * (int64_t)sizeof(float));
+                }
                 const int whole = whole_pages && r > 1 && end - t == r;
+                if (!whole && r > 1 && rows_s == 1) { /* part of a page, whose total alone is kept: the run's own sums */
+                    for (int64_t d = 0; d < 2 * D; ++d) run_sum[d] = 0.0;
+                    for (int64_t x = t; x < end; ++x) {
+                        const float *mean_k = summary + seg_row(&c, table, sink_pages, list[x], h) * D;
+                        for (int64_t d = 0; d < D; ++d) run_sum[d] += (double)(mean_k[d] * (float)seg);
+                    }
+                    for (int64_t d = 0; d < D; ++d) vsum[d] = 0.f;
+                    for (int64_t j = 0; j < n; ++j) { /* rows just attended: in cache; at most a page's, summed in float32 */
+                        sa_to_float(vals_c + j * D * c.elem, c.dtype, D, row);
+                        for (int64_t d = 0; d < D; ++d) vsum[d] += row[d];
+                    }
+                    for (int64_t d = 0; d < D; ++d) run_sum[D + d] = vsum[d];
+                    const int64_t j = first / per_block; /* blocks of whole pages: the run is in one */
+                    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                        if (!((by >> gs_i) & 1)) continue;
+                        double *rx = rest + (gs_i * n_blocks_cap + j) * 2 * D;
+                        for (int64_t d = 0; d < 2 * D; ++d) rx[d] -= run_sum[d];
+                        left[gs_i * n_blocks_cap + j] -= end - t;
+                    }
+                    continue;
+                }
                 for (int64_t x = t; x < (whole ? t + 1 : end); ++x) {
-                    const float *sx = page_rows + (whole ? r : list[x] % r) * 2 * D;
+                    const float *sx = page_rows + (whole ? page_row : list[x] % r) * 2 * D;
                     const int64_t j = list[x] / per_block;
                     for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
                         if (!((by >> gs_i) & 1)) continue;
@@ -1244,7 +1281,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
             write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
         }
         free(qs); free(lg); free(p); free(row); free(rows); free(m); free(l); free(acc); free(total); free(rest); free(left);
-        free(mean); free(nonempty); free(slot); free(order); free(list); free(chosen_by);
+        free(mean); free(nonempty); free(slot); free(order); free(list); free(chosen_by); free(run_sum); free(vsum);
     }
     return status;
 }
