@@ -27,7 +27,7 @@ class Centroid:
             by up to 0.4% of each coordinate (8 bits of mantissa), enough to shortlist
             (:class:`~sparseattn.summaries.Rerank` rescores the shortlist exactly), not to bound: the
             Jensen bound holds up to that rounding. vLLM's fused step stores and scores bfloat16
-            centroids the same way (``paged_kernels.c``, ``summarise_bf16``), so both engines rank alike.
+            centroids the same way (``paged_kernels.c``, ``summarise``), so both engines rank alike.
     """
 
     dtype: torch.dtype | None = None

@@ -440,10 +440,21 @@ static inline float log_sum_exp(const float *x, int64_t n, int64_t stride) {
     return top + logf(sum);
 }
 
+/* float32 -> the nearest bfloat16 (ties to even), as torch's conversion rounds (finite values: a mean of keys). */
+static inline uint16_t sa_float_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 /* Summarise the r segments of one page of one head into summary (+ summary2 for the bound), r rows of D: each
- * segment's mean key, or its min and max. */
+ * segment's mean key, or its min and max. With s16 (SA_RERANK) the means go there instead, as bfloat16 means of
+ * the keys times key_root, exactly as Centroid(dtype=torch.bfloat16).summarize rounds them from the float32 scaled
+ * keys the generic path hands it: each product in float32, their mean in float64, rounded to float32 and then to
+ * bfloat16 (the float32 means: key_root 1, a product that changes nothing). */
 static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, float *restrict s1, float *restrict s2,
-                      float *restrict row) {
+                      uint16_t *restrict s16, float key_root, float *restrict row) {
     const int64_t D = c->D, bs = c->bs, seg = c->seg;
     const char *keys = page_keys(c, block, h);
     for (int64_t d = 0; d < D; ++d) {
@@ -452,8 +463,15 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
             const float *x = row + u * seg;
             if (mode == SA_RERANK) {
                 double sum = 0.0;
-                for (int64_t j = 0; j < seg; ++j) sum += x[j];
-                s1[u * D + d] = (float)(sum / (double)seg);
+                for (int64_t j = 0; j < seg; ++j) {
+                    const float scaled = x[j] * key_root;
+                    sum += (double)scaled;
+                }
+                const float mean = (float)(sum / (double)seg);
+                if (s16)
+                    s16[u * D + d] = sa_float_to_bf16(mean);
+                else
+                    s1[u * D + d] = mean;
             } else {
                 float lo = x[0], hi = x[0];
                 for (int64_t j = 1; j < seg; ++j) {
@@ -463,35 +481,6 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
                 s1[u * D + d] = lo;
                 s2[u * D + d] = hi;
             }
-        }
-    }
-}
-
-/* float32 -> the nearest bfloat16 (ties to even), as torch's conversion rounds (finite values: a mean of keys). */
-static inline uint16_t sa_float_to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* The r segments of one page of one head as bfloat16 mean keys of the keys times key_root, r rows of D, exactly
- * as Centroid(dtype=torch.bfloat16).summarize rounds them from the float32 scaled keys the generic path hands it:
- * each product in float32, their mean in float64, rounded to float32 and then to bfloat16. */
-static void summarise_bf16(const sa_pages *c, int64_t block, int64_t h, float key_root, uint16_t *restrict s1,
-                           float *restrict row) {
-    const int64_t D = c->D, bs = c->bs, seg = c->seg;
-    const char *keys = page_keys(c, block, h);
-    for (int64_t d = 0; d < D; ++d) {
-        sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
-        for (int64_t u = 0; u < c->r; ++u) {
-            const float *x = row + u * seg;
-            double sum = 0.0;
-            for (int64_t j = 0; j < seg; ++j) {
-                const float scaled = x[j] * key_root;
-                sum += (double)scaled;
-            }
-            s1[u * D + d] = sa_float_to_bf16((float)(sum / (double)seg));
         }
     }
 }
@@ -557,7 +546,8 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096]; /* bs <= 4096: checked above */
             const int64_t blk = stale[i / H], h = i % H;
-            summarise(&c, mode, blk, h, summary + (blk * H + h) * r * D, summary2 ? summary2 + (blk * H + h) * r * D : NULL, row);
+            summarise(&c, mode, blk, h, summary + (blk * H + h) * r * D, summary2 ? summary2 + (blk * H + h) * r * D : NULL, NULL, 1.f,
+                      row);
         }
     }
     free(stale);
@@ -812,7 +802,7 @@ static int64_t shortlist_slots(const int32_t *sh, int64_t mm, int64_t r, int64_t
  * page per slot of shortlist_slots;
  * always[B, H, G] the log mass of the sinks' and the tail's tokens. Summaries as sa_paged_decode's (mode
  * SA_RERANK: float32 raw means, scored against q times scale), or with summary_bf16 the bfloat16 means of the keys
- * times root (summarise_bf16: Centroid(dtype=torch.bfloat16)), scored in float32 against q times root (half the
+ * times root (summarise with s16: Centroid(dtype=torch.bfloat16)), scored in float32 against q times root (half the
  * bytes of the scoring pass, which reads every candidate's row). Entries past a row's own counts are left as they were.
  */
 int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t r,
@@ -843,9 +833,9 @@ int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int6
         float row[4096];
         const int64_t blk = stale[i / H], h = i % H;
         if (summary_bf16)
-            summarise_bf16(&c, blk, h, root, summary16 + (blk * H + h) * r * D, row);
+            summarise(&c, SA_RERANK, blk, h, NULL, NULL, summary16 + (blk * H + h) * r * D, root, row);
         else
-            summarise(&c, SA_RERANK, blk, h, summary + (blk * H + h) * r * D, NULL, row);
+            summarise(&c, SA_RERANK, blk, h, summary + (blk * H + h) * r * D, NULL, NULL, 1.f, row);
     }
     free(stale);
     const float log_seg = logf((float)c.seg);
