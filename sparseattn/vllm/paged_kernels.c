@@ -1050,6 +1050,21 @@ int sa_paged_pooled_split(int64_t B, int64_t H, int64_t G, const int32_t *plan, 
     return status;
 }
 
+/* What a run of attended segments takes out of block j's rest, for each selection that chose it (bit gs of by):
+ * its sums (n2 values: float32 sf, or double sd) and its count of segments. */
+static inline void leave_block(double *restrict rest, int64_t *restrict left, uint64_t by, int64_t Gs, int64_t cap, int64_t j,
+                               int64_t n2, const float *sf, const double *sd, int64_t count) {
+    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+        if (!((by >> gs_i) & 1)) continue;
+        double *rx = rest + (gs_i * cap + j) * n2;
+        if (sf)
+            for (int64_t d = 0; d < n2; ++d) rx[d] -= sf[d];
+        else
+            for (int64_t d = 0; d < n2; ++d) rx[d] -= sd[d];
+        left[gs_i * cap + j] -= count;
+    }
+}
+
 /*
  * Attend one decode step's own lists (second call of the split step). Per (sequence b, KV head h): the sinks
  * and the tail for every row; every candidate when the row does not select (k >= n_cand; none when k == 0);
@@ -1216,25 +1231,13 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                         for (int64_t d = 0; d < D; ++d) vsum[d] += row[d];
                     }
                     for (int64_t d = 0; d < D; ++d) run_sum[D + d] = vsum[d];
-                    const int64_t j = first / per_block; /* blocks of whole pages: the run is in one */
-                    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
-                        if (!((by >> gs_i) & 1)) continue;
-                        double *rx = rest + (gs_i * n_blocks_cap + j) * 2 * D;
-                        for (int64_t d = 0; d < 2 * D; ++d) rx[d] -= run_sum[d];
-                        left[gs_i * n_blocks_cap + j] -= end - t;
-                    }
+                    /* blocks of whole pages: the run is in one */
+                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, NULL, run_sum, end - t);
                     continue;
                 }
-                for (int64_t x = t; x < (whole ? t + 1 : end); ++x) {
-                    const float *sx = page_rows + (whole ? page_row : list[x] % r) * 2 * D;
-                    const int64_t j = list[x] / per_block;
-                    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
-                        if (!((by >> gs_i) & 1)) continue;
-                        double *rx = rest + (gs_i * n_blocks_cap + j) * 2 * D;
-                        for (int64_t d = 0; d < 2 * D; ++d) rx[d] -= sx[d];
-                        left[gs_i * n_blocks_cap + j] -= whole ? r : 1;
-                    }
-                }
+                for (int64_t x = t; x < (whole ? t + 1 : end); ++x)
+                    leave_block(rest, left, by, Gs, n_blocks_cap, list[x] / per_block, 2 * D,
+                                page_rows + (whole ? page_row : list[x] % r) * 2 * D, NULL, whole ? r : 1);
             }
             for (int64_t gs_i = 0; select && gs_i < Gs; ++gs_i) {
                 for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
