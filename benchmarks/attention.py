@@ -397,6 +397,10 @@ def main() -> None:
         "radar+merged (budget 4096, one merged token)": RadarPlusMerged(budget=4096, merge=0),
         # radar+merged-after's layers 1 on (its layer 0 is radar+pooled): blocks of 128 segments.
         "radar+merged (budget 4096, merge 128)": RadarPlusMerged(budget=4096, merge=128),
+        # radar+adaptive's layers 1-29 (the recommended preset; its layer 0 drops the rest): pooled split, float32
+        # centroids, one merged token per block of 128 segments.
+        "radar+adaptive (budget 4096, layers 1-29)": RadarPlus(budget=4096, aspect=16.0, split="pooled", cap=2.0, floor=0.25,
+                                                               rest="merged", merge=128),
         # the same through the torch gather path (what the kernel path replaces).
         "radar+merged (budget 4096, torch backend)": torch_backend(RadarPlusMerged(budget=4096)),
         # The torch backend (gather a copy of the selected tokens, then SDPA): what the kernel replaces.
