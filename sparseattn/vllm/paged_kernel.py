@@ -77,7 +77,7 @@ def _library() -> ctypes.CDLL:
     lib.sa_paged_attend_lists.restype = ctypes.c_int
     lib.sa_paged_attend_lists.argtypes = [
         ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, f32, f32, ptr, i64, ptr, ptr, i64, i64, ptr,
-        ptr, i32, ptr, ptr, i32,
+        ptr, i32, ptr, ptr, ptr, i32,
     ]  # fmt: skip
     lib.sa_paged_pooled_split.restype = ctypes.c_int
     lib.sa_paged_pooled_split.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i32]
@@ -338,7 +338,8 @@ def split_decode(
        :class:`~sparseattn.summaries.base.Shortlist`'s scores): each selection's own list of pages, one batch
        per group of alike sequences;
     3. ``sa_paged_attend_lists`` (C): sinks, tail and each selection's list (a shortlisted page's logits
-       reused), and the merged rest from the per-page sums in ``store``.
+       reused), and the merged rest: its values from the per-page sums in ``store``, its keys' logits from the
+       centroid scores of step 1 where the centroids are float32 (from the key sums where they are bfloat16).
 
     Returns ``[B, H_q, D]`` float32 (in ``out`` when given). ``r``: segments per page.
     """
@@ -418,7 +419,8 @@ def split_decode(
         rows.data_ptr(), int(shared), float(scale), float(softcap or 0.0), chosen.data_ptr(), S_max, short.data_ptr(),
         kept.data_ptr(), M_max, per_block, None if store.sums is None else store.sums.data_ptr(),
         None if store.sums_state is None else store.sums_state.data_ptr(), int(store.segment_sums),
-        store.summary.data_ptr() if store.summary.dtype == torch.float32 else None, out.data_ptr(), torch.get_num_threads(),
+        *((store.summary.data_ptr(), coarse.data_ptr()) if store.summary.dtype == torch.float32 else (None, None)),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")

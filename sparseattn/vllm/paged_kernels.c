@@ -1051,16 +1051,16 @@ int sa_paged_pooled_split(int64_t B, int64_t H, int64_t G, const int32_t *plan, 
 }
 
 /* What a run of attended segments takes out of block j's rest, for each selection that chose it (bit gs of by):
- * its sums (n2 values: float32 sf, or double sd) and its count of segments. */
+ * its sums (columns [from, n2) of rows n2 wide: float32 sf, or double sd) and its count of segments. */
 static inline void leave_block(double *restrict rest, int64_t *restrict left, uint64_t by, int64_t Gs, int64_t cap, int64_t j,
-                               int64_t n2, const float *sf, const double *sd, int64_t count) {
+                               int64_t n2, int64_t from, const float *sf, const double *sd, int64_t count) {
     for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
         if (!((by >> gs_i) & 1)) continue;
         double *rx = rest + (gs_i * cap + j) * n2;
         if (sf)
-            for (int64_t d = 0; d < n2; ++d) rx[d] -= sf[d];
+            for (int64_t d = from; d < n2; ++d) rx[d] -= sf[d];
         else
-            for (int64_t d = 0; d < n2; ++d) rx[d] -= sd[d];
+            for (int64_t d = from; d < n2; ++d) rx[d] -= sd[d];
         left[gs_i * cap + j] -= count;
     }
 }
@@ -1076,13 +1076,17 @@ static inline void leave_block(double *restrict rest, int64_t *restrict left, ui
  * segment rows (r > 1, blocks of whole pages) the store keeps each page's total only, and a run of a page's segments
  * leaves its block with its keys' sum taken from the centroids (float32 raw means, summary[N, H, r, D], valid after
  * sa_paged_score: a mean times its power-of-two count is the sum page_sums would keep, every bit) and its values'
- * from the value rows it has just attended. out: [B, H, G, D] float32.
+ * from the value rows it has just attended. With coarse (sa_paged_score's scores of float32 centroids, [B, H, G,
+ * S_max]) a merged token's logit is read off the scores: scale q . (sum k) over a block's left-out segments is
+ * seg times the sum of their scores less log seg, so only the values' halves of the sums are read and taken out.
+ * out: [B, H, G, D] float32.
  */
 int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D,
                           int64_t r, int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
                           const int32_t *plan, int shared, float scale, float softcap, const uint8_t *chosen,
                           int64_t S_max, const int32_t *short_ix, const float *kept, int64_t M_max, int64_t per_block,
-                          float *sums, uint8_t *sums_state, int segment_rows, const float *summary, float *out, int threads) {
+                          float *sums, uint8_t *sums_state, int segment_rows, const float *summary, const float *coarse,
+                          float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
     if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || S_max < 1 || M_max < 1 || per_block < 0 ||
         r < 1 || bs % r || (per_block > 0 && (!sums || !sums_state)) ||
@@ -1118,6 +1122,8 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
     }
     const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1;
     const int64_t rows_s = sums_rows(r, segment_rows), page_row = rows_s - 1; /* the page's own row */
+    const int64_t k0 = coarse ? D : 0; /* the first column of the sums read: the keys' half only without coarse */
+    const float log_seg = logf((float)(bs / r));
 #pragma omp parallel num_threads(threads)
     {
         float *qs = malloc(sizeof(float) * (size_t)(G * D));
@@ -1131,7 +1137,8 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         double *rest = malloc(sizeof(double) * (size_t)(Gs * n_blocks_cap * 2 * D)); /* each selection's rest */
         int64_t *left = malloc(sizeof(int64_t) * (size_t)(Gs * n_blocks_cap));
         float *mean = malloc(sizeof(float) * (size_t)(n_blocks_cap * 2 * D));
-        int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
+        int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap), *which = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
+        double *kx = malloc(sizeof(double) * (size_t)n_blocks_cap); /* with coarse: a row's left-out logits per block */
         double *run_sum = malloc(sizeof(double) * (size_t)(2 * D)); /* a run's keys' and values' sums (page totals only) */
         float *vsum = malloc(sizeof(float) * (size_t)D);
         int32_t *slot = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate page's kept logits, or -1 */
@@ -1139,7 +1146,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         int64_t *list = malloc(sizeof(int64_t) * (size_t)S_max); /* the candidates any selection chose, in order */
         uint64_t *chosen_by = malloc(sizeof(uint64_t) * (size_t)S_max); /* which selections chose each (bit gs) */
         const int ok = qs && lg && p && row && rows && m && l && acc && total && rest && left && mean && nonempty && slot && order &&
-                       list && chosen_by && run_sum && vsum;
+                       list && chosen_by && run_sum && vsum && which && kx;
         if (!ok) {
 #pragma omp atomic write
             status = SA_NO_MEMORY;
@@ -1171,7 +1178,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                         SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, i + ahead) * H + h) * rows_s +
                                                            (whole_pages ? page_row : (i + ahead) % r)) * 2 * D), 0, 2 * D * (int64_t)sizeof(float));
                     double *t = total + (i / per_block) * 2 * D;
-                    for (int64_t d = 0; d < 2 * D; ++d) t[d] += s[d];
+                    for (int64_t d = k0; d < 2 * D; ++d) t[d] += s[d];
                 }
             }
             if (select) shortlist_slots(short_ix + (b * H + h) * M_max, pl[3], r, n_cand / r, slot, order);
@@ -1214,14 +1221,14 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                     const int64_t from = rows_s > 1 ? next % r : 0;
                     SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, next) * H + h) * rows_s + from) * 2 * D), 0,
                                 (rows_s - from) * 2 * D * (int64_t)sizeof(float));
-                    if (r > 1 && rows_s == 1)
+                    if (r > 1 && rows_s == 1 && !coarse)
                         SA_PREFETCH((const char *)(summary + seg_row(&c, table, sink_pages, next, h) * D), 0,
                                     (r - next % r) * D * (int64_t)sizeof(float));
                 }
                 const int whole = whole_pages && r > 1 && end - t == r;
                 if (!whole && r > 1 && rows_s == 1) { /* part of a page, whose total alone is kept: the run's own sums */
                     for (int64_t d = 0; d < 2 * D; ++d) run_sum[d] = 0.0;
-                    for (int64_t x = t; x < end; ++x) {
+                    for (int64_t x = t; x < end && !coarse; ++x) {
                         const float *mean_k = summary + seg_row(&c, table, sink_pages, list[x], h) * D;
                         for (int64_t d = 0; d < D; ++d) run_sum[d] += (double)(mean_k[d] * (float)seg);
                     }
@@ -1232,11 +1239,11 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                     }
                     for (int64_t d = 0; d < D; ++d) run_sum[D + d] = vsum[d];
                     /* blocks of whole pages: the run is in one */
-                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, NULL, run_sum, end - t);
+                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, k0, NULL, run_sum, end - t);
                     continue;
                 }
                 for (int64_t x = t; x < (whole ? t + 1 : end); ++x)
-                    leave_block(rest, left, by, Gs, n_blocks_cap, list[x] / per_block, 2 * D,
+                    leave_block(rest, left, by, Gs, n_blocks_cap, list[x] / per_block, 2 * D, k0,
                                 page_rows + (whole ? page_row : list[x] % r) * 2 * D, NULL, whole ? r : 1);
             }
             for (int64_t gs_i = 0; select && gs_i < Gs; ++gs_i) {
@@ -1248,17 +1255,29 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                 for (int64_t j = 0; j < n_blocks; ++j) {
                     if (left_s[j] <= 0) continue;
                     const double tokens = (double)(left_s[j] * seg);
-                    for (int64_t d = 0; d < 2 * D; ++d) mean[nn * 2 * D + d] = (float)(rest_s[j * 2 * D + d] / tokens);
-                    nonempty[nn++] = left_s[j] * seg;
+                    for (int64_t d = k0; d < 2 * D; ++d) mean[nn * 2 * D + d] = (float)(rest_s[j * 2 * D + d] / tokens);
+                    which[nn] = j, nonempty[nn++] = left_s[j] * seg;
                 }
                 if (!nn) continue;
+                const uint8_t *mine = chosen + ((b * H + h) * Gs + gs_i) * S_max;
                 for (int64_t g = 0; g < G; ++g) {
                     if (!rows[g]) continue;
                     const float *qg = qs + g * D;
                     float *pg = p + g * n_blocks_cap, top = SA_NO_SCORE;
+                    if (coarse) { /* each block's left-out segments' scores less log seg: scale q . k of their mean keys */
+                        const float *cs = coarse + ((b * H + h) * G + g) * S_max;
+                        for (int64_t j = 0; j < n_blocks; ++j) { /* a sum per block (not one through memory: it vectorises) */
+                            const int64_t hi = (j + 1) * per_block < n_cand ? (j + 1) * per_block : n_cand;
+                            double sum = 0.0;
+                            for (int64_t i = j * per_block; i < hi; ++i) sum += mine[i] ? 0.0 : (double)(cs[i] - log_seg);
+                            kx[j] = sum;
+                        }
+                    }
                     for (int64_t j = 0; j < nn; ++j) {
                         float x = 0.f;
-                        for (int64_t d = 0; d < D; ++d) x += qg[d] * mean[j * 2 * D + d];
+                        if (coarse) x = (float)(kx[which[j]] / (double)left_s[which[j]]);
+                        else
+                            for (int64_t d = 0; d < D; ++d) x += qg[d] * mean[j * 2 * D + d];
                         if (softcap > 0.f) x = softcap * tanhf(x / softcap);
                         x += logf((float)nonempty[j]);
                         pg[j] = x;
@@ -1274,7 +1293,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
             write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
         }
         free(qs); free(lg); free(p); free(row); free(rows); free(m); free(l); free(acc); free(total); free(rest); free(left);
-        free(mean); free(nonempty); free(slot); free(order); free(list); free(chosen_by); free(run_sum); free(vsum);
+        free(mean); free(nonempty); free(which); free(kx); free(slot); free(order); free(list); free(chosen_by); free(run_sum); free(vsum);
     }
     return status;
 }
