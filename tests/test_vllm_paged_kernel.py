@@ -385,17 +385,19 @@ def test_a_store_for_whole_pages_is_refused_for_segments():
 def test_the_store_keeps_page_totals_where_blocks_are_whole_pages_and_centroids_float32():
     """``PageStore.for_policy``: the merged rest's sums are one row per page when every block of the rest is whole
     pages and the centroids give the segments' key sums (float32), else a row per segment too; what it holds is
-    ``nbytes``, beside vLLM's cache: for the preset on 4-token segments of 32-token pages a third of the cache."""
+    ``nbytes``, beside vLLM's cache: for the preset on 4-token segments of 32-token pages 28% of the cache."""
     def store(spec_options, seg, bs=32):
         policy = PagedPolicy(build("radar+", {"budget": 512, **spec_options}), "radar+", seg)
         return PageStore.for_policy(policy, fused_mode(policy), 100, 3, 64, bs)
 
     preset = {"split": "pooled", "rest": "merged", "merge": 128}
-    assert store(preset, 4).sums.shape == (100, 3, 1, 128) and not store(preset, 4).segment_sums
-    assert store({**preset, "merge": 3}, 4).sums.shape == (100, 3, 9, 128)  # blocks of 3 segments end inside pages
-    assert store({**preset, "bf16_centroids": True}, 4).sums.shape == (100, 3, 9, 128)  # bf16 means give no sums
-    assert store(preset, None).sums.shape == (100, 3, 1, 128)  # whole pages: one row either way
+    # float32 centroids: the values' sums alone (the merged tokens' logits come off the centroid scores)
+    assert store(preset, 4).sums.shape == (100, 3, 1, 64) and not store(preset, 4).segment_sums
+    assert store({**preset, "merge": 3}, 4).sums.shape == (100, 3, 9, 64)  # blocks of 3 segments end inside pages
+    assert store({**preset, "bf16_centroids": True}, 4).sums.shape == (100, 3, 9, 128)  # bf16 means: the keys' sums too
+    assert store(preset, None).sums.shape == (100, 3, 1, 64)  # whole pages: one row either way
     kv_bytes = 100 * 3 * 32 * 2 * 64 * 2  # bf16 pages
-    assert store(preset, 4).nbytes / kv_bytes < 0.32 < store({**preset, "merge": 3}, 4).nbytes / kv_bytes
-    with pytest.raises(ValueError, match="segment_sums=False takes the segments' key sums from float32 centroids"):
+    # per block and head: 8 centroids x 256 B + one 256 B row = 2,304 B of the page's 8,192 (28%); segment rows 4,352 (53%)
+    assert store(preset, 4).nbytes / kv_bytes < 0.29 < 0.53 < store({**preset, "merge": 3}, 4).nbytes / kv_bytes
+    with pytest.raises(ValueError, match="segment_sums=False reads the merged tokens' logits off float32 centroids"):
         PageStore(10, 3, 64, SPLIT, sums=True, segments=8, summary_dtype=torch.bfloat16, segment_sums=False)

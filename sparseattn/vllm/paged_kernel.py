@@ -77,7 +77,7 @@ def _library() -> ctypes.CDLL:
     lib.sa_paged_attend_lists.restype = ctypes.c_int
     lib.sa_paged_attend_lists.argtypes = [
         ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, f32, f32, ptr, i64, ptr, ptr, i64, i64, ptr,
-        ptr, i32, ptr, ptr, ptr, i32,
+        ptr, i32, ptr, ptr, i32,
     ]  # fmt: skip
     lib.sa_paged_pooled_split.restype = ctypes.c_int
     lib.sa_paged_pooled_split.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i32]
@@ -190,7 +190,7 @@ class PageStore:
             raise ValueError(f"PageStore: summary_dtype {summary_dtype} in mode {mode}; allowed: torch.float32, or "
                              f"torch.bfloat16 centroids in the split step (mode {SPLIT})")  # fmt: skip
         if not segment_sums and summary_dtype != torch.float32:
-            raise ValueError("PageStore: segment_sums=False takes the segments' key sums from float32 centroids; "
+            raise ValueError("PageStore: segment_sums=False reads the merged tokens' logits off float32 centroids' scores; "
                              f"these are {summary_dtype}")  # fmt: skip
         #: Whether the sums keep each segment's row beside its page's (else the page's alone; see ``sums``).
         self.segment_sums = segment_sums or segments == 1
@@ -199,12 +199,15 @@ class PageStore:
         self.summary2 = torch.zeros(shape, dtype=torch.float32) if mode == BOUND else None
         self.state = torch.zeros(num_blocks, dtype=torch.uint8)
         self.mode = mode
-        #: A merged rest's per-segment key and value sums ``[N, H_kv, r, 2 D]`` (with ``r > 1`` each page's own after its
-        #: segments': ``[N, H_kv, r + 1, 2 D]``, so a block of pages sums one row per page) and their validity, kept as the summaries are.
-        #: Without ``segment_sums`` (blocks of whole pages) each page's own row alone, ``[N, H_kv, 1, 2 D]``: the step
-        #: takes a run of segments' keys' sum from their centroids and its values' from the values it attends.
+        #: A merged rest's per-segment value sums ``[N, H_kv, r, D]`` (with ``r > 1`` each page's own after its
+        #: segments': ``[N, H_kv, r + 1, D]``, so a block of pages sums one row per page) and their validity, kept as the
+        #: summaries are. With float32 centroids the step reads a merged token's logit off its centroid scores, so only
+        #: the values are summed; bf16 centroids (rounded means) need the keys' sums too: rows of ``2 D``, keys' first.
+        #: Without ``segment_sums`` (blocks of whole pages) each page's own row alone, ``[N, H_kv, 1, D]``: the step
+        #: takes a run of segments' values' sum from the values it attends.
         rows = segments + 1 if segments > 1 and segment_sums else 1
-        self.sums = torch.zeros(num_blocks, kv_heads, rows, 2 * head_dim, dtype=torch.float32) if sums else None
+        width = head_dim if summary_dtype == torch.float32 else 2 * head_dim
+        self.sums = torch.zeros(num_blocks, kv_heads, rows, width, dtype=torch.float32) if sums else None
         self.sums_state = torch.zeros(num_blocks, dtype=torch.uint8) if sums else None
 
     @classmethod
@@ -226,8 +229,8 @@ class PageStore:
     def nbytes(self) -> int:
         """Bytes held beside vLLM's cache (outside its KV cache space): summaries, sums and their states.
 
-        >>> PageStore(100, 3, 64, SPLIT, sums=True, segments=8).nbytes  # per block: 3 heads x (8 x 64 + 9 x 128) x 4 + 2
-        1997000
+        >>> PageStore(100, 3, 64, SPLIT, sums=True, segments=8).nbytes  # per block: 3 heads x (8 x 64 + 9 x 64) x 4 + 2
+        1305800
         """
         held = (self.summary, self.summary2, self.state, self.sums, self.sums_state)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
@@ -338,8 +341,8 @@ def split_decode(
        :class:`~sparseattn.summaries.base.Shortlist`'s scores): each selection's own list of pages, one batch
        per group of alike sequences;
     3. ``sa_paged_attend_lists`` (C): sinks, tail and each selection's list (a shortlisted page's logits
-       reused), and the merged rest: its values from the per-page sums in ``store``, its keys' logits from the
-       centroid scores of step 1 where the centroids are float32 (from the key sums where they are bfloat16).
+       reused), and the merged rest: its values from the value sums in ``store``, its logits from the centroid
+       scores of step 1 where the centroids are float32 (from the keys' sums the store keeps where they are bfloat16).
 
     Returns ``[B, H_q, D]`` float32 (in ``out`` when given). ``r``: segments per page.
     """
@@ -419,8 +422,7 @@ def split_decode(
         rows.data_ptr(), int(shared), float(scale), float(softcap or 0.0), chosen.data_ptr(), S_max, short.data_ptr(),
         kept.data_ptr(), M_max, per_block, None if store.sums is None else store.sums.data_ptr(),
         None if store.sums_state is None else store.sums_state.data_ptr(), int(store.segment_sums),
-        *((store.summary.data_ptr(), coarse.data_ptr()) if store.summary.dtype == torch.float32 else (None, None)),
-        out.data_ptr(), torch.get_num_threads(),
+        coarse.data_ptr() if store.summary.dtype == torch.float32 else None, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")

@@ -737,20 +737,23 @@ static int64_t stale_blocks(int64_t B, int64_t r, const int32_t *block_table, in
 static inline int64_t sums_rows(int64_t r, int segment_rows) { return r > 1 && segment_rows ? r + 1 : 1; }
 
 /* With segment_rows, each of a page's r segments' key sum then value sum, r rows of [2 D] (keys [D, bs]: each
- * channel's row summed per segment; values [bs, D]), then (r > 1) the page's, row r; without, the page's alone. */
-static void page_sums(const sa_pages *c, int64_t block, int64_t h, int segment_rows, float *restrict out, float *restrict row) {
+ * channel's row summed per segment; values [bs, D]), then (r > 1) the page's, row r; without, the page's alone.
+ * Without with_keys the value sums alone, rows of [D] (the step reads the keys' side off the centroid scores). */
+static void page_sums(const sa_pages *c, int64_t block, int64_t h, int segment_rows, int with_keys, float *restrict out,
+                      float *restrict row) {
     const int64_t D = c->D, bs = c->bs, seg = c->seg, r = c->r, own = sums_rows(r, segment_rows) - 1;
+    const int64_t w = with_keys ? 2 * D : D, vo = with_keys ? D : 0; /* a row's width, its values' first column */
     const char *keys = page_keys(c, block, h), *values = page_values(c, block, h);
-    for (int64_t d = 0; d < D; ++d) {
+    for (int64_t d = 0; d < D && with_keys; ++d) {
         sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
         double page = 0.0;
         for (int64_t u = 0; u < r; ++u) {
             double sum = 0.0;
             for (int64_t j = 0; j < seg; ++j) sum += row[u * seg + j];
-            if (own) out[u * 2 * D + d] = (float)sum;
+            if (own) out[u * w + d] = (float)sum;
             page += sum;
         }
-        if (r > 1 || !own) out[own * 2 * D + d] = (float)page;
+        if (r > 1 || !own) out[own * w + d] = (float)page;
     }
     double acc[4096], page[4096]; /* D <= 4096: checked by the caller */
     for (int64_t d = 0; d < D; ++d) page[d] = 0.0;
@@ -761,11 +764,11 @@ static void page_sums(const sa_pages *c, int64_t block, int64_t h, int segment_r
             for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
         }
         for (int64_t d = 0; d < D; ++d) {
-            if (own) out[u * 2 * D + D + d] = (float)acc[d];
+            if (own) out[u * w + vo + d] = (float)acc[d];
             page[d] += acc[d];
         }
     }
-    for (int64_t d = 0; d < D; ++d) out[own * 2 * D + D + d] = (float)page[d];
+    for (int64_t d = 0; d < D; ++d) out[own * w + vo + d] = (float)page[d];
 }
 
 /* out[i] = log sum_g exp x[g * ld + i] for i < n (G rows): the loops run along i, so the exponentials vectorise
@@ -1051,16 +1054,17 @@ int sa_paged_pooled_split(int64_t B, int64_t H, int64_t G, const int32_t *plan, 
 }
 
 /* What a run of attended segments takes out of block j's rest, for each selection that chose it (bit gs of by):
- * its sums (columns [from, n2) of rows n2 wide: float32 sf, or double sd) and its count of segments. */
+ * its sums, columns [from, n2) of the rest's rows n2 wide (float32 sf or double sd, starting at column from),
+ * and its count of segments. */
 static inline void leave_block(double *restrict rest, int64_t *restrict left, uint64_t by, int64_t Gs, int64_t cap, int64_t j,
                                int64_t n2, int64_t from, const float *sf, const double *sd, int64_t count) {
     for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
         if (!((by >> gs_i) & 1)) continue;
         double *rx = rest + (gs_i * cap + j) * n2;
         if (sf)
-            for (int64_t d = from; d < n2; ++d) rx[d] -= sf[d];
+            for (int64_t d = from; d < n2; ++d) rx[d] -= sf[d - from];
         else
-            for (int64_t d = from; d < n2; ++d) rx[d] -= sd[d];
+            for (int64_t d = from; d < n2; ++d) rx[d] -= sd[d - from];
         left[gs_i * cap + j] -= count;
     }
 }
@@ -1072,25 +1076,23 @@ static inline void leave_block(double *restrict rest, int64_t *restrict left, ui
  * the shortlist short_ix[b, h, :m] with the logits sa_paged_score kept, kept[b, h, place, :, :]), and with
  * per_block > 0 one merged token per block of per_block candidate pages of what it leaves out: logit
  * log m + scale q . (sum k) / m, value (sum v) / m, m its tokens (no token for a block it attends whole),
- * from the sums kept in sums[N, H, sums_rows(r, segment_rows), 2 D] (page_sums; sums_state[N] as state). Without
- * segment rows (r > 1, blocks of whole pages) the store keeps each page's total only, and a run of a page's segments
- * leaves its block with its keys' sum taken from the centroids (float32 raw means, summary[N, H, r, D], valid after
- * sa_paged_score: a mean times its power-of-two count is the sum page_sums would keep, every bit) and its values'
- * from the value rows it has just attended. With coarse (sa_paged_score's scores of float32 centroids, [B, H, G,
- * S_max]) a merged token's logit is read off the scores: scale q . (sum k) over a block's left-out segments is
- * seg times the sum of their scores less log seg, so only the values' halves of the sums are read and taken out.
- * out: [B, H, G, D] float32.
+ * from the sums kept in sums[N, H, sums_rows(r, segment_rows), W] (page_sums; sums_state[N] as state). With coarse
+ * (sa_paged_score's scores of float32 centroids, [B, H, G, S_max]) a merged token's logit is read off the scores:
+ * scale q . (sum k) over a block's left-out segments is seg times the sum of their scores less log seg, and the
+ * sums hold the values' alone (W = D); without (bf16 centroids, whose rounded means do not give the keys' sums),
+ * keys' then values' (W = 2 D). Without segment rows (r > 1, blocks of whole pages: needs coarse) the store keeps
+ * each page's total only, and a run of a page's segments leaves its block with its values' sum taken from the
+ * value rows it has just attended. out: [B, H, G, D] float32.
  */
 int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D,
                           int64_t r, int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
                           const int32_t *plan, int shared, float scale, float softcap, const uint8_t *chosen,
                           int64_t S_max, const int32_t *short_ix, const float *kept, int64_t M_max, int64_t per_block,
-                          float *sums, uint8_t *sums_state, int segment_rows, const float *summary, const float *coarse,
-                          float *out, int threads) {
+                          float *sums, uint8_t *sums_state, int segment_rows, const float *coarse, float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
     if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || S_max < 1 || M_max < 1 || per_block < 0 ||
         r < 1 || bs % r || (per_block > 0 && (!sums || !sums_state)) ||
-        (per_block > 0 && r > 1 && !segment_rows && (per_block % r || !summary)))
+        (per_block > 0 && r > 1 && !segment_rows && (per_block % r || !coarse)))
         return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
     if (dtype == SA_F16) return SA_BAD_DTYPE;
@@ -1116,13 +1118,15 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096];
             const int64_t blk = stale[i / H], h = i % H;
-            page_sums(&c, blk, h, segment_rows, sums + (blk * H + h) * sums_rows(r, segment_rows) * 2 * D, row);
+            page_sums(&c, blk, h, segment_rows, !coarse, sums + (blk * H + h) * sums_rows(r, segment_rows) * (coarse ? D : 2 * D), row);
         }
         free(stale);
     }
     const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1;
     const int64_t rows_s = sums_rows(r, segment_rows), page_row = rows_s - 1; /* the page's own row */
-    const int64_t k0 = coarse ? D : 0; /* the first column of the sums read: the keys' half only without coarse */
+    /* The rest's sums below are [2 D] wide, keys' then values'; with coarse only columns [D, 2 D) are used, and the
+     * store's rows are W = 2 D - k0 wide (column d of a block's sums is column d - k0 of a stored row). */
+    const int64_t k0 = coarse ? D : 0, W = 2 * D - k0;
     const float log_seg = logf((float)(bs / r));
 #pragma omp parallel num_threads(threads)
     {
@@ -1139,7 +1143,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         float *mean = malloc(sizeof(float) * (size_t)(n_blocks_cap * 2 * D));
         int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap), *which = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
         double *kx = malloc(sizeof(double) * (size_t)n_blocks_cap); /* with coarse: a row's left-out logits per block */
-        double *run_sum = malloc(sizeof(double) * (size_t)(2 * D)); /* a run's keys' and values' sums (page totals only) */
+        double *run_sum = malloc(sizeof(double) * (size_t)D); /* a run's values' sum (page totals only) */
         float *vsum = malloc(sizeof(float) * (size_t)D);
         int32_t *slot = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate page's kept logits, or -1 */
         int64_t *order = malloc(sizeof(int64_t) * (size_t)S_max);
@@ -1173,12 +1177,12 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                 const int64_t step = whole_pages ? r : 1, ahead = 4 * step; /* rows prefetched this many candidates ahead */
                 for (int64_t i = 0; i < n_cand; i += step) {
                     const int64_t row_of = whole_pages ? page_row : i % r;
-                    const float *s = sums + ((cand_block(&c, table, sink_pages, i) * H + h) * rows_s + row_of) * 2 * D;
+                    const float *s = sums + ((cand_block(&c, table, sink_pages, i) * H + h) * rows_s + row_of) * W;
                     if (i + ahead < n_cand)
                         SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, i + ahead) * H + h) * rows_s +
-                                                           (whole_pages ? page_row : (i + ahead) % r)) * 2 * D), 0, 2 * D * (int64_t)sizeof(float));
+                                                           (whole_pages ? page_row : (i + ahead) % r)) * W), 0, W * (int64_t)sizeof(float));
                     double *t = total + (i / per_block) * 2 * D;
-                    for (int64_t d = k0; d < 2 * D; ++d) t[d] += s[d];
+                    for (int64_t d = k0; d < 2 * D; ++d) t[d] += s[d - k0];
                 }
             }
             if (select) shortlist_slots(short_ix + (b * H + h) * M_max, pl[3], r, n_cand / r, slot, order);
@@ -1216,35 +1220,27 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                                   next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
                 }
                 if (!n_blocks) continue;
-                const float *page_rows = sums + (cand_block(&c, table, sink_pages, first) * H + h) * rows_s * 2 * D;
-                if (next >= 0) { /* the next run's rows, through its page's own (and its centroids: page totals only) */
+                const float *page_rows = sums + (cand_block(&c, table, sink_pages, first) * H + h) * rows_s * W;
+                if (next >= 0) { /* the next run's rows, through its page's own */
                     const int64_t from = rows_s > 1 ? next % r : 0;
-                    SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, next) * H + h) * rows_s + from) * 2 * D), 0,
-                                (rows_s - from) * 2 * D * (int64_t)sizeof(float));
-                    if (r > 1 && rows_s == 1 && !coarse)
-                        SA_PREFETCH((const char *)(summary + seg_row(&c, table, sink_pages, next, h) * D), 0,
-                                    (r - next % r) * D * (int64_t)sizeof(float));
+                    SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, next) * H + h) * rows_s + from) * W), 0,
+                                (rows_s - from) * W * (int64_t)sizeof(float));
                 }
                 const int whole = whole_pages && r > 1 && end - t == r;
-                if (!whole && r > 1 && rows_s == 1) { /* part of a page, whose total alone is kept: the run's own sums */
-                    for (int64_t d = 0; d < 2 * D; ++d) run_sum[d] = 0.0;
-                    for (int64_t x = t; x < end && !coarse; ++x) {
-                        const float *mean_k = summary + seg_row(&c, table, sink_pages, list[x], h) * D;
-                        for (int64_t d = 0; d < D; ++d) run_sum[d] += (double)(mean_k[d] * (float)seg);
-                    }
+                if (!whole && r > 1 && rows_s == 1) { /* part of a page, whose total alone is kept: the run's values' sum */
                     for (int64_t d = 0; d < D; ++d) vsum[d] = 0.f;
                     for (int64_t j = 0; j < n; ++j) { /* rows just attended: in cache; at most a page's, summed in float32 */
                         sa_to_float(vals_c + j * D * c.elem, c.dtype, D, row);
                         for (int64_t d = 0; d < D; ++d) vsum[d] += row[d];
                     }
-                    for (int64_t d = 0; d < D; ++d) run_sum[D + d] = vsum[d];
-                    /* blocks of whole pages: the run is in one */
-                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, k0, NULL, run_sum, end - t);
+                    for (int64_t d = 0; d < D; ++d) run_sum[d] = vsum[d];
+                    /* blocks of whole pages: the run is in one (its keys' side: the scores, coarse) */
+                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, D, NULL, run_sum, end - t);
                     continue;
                 }
                 for (int64_t x = t; x < (whole ? t + 1 : end); ++x)
                     leave_block(rest, left, by, Gs, n_blocks_cap, list[x] / per_block, 2 * D, k0,
-                                page_rows + (whole ? page_row : list[x] % r) * 2 * D, NULL, whole ? r : 1);
+                                page_rows + (whole ? page_row : list[x] % r) * W, NULL, whole ? r : 1);
             }
             for (int64_t gs_i = 0; select && gs_i < Gs; ++gs_i) {
                 for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
