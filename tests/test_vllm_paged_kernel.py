@@ -384,8 +384,8 @@ def test_a_store_for_whole_pages_is_refused_for_segments():
 
 def test_the_store_keeps_page_totals_where_blocks_are_whole_pages_and_centroids_float32():
     """``PageStore.for_policy``: the merged rest's sums are one row per page when every block of the rest is whole
-    pages and the centroids give the segments' key sums (float32), else a row per segment too; what it holds is
-    ``nbytes``, beside vLLM's cache: for the preset on 4-token segments of 32-token pages 28% of the cache."""
+    pages and the centroids are float32 (the merged tokens' logits come off their scores), else a row per segment
+    too; what it holds is ``nbytes``, beside vLLM's cache: for the preset on 4-token segments of 32-token pages 28%."""
     def store(spec_options, seg, bs=32):
         policy = PagedPolicy(build("radar+", {"budget": 512, **spec_options}), "radar+", seg)
         return PageStore.for_policy(policy, fused_mode(policy), 100, 3, 64, bs)

@@ -215,8 +215,8 @@ class PageStore:
         """The store ``policy`` runs on in ``mode`` over a cache of ``num_blocks`` pages of ``block_size`` tokens: its
         segments per page, the merged rest's sums when it has one, its centroids' storage dtype."""
         r, dtype, rest = policy.segments_per_page(block_size), summary_dtype(policy), policy.merged
-        # Page totals alone when every block of the merged rest is whole pages and the centroids give the segments'
-        # key sums (float32 raw means): the store is then the centroids and one row per page, not r + 1 rows.
+        # Page totals alone when every block of the merged rest is whole pages and the centroids are float32 (the merged
+        # tokens' logits then come off their scores): the store is the centroids and one row per page, not r + 1 rows.
         whole_pages = rest is not None and min(rest.per_block, 2**62) % r == 0
         return cls(num_blocks, kv_heads, head_dim, mode, sums=rest is not None, segments=r, summary_dtype=dtype,
                    segment_sums=not (whole_pages and dtype == torch.float32))  # fmt: skip

@@ -1054,17 +1054,13 @@ int sa_paged_pooled_split(int64_t B, int64_t H, int64_t G, const int32_t *plan, 
 }
 
 /* What a run of attended segments takes out of block j's rest, for each selection that chose it (bit gs of by):
- * its sums, columns [from, n2) of the rest's rows n2 wide (float32 sf or double sd, starting at column from),
- * and its count of segments. */
+ * its sums sf, columns [from, n2) of the rest's rows n2 wide (sf starts at column from), and its count of segments. */
 static inline void leave_block(double *restrict rest, int64_t *restrict left, uint64_t by, int64_t Gs, int64_t cap, int64_t j,
-                               int64_t n2, int64_t from, const float *sf, const double *sd, int64_t count) {
+                               int64_t n2, int64_t from, const float *sf, int64_t count) {
     for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
         if (!((by >> gs_i) & 1)) continue;
         double *rx = rest + (gs_i * cap + j) * n2;
-        if (sf)
-            for (int64_t d = from; d < n2; ++d) rx[d] -= sf[d - from];
-        else
-            for (int64_t d = from; d < n2; ++d) rx[d] -= sd[d - from];
+        for (int64_t d = from; d < n2; ++d) rx[d] -= sf[d - from];
         left[gs_i * cap + j] -= count;
     }
 }
@@ -1110,6 +1106,9 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
 #ifdef _OPENMP
     if (threads < 1) threads = 1;
 #endif
+    /* The rest's sums below are [2 D] wide, keys' then values'; with coarse only columns [D, 2 D) are used, and the
+     * store's rows are W = 2 D - k0 wide (column d of a block's sums is column d - k0 of a stored row). */
+    const int64_t k0 = coarse ? D : 0, W = 2 * D - k0;
     if (per_block > 0) {
         int64_t *stale = NULL;
         const int64_t stale_n = stale_blocks(B, r, block_table, bt_stride, plan, most_cand, sums_state, &stale);
@@ -1118,15 +1117,12 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096];
             const int64_t blk = stale[i / H], h = i % H;
-            page_sums(&c, blk, h, segment_rows, !coarse, sums + (blk * H + h) * sums_rows(r, segment_rows) * (coarse ? D : 2 * D), row);
+            page_sums(&c, blk, h, segment_rows, !coarse, sums + (blk * H + h) * sums_rows(r, segment_rows) * W, row);
         }
         free(stale);
     }
     const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1;
     const int64_t rows_s = sums_rows(r, segment_rows), page_row = rows_s - 1; /* the page's own row */
-    /* The rest's sums below are [2 D] wide, keys' then values'; with coarse only columns [D, 2 D) are used, and the
-     * store's rows are W = 2 D - k0 wide (column d of a block's sums is column d - k0 of a stored row). */
-    const int64_t k0 = coarse ? D : 0, W = 2 * D - k0;
     const float log_seg = logf((float)(bs / r));
 #pragma omp parallel num_threads(threads)
     {
@@ -1143,14 +1139,13 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
         float *mean = malloc(sizeof(float) * (size_t)(n_blocks_cap * 2 * D));
         int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap), *which = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
         double *kx = malloc(sizeof(double) * (size_t)n_blocks_cap); /* with coarse: a row's left-out logits per block */
-        double *run_sum = malloc(sizeof(double) * (size_t)D); /* a run's values' sum (page totals only) */
-        float *vsum = malloc(sizeof(float) * (size_t)D);
+        float *vsum = malloc(sizeof(float) * (size_t)D); /* a run's values' sum (page totals only) */
         int32_t *slot = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate page's kept logits, or -1 */
         int64_t *order = malloc(sizeof(int64_t) * (size_t)S_max);
         int64_t *list = malloc(sizeof(int64_t) * (size_t)S_max); /* the candidates any selection chose, in order */
         uint64_t *chosen_by = malloc(sizeof(uint64_t) * (size_t)S_max); /* which selections chose each (bit gs) */
         const int ok = qs && lg && p && row && rows && m && l && acc && total && rest && left && mean && nonempty && slot && order &&
-                       list && chosen_by && run_sum && vsum && which && kx;
+                       list && chosen_by && vsum && which && kx;
         if (!ok) {
 #pragma omp atomic write
             status = SA_NO_MEMORY;
@@ -1233,14 +1228,13 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
                         sa_to_float(vals_c + j * D * c.elem, c.dtype, D, row);
                         for (int64_t d = 0; d < D; ++d) vsum[d] += row[d];
                     }
-                    for (int64_t d = 0; d < D; ++d) run_sum[d] = vsum[d];
                     /* blocks of whole pages: the run is in one (its keys' side: the scores, coarse) */
-                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, D, NULL, run_sum, end - t);
+                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, D, vsum, end - t);
                     continue;
                 }
                 for (int64_t x = t; x < (whole ? t + 1 : end); ++x)
                     leave_block(rest, left, by, Gs, n_blocks_cap, list[x] / per_block, 2 * D, k0,
-                                page_rows + (whole ? page_row : list[x] % r) * W, NULL, whole ? r : 1);
+                                page_rows + (whole ? page_row : list[x] % r) * W, whole ? r : 1);
             }
             for (int64_t gs_i = 0; select && gs_i < Gs; ++gs_i) {
                 for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
@@ -1289,7 +1283,7 @@ int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t 
             write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
         }
         free(qs); free(lg); free(p); free(row); free(rows); free(m); free(l); free(acc); free(total); free(rest); free(left);
-        free(mean); free(nonempty); free(which); free(kx); free(slot); free(order); free(list); free(chosen_by); free(run_sum); free(vsum);
+        free(mean); free(nonempty); free(which); free(kx); free(slot); free(order); free(list); free(chosen_by); free(vsum);
     }
     return status;
 }
