@@ -186,7 +186,7 @@ class PagedPolicy:
 
     ``segment``: tokens per segment, a divisor of vLLM's block size (None: each page is one segment).
     Smaller segments select finer (a page holds several), as the transformers engine's grid does;
-    they run the generic path (the fused C step reads whole pages).
+    the fused C step runs them too (its split step: :func:`~sparseattn.vllm.paged_kernel.fused_mode`).
     """
 
     method: Any
