@@ -7,4 +7,4 @@ the vLLM venv, where scripts/test.sh runs the vLLM tests.
 
 import importlib.util
 
-collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["sparseattn/vllm/backend.py", "sparseattn/vllm/forcing.py"]
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["sparseattn/vllm/backend.py", "sparseattn/vllm/forcing.py", "sparseattn/vllm/worker.py"]

@@ -161,6 +161,8 @@ def test_dry_run_prints_vllms_server_with_the_method_as_additional_config(worksp
     assert _option(argv, "--max-model-len") == "4096"  # the model's positions
     assert _option(argv, "--served-model-name") == model
     assert (_option(argv, "--host"), _option(argv, "--port")) == ("127.0.0.1", "8000")
+    # The worker that counts the page stores in the memory vLLM is given (sparseattn.vllm.worker).
+    assert _option(argv, "--worker-cls") == "sparseattn.vllm.worker.SparseCPUWorker"
 
 
 def test_dry_run_passes_spec_options_server_options_and_what_follows_the_double_dash(results):

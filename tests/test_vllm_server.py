@@ -13,6 +13,7 @@ in time; its log is shown on any failure.
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -189,6 +190,18 @@ def test_plugin_answered_decode_steps(server, answers):
     log = server.log.read_text(errors="replace")
     label = f"{METHOD['method']}:" + ",".join(f"{k}={v}" for k, v in sorted(METHOD.items()) if k != "method")
     assert f"first decode step answered by the paged engine ({label})" in log, tail(server.log)
+
+
+def test_the_page_stores_are_counted_in_the_memory_vllm_was_given(server, answers):
+    """radar+ on its own grid keeps a page store beside each layer's cache: the worker ``serve`` starts
+    (``--worker-cls``) gives the KV cache the memory less the stores' share, and the first decode step says so."""
+    log = server.log.read_text(errors="replace")
+    sized = re.search(r"the KV cache gets ([0-9.]+) of ([0-9.]+) GiB, its page stores the rest \(([0-9]+)% of the cache's bytes", log)
+    assert sized, tail(server.log)
+    kept, given, share = float(sized[1]), float(sized[2]), int(sized[3]) / 100
+    assert 0 < share < 1 and kept == pytest.approx(given / (1 + share), abs=0.01 + given * 0.01), sized[0]
+    assert "page store holds" in log and "counted in the memory vLLM was given" in log, tail(server.log)
+    assert "NOT counted" not in log, tail(server.log)
 
 
 def test_server_stops_cleanly(server, answers):

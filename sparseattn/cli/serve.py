@@ -21,6 +21,7 @@ import typer
 
 from sparseattn.cli.common import (MODEL, SEGMENT_HELP, bad, check_dtype, check_range, inspect_model, refuse, segment_choice,
                                    vllm_method)
+from sparseattn.vllm.config import WORKER_CLS
 
 #: vLLM's OpenAI-compatible server, run as a module (see the module docstring).
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -89,8 +90,9 @@ def serve(
             "--dtype", dtype]  # fmt: skip
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
+    # The worker that counts the page stores in the memory given (a --worker-cls after -- replaces it: vLLM takes the last).
     argv += ["--additional-config", json.dumps({"sparseattn": config}), "--gpu-memory-utilization", str(memory_fraction),
-             "--host", host, "--port", str(port), *extra]
+             "--worker-cls", WORKER_CLS, "--host", host, "--port", str(port), *extra]
     env = dict(os.environ)
     prefix = ""
     if kv_cache_gib is not None:

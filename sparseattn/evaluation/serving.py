@@ -394,13 +394,17 @@ def start_engine(model: str, *, dtype: str, kv_cache_gib: int, max_model_len: in
 
     ``kv_cache_gib`` becomes ``VLLM_CPU_KVCACHE_SPACE`` for the engine process it spawns (this process's
     value is restored after). ``method``: ``additional_config["sparseattn"]``, the plugin's method to
-    start with, switchable afterwards (:func:`sparseattn.vllm.switch.use_method`); None: stock vLLM.
+    start with, switchable afterwards (:func:`sparseattn.vllm.switch.use_method`), its page stores counted in
+    the cache's memory (:class:`sparseattn.vllm.worker.SparseCPUWorker`); None: stock vLLM.
     ``block_size`` None: vLLM's (128 on CPU). ``extra``: further ``LLM`` arguments. Imports vLLM.
     """
     from vllm import LLM
 
+    from sparseattn.vllm.config import WORKER_CLS
+
     if method is not None:
-        extra = {"additional_config": {"sparseattn": dict(method)}, "worker_extension_cls": "sparseattn.vllm.switch.MethodSwitch", **extra}
+        extra = {"additional_config": {"sparseattn": dict(method)}, "worker_extension_cls": "sparseattn.vllm.switch.MethodSwitch",
+                 "worker_cls": WORKER_CLS, **extra}  # the page stores counted in the cache's memory
     saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # read by the engine process it spawns
     try:

@@ -62,14 +62,14 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from sparseattn.vllm.config import MethodRequest, current_request, request_from
+from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, request_from
 from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
 from sparseattn.vllm.paged_kernel import FIXED, PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
 
 __all__ = [
     "DecodeMethod", "SparseCPUAttentionBackend", "SparseCPUAttentionImpl", "SparseCPUAttentionMetadata",
-    "SparseCPUAttentionMetadataBuilder", "kernel_attend_pages", "prefill_part", "sparse_builders",
+    "SparseCPUAttentionMetadataBuilder", "fused_refusal", "kernel_attend_pages", "prefill_part", "sparse_builders",
 ]
 
 logger = init_logger("vllm.sparseattn")  # under vLLM's logger, which has the handlers
@@ -263,9 +263,7 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         method is resolved for each of the model's layers here, once.
         """
         policy.segments_per_page(self.block_size)  # a segment that does not divide the page: refused at start-up
-        refusal = kernel_refusal()
-        if refusal is None and is_quantized_kv_cache(self.kv_cache_dtype):
-            refusal = f"the fused kernel reads float32, bfloat16 and float16 pages, this cache is {self.kv_cache_dtype}"
+        refusal = fused_refusal(self.kv_cache_dtype)
         self.method = DecodeMethod.of(policy, self.n_layers, refusal)
         grid = "whole pages" if policy.segments_per_page(self.block_size) == 1 else f"{policy.segment}-token segments"
         logger.info_once("sparseattn: decode tokens run %r in the paged engine on %s of %d-token pages: %s%s", policy.name,
@@ -380,10 +378,15 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if fused is not None:
             if fused != FIXED and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
                 self._store = PageStore.for_policy(policy, fused, kv_cache.shape[0], self.num_kv_heads, self.head_size, kv_cache.shape[2])
-                logger.info_once("sparseattn: the fused step's page store holds %.1f MiB per layer beside vLLM's KV cache "
-                                 "(%.0f%% of the layer's cache: summaries%s)", self._store.nbytes / 2**20,
-                                 100 * self._store.nbytes / (kv_cache.numel() * kv_cache.element_size()),
-                                 " and the merged rest's sums" if self._store.sums is not None else "")  # fmt: skip
+                from sparseattn.vllm.worker import counted  # imports vLLM's CPU worker: once, here
+
+                log = logger.info_once if counted() else logger.warning_once  # uncounted: memory beyond what vLLM was given
+                log("sparseattn: the fused step's page store holds %.1f MiB per layer beside vLLM's KV cache (%.0f%% of the "
+                    "layer's cache: summaries%s; %s)", self._store.nbytes / 2**20,
+                    100 * self._store.nbytes / (kv_cache.numel() * kv_cache.element_size()),
+                    " and the merged rest's sums" if self._store.sums is not None else "",
+                    "counted in the memory vLLM was given" if counted() else
+                    f"NOT counted in the memory vLLM was given: start the engine with worker_cls={WORKER_CLS!r} to count it")  # fmt: skip
             # Decode rows 0..n-1 of a float32 output: the kernel writes them in place.
             direct = rows is None and out.dtype == torch.float32 and out.is_contiguous()
             result, _ = fused_decode(policy, fused, self._store, kv_cache, q, step.table, step.lens, self.scale,
@@ -435,6 +438,14 @@ def _put_rows(out: torch.Tensor, rows: torch.Tensor | None, result: torch.Tensor
         out[: result.shape[0]] = result.to(out.dtype)
     else:
         out[rows] = result.to(out.dtype)
+
+
+def fused_refusal(kv_cache_dtype: str) -> str | None:
+    """Why the fused C step cannot run an engine whose cache is ``kv_cache_dtype`` (vLLM's ``cache_dtype``), or None."""
+    refusal = kernel_refusal()
+    if refusal is None and is_quantized_kv_cache(kv_cache_dtype):
+        refusal = f"the fused kernel reads float32, bfloat16 and float16 pages, this cache is {kv_cache_dtype}"
+    return refusal
 
 
 def _layer_index(name: str) -> int:

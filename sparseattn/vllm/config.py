@@ -27,7 +27,7 @@ from typing import Any
 
 from sparseattn import registry
 
-__all__ = ["AUTO", "CONFIG_KEY", "ENV_VAR", "PAGE", "MethodRequest", "current_request", "parse_spec", "request_from"]
+__all__ = ["AUTO", "CONFIG_KEY", "ENV_VAR", "PAGE", "WORKER_CLS", "MethodRequest", "current_request", "parse_spec", "request_from"]
 
 #: The key of vLLM's ``additional_config`` the plugin reads.
 CONFIG_KEY = "sparseattn"
@@ -35,6 +35,9 @@ CONFIG_KEY = "sparseattn"
 ENV_VAR = "SPARSEATTN_VLLM_METHOD"
 #: ``segment`` values that are not a number of tokens: the method's own grid, and a page per segment.
 AUTO, PAGE = "auto", "page"
+#: vLLM's ``worker_cls`` that sizes the KV cache with the paged engine's page stores counted in
+#: (:class:`sparseattn.vllm.worker.SparseCPUWorker`; named here, where no vLLM is imported).
+WORKER_CLS = "sparseattn.vllm.worker.SparseCPUWorker"
 
 
 @dataclass(frozen=True)

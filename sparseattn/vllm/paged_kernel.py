@@ -28,6 +28,7 @@ import ctypes
 import functools
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ from sparseattn.summaries.base import Shortlist
 from sparseattn.vllm.paged import PagedPolicy, PageStep
 
 __all__ = [
-    "BOUND", "FIXED", "RERANK", "SPLIT", "PageStore", "StepPlan", "fused_decode", "fused_mode", "kernel_refusal", "split_decode",
+    "BOUND", "FIXED", "RERANK", "SPLIT", "PageStore", "StepPlan", "cache_share", "fused_decode", "fused_mode", "kernel_refusal", "split_decode",
     "step_plan", "summary_dtype",
 ]
 
@@ -221,6 +222,18 @@ class PageStore:
         return cls(num_blocks, kv_heads, head_dim, mode, sums=rest is not None, segments=r, summary_dtype=dtype,
                    segment_sums=not (whole_pages and dtype == torch.float32))  # fmt: skip
 
+    @classmethod
+    def bytes_per_block(cls, policy: PagedPolicy, mode: int, kv_heads: int, head_dim: int, block_size: int) -> int:
+        """Bytes the store of :meth:`for_policy` holds per block of vLLM's cache (what a KV cache of ``n`` blocks
+        adds beside it: ``n`` times this), for sizing the cache with its stores (:mod:`sparseattn.vllm.worker`).
+
+        >>> from sparseattn import registry
+        >>> policy = PagedPolicy(registry.build("radar+adaptive", budget=512), "radar+adaptive", segment=4).for_layer(1, 30)
+        >>> PageStore.bytes_per_block(policy, fused_mode(policy), 3, 64, 32)  # 3 heads x (8 centroids + 1 page sum) x 64 x 4 + 2
+        6914
+        """
+        return cls.for_policy(policy, mode, 1, kv_heads, head_dim, block_size).nbytes
+
     @property
     def num_blocks(self) -> int:
         return self.state.shape[0]
@@ -241,6 +254,22 @@ class PageStore:
         for state in (self.state, self.sums_state):
             if state is not None:
                 _library().sa_paged_invalidate(slots.data_ptr(), slots.numel(), block_size, state.data_ptr(), self.num_blocks)
+
+
+def cache_share(page_bytes: Mapping[str, int], store: Mapping[str, int]) -> float:
+    """The share of memory the KV cache may take when each layer's store rides on every block beside it:
+    ``sum(page_bytes) / sum(page_bytes + store)`` over the layers (``store``: bytes per block, 0 or absent: none).
+
+    >>> round(cache_share({"l0": 24576, "l1": 24576}, {"l1": 6914}), 4)  # the preset's layers 0 and 1 at 8k, 32-token pages
+    0.8767
+    >>> cache_share({"l0": 24576}, {})
+    1.0
+    """
+    kv = sum(page_bytes.values())
+    if kv <= 0:
+        raise ValueError(f"cache_share: the KV cache's page bytes sum to {kv}; allowed: a positive total")
+    extra = sum(store.get(name, 0) for name in page_bytes)
+    return kv / (kv + extra)
 
 
 def fused_decode(
