@@ -2,11 +2,12 @@
 
 The fused C step keeps a :class:`~sparseattn.vllm.paged_kernel.PageStore` per attention layer beside
 vLLM's cache, one entry per cache block: the centroids of a page's segments and, with a merged rest,
-its value sums (about 0.28x the cache's bytes for ``radar+adaptive`` on its own grid at 8k, 0.06x for
+its value sums (about 0.28x the cache's bytes for ``radar+adaptive`` on its own grid at 8k, 0.03x for
 ``radar+`` on whole pages). vLLM sizes its cache from the memory it was given
 (``VLLM_CPU_KVCACHE_SPACE`` or ``kv_cache_memory_bytes``; else ``gpu_memory_utilization`` of the
 host's memory less what the process holds) and knows nothing of the stores: a cache sized to fill
-that memory would take up to 1.28x of it once every block had a summary.
+that memory would take 1.28x of it for the preset at 8k (1.53x on its 2-token grid at 2k) once
+every block had a summary.
 
 :class:`SparseCPUWorker` is vLLM's CPU worker whose :meth:`~SparseCPUWorker.determine_available_memory`
 hands vLLM the memory less the stores' share, so that ``blocks x (KV page + stores)`` fits what vLLM
