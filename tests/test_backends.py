@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import dataclasses  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
@@ -1179,3 +1180,65 @@ def test_the_slot_attention_backend_is_slot_attention_bit_for_bit():
     got = backend.slot_attention(*args, checked=False)
     want = slot_attention(*args)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+#: What reads a device tensor back to the host (on a GPU: a sync, and a step no CUDA graph can capture).
+HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+              "aten.masked_scatter.default", "aten.repeat_interleave.Tensor", "aten._unique2.default"}  # fmt: skip
+
+
+def host_reads(fn) -> list[str]:
+    """The aten calls of ``fn()`` that read data back to the host: those above, and indexing with a bool mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            masked = name.startswith("aten.index") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()))
+            if name in HOST_READS and not (name == "aten.repeat_interleave.Tensor" and (kwargs or {}).get("output_size") is not None) or masked:
+                found.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        fn()
+    return found
+
+
+class CheckedSplit:
+    """A third-party allocation: PooledMass's split through its own plan (not marked within_budget)."""
+
+    def __new__(cls, **options):
+        from sparseattn.allocations import PooledMass
+
+        class Split(PooledMass):
+            def plan(self, estimates, log_total, k):
+                return super().plan(estimates, log_total, k)
+
+        return Split(**options)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split", ["uniform", "pooled", "pooled+merged", "third-party pooled"])
+def test_the_triton_decode_step_reads_nothing_back_to_the_host(split):
+    """radar+ and its pooled split, with and without the merged rest (the preset's layers 1-29), decode through
+    the Triton backend without reading a tensor back to the host: on a GPU the step is one stream of launches
+    that a CUDA graph captures. A third-party allocation's plan is checked against the budget, which reads its
+    counts back (the one host read this test must find). (A merged rest over listings that differ between a
+    group's heads, e.g. a pooled split with its default cap 4, still compacts them on the host.)"""
+    from sparseattn import RadarPlus
+
+    pooled = {"split": "pooled", "cap": 2.0, "floor": 0.25}  # the preset's: each head lists the group's shortlist
+    options = {"uniform": {}, "pooled": pooled, "pooled+merged": {**pooled, "rest": "merged", "merge": 128},
+               "third-party pooled": {"allocation": CheckedSplit(cap=2.0, floor=0.25)}}[split]  # fmt: skip
+    method = dataclasses.replace(RadarPlus(budget=256, aspect=16.0, **options), backend="triton")
+    gen = torch.Generator().manual_seed(7)
+    keys, values, q = (torch.randn(2, 2, 2048, 16, generator=gen), torch.randn(2, 2, 2048, 16, generator=gen),
+                       torch.randn(2, 4, 16, generator=gen))  # fmt: skip
+    state = method.new_state(2, 2, 16)
+    state.append(keys, values)
+    state.attend(q)  # first-call set-up (workspaces, the backend) is not the step
+    reads = host_reads(lambda: state.attend(q))
+    assert reads == (["aten._local_scalar_dense.default"] if split == "third-party pooled" else []), reads

@@ -151,6 +151,11 @@ class Allocation(SelectStage, Protocol):
       splitting allocation returns :func:`split_segments` (each selection lists its ``w`` picks and
       attends those ``plan`` flags).
 
+    A ``plan`` that flags at most ``H_kv G' k`` per row by construction may say so with
+    :func:`within_budget` (:class:`~sparseattn.allocations.PooledMass`'s, tested so): :func:`split_segments`
+    then skips its check of that, which reads the mask's counts back to the host (on a GPU a sync per
+    layer and step, and no CUDA graph). A subclass that overrides ``plan`` is checked again.
+
     The plan sees only each selection's listed segments and one total, unordered: what a pooled
     split needs, and what a decode state produces without sorting (a shortlisting summary lists its
     shortlist, ranked against nothing else).
@@ -163,6 +168,17 @@ class Allocation(SelectStage, Protocol):
     def plan(self, estimates: torch.Tensor, log_total: torch.Tensor, k: int) -> torch.Tensor: ...
 
 
+def within_budget(plan):
+    """Mark an allocation's ``plan`` as keeping the layer's budget by construction (see :class:`Allocation`)."""
+    plan.within_budget = True
+    return plan
+
+
+def keeps_budget(allocation: Allocation) -> bool:
+    """Whether ``allocation``'s own ``plan`` is marked :func:`within_budget` (an override of it is not)."""
+    return bool(getattr(getattr(type(allocation), "plan", None), "within_budget", False))
+
+
 def split_segments(allocation: Allocation, step: SegmentStep) -> Selection:
     """The select stage of an allocation that splits segments between heads: each selection lists its
     ``w = allocation.width(k, S)`` picks (its best ``w`` under :class:`~sparseattn.selectors.TopK`), and
@@ -170,7 +186,8 @@ def split_segments(allocation: Allocation, step: SegmentStep) -> Selection:
     :class:`~sparseattn.allocations.PooledMass`, a head given ``n`` attends its top ``n``).
 
     Raises ValueError when the plan is not a ``[B, H_kv, G', w]`` bool mask or flags more than the
-    layer's ``H_kv G' k`` segments in a batch row.
+    layer's ``H_kv G' k`` segments in a batch row (the latter not checked for an allocation that is
+    ``within_budget``).
     """
     k = step.k
     w = allocation.width(k, step.layout.n_segments)
@@ -179,7 +196,9 @@ def split_segments(allocation: Allocation, step: SegmentStep) -> Selection:
     B, H, shared = segments.shape[:3]
     if tuple(valid.shape) != (B, H, shared, w) or valid.dtype != torch.bool:
         raise ValueError(f"{allocation!r}.plan returned a {valid.dtype} mask of shape {tuple(valid.shape)}, expected bool {(B, H, shared, w)}")
-    if bool((valid.sum((1, 2, 3)) > H * shared * k).any()):
+    # The count is read back to the host: on a GPU a sync, and a step no CUDA graph can capture. A plan that keeps
+    # the budget by construction (marked @within_budget, property-tested) is not checked.
+    if not keeps_budget(allocation) and bool((valid.sum((1, 2, 3)) > H * shared * k).any()):
         raise ValueError(f"{allocation!r}.plan flagged more than the layer's {H * shared * k} segments: {valid.sum((1, 2, 3)).tolist()}")
     return Selection(segments, valid)
 

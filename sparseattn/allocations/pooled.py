@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparseattn.allocations.base import Selection, split_segments
+from sparseattn.allocations.base import Selection, split_segments, within_budget
 from sparseattn.validation import check_real
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class PooledMass:
     def floor_count(self, k: int) -> int:
         return min(k, math.ceil(self.floor * k))
 
+    @within_budget  # exactly min(H G k, H G w) shares per row, the floors among them (tests/test_allocation.py)
     def plan(self, estimates: torch.Tensor, log_total: torch.Tensor, k: int) -> torch.Tensor:
         B, H, G, w = estimates.shape
         share = estimates.float() - log_total.float()[..., None]  # [B, H, G, w]: each listed segment's share

@@ -315,7 +315,9 @@ def add_merged_rest(
     attended = torch.ones(B, H, G, w, dtype=torch.bool, device=q.device) if valid is None else valid.expand(B, H, G, w)
     flat_kv = seg_kv.reshape(-1, 2 * D)
     base = (torch.arange(B * H, device=q.device) * S).view(B, H, 1)  # each (b, h)'s first row of the sums
-    shared = segments.shape[2] == 1 or bool((segments == segments[:, :, :1]).all())
+    # A listing expanded from one row per KV head (a pooled split read off the group's shortlist: Shortlist.top)
+    # says so by its stride, with no comparison read back to the host (on a GPU: no sync, and a capturable step).
+    shared = segments.shape[2] == 1 or segments.stride(2) == 0 or bool((segments == segments[:, :, :1]).all())
     if shared:
         # One listing per KV head (a shared selection, or a pooled split read off the group's shortlist):
         # each listed segment's row is read once for the group's heads, and the sums are small products.
