@@ -1182,13 +1182,15 @@ def test_the_slot_attention_backend_is_slot_attention_bit_for_bit():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-#: What reads a device tensor back to the host (on a GPU: a sync, and a step no CUDA graph can capture).
+#: What reads a device tensor back to the host, or copies Python data to the device (``lift_fresh``: a tensor made
+#: from a Python number, e.g. ``t[i] = n``): on a GPU a sync, and a step no CUDA graph can capture.
 HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
-              "aten.masked_scatter.default", "aten.repeat_interleave.Tensor", "aten._unique2.default"}  # fmt: skip
+              "aten.masked_scatter.default", "aten.repeat_interleave.Tensor", "aten._unique2.default",
+              "aten.lift_fresh.default"}  # fmt: skip
 
 
 def host_reads(fn) -> list[str]:
-    """The aten calls of ``fn()`` that read data back to the host: those above, and indexing with a bool mask."""
+    """The aten calls of ``fn()`` that cross between host and device: those above, and indexing with a bool mask."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     found = []

@@ -161,10 +161,10 @@ def block_sums(seg_keys: torch.Tensor, seg_values: torch.Tensor, per_block: int)
 def block_counts(n_segments: int, segment_size: int, per_block: int, device=None) -> torch.Tensor:
     """Tokens in each block ``[n_blocks]`` (float64): ``per_block x segment_size``, the last block what is left."""
     n = -(-n_segments // per_block)
-    segs = torch.full((n,), per_block, dtype=torch.float64, device=device)
-    if n:
-        segs[-1] = n_segments - (n - 1) * per_block
-    return segs * segment_size
+    # Block j holds min(per_block, what is left from j per_block on): computed on the device (writing the last
+    # entry from a Python number is a copy from the host: on a GPU a sync, and no CUDA graph).
+    left = n_segments - torch.arange(n, dtype=torch.float64, device=device) * per_block
+    return left.clamp(max=per_block) * segment_size
 
 
 def attended_block_sums(
