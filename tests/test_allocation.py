@@ -75,6 +75,35 @@ def test_pooled_plan_is_the_greedy_pooled_split(seed, cap, floor):
     assert torch.equal(valid.sum((1, 2, 3)), torch.full((B,), H * G * k))
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(1, 24)),
+    k=st.integers(1, 8), cap=st.floats(1.0, 8.0), floor=st.floats(0.0, 1.0), seed=st.integers(0, 2**16),
+    odd=st.sampled_from([None, float("nan"), float("inf"), float("-inf")]),
+)
+def test_a_pooled_plan_never_exceeds_the_layers_budget(shape, k, cap, floor, seed, odd):
+    """What PooledMass's plan is marked ``within_budget`` for (the engine then does not read its counts back):
+    per batch row at most ``H G k`` segments flagged, for any scores (non-finite ones included), each head at
+    least its floor and at most ``width``, and it is a bool mask of the listing's shape."""
+    from sparseattn.allocations.base import keeps_budget
+
+    B, H, G, S = shape
+    gen = torch.Generator().manual_seed(seed)
+    allocation = PooledMass(cap=cap, floor=floor)
+    w = allocation.width(k, S)
+    estimates = torch.randn(B, H, G, w, generator=gen) * 4
+    log_total = torch.logsumexp(estimates, -1) + torch.rand(B, H, G, generator=gen)
+    if odd is not None:  # one head's scores or total not finite
+        estimates[0, 0, 0, 0] = odd
+        log_total[-1, -1, -1] = odd
+    valid = allocation.plan(estimates, log_total, k)
+    assert valid.dtype == torch.bool and tuple(valid.shape) == (B, H, G, w)
+    assert bool((valid.sum((1, 2, 3)) <= H * G * k).all())
+    per_head = valid.sum(-1)
+    assert bool((per_head >= min(allocation.floor_count(k), w)).all()) and bool((per_head <= w).all())
+    assert keeps_budget(allocation)
+
+
 def test_uniform_gives_every_head_its_best_k():
     estimates = torch.randn(2, 3, 4, 9)
     valid = Uniform().plan(estimates, torch.zeros(2, 3, 4), 5)
