@@ -64,7 +64,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, request_from
 from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
-from sparseattn.vllm.paged_kernel import FIXED, PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
+from sparseattn.vllm.paged_kernel import PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
 
 __all__ = [
@@ -376,7 +376,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         q = (query[:n] if rows is None else query[rows]).view(n, self.num_heads, self.head_size)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         if fused is not None:
-            if fused != FIXED and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
+            if PageStore.kept_in(fused) and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
                 self._store = PageStore.for_policy(policy, fused, kv_cache.shape[0], self.num_kv_heads, self.head_size, kv_cache.shape[2])
                 from sparseattn.vllm.worker import counted  # imports vLLM's CPU worker: once, here
 

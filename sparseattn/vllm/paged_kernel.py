@@ -222,6 +222,11 @@ class PageStore:
         return cls(num_blocks, kv_heads, head_dim, mode, sums=rest is not None, segments=r, summary_dtype=dtype,
                    segment_sums=not (whole_pages and dtype == torch.float32))  # fmt: skip
 
+    @staticmethod
+    def kept_in(mode: int | None) -> bool:
+        """Whether the fused step in ``mode`` keeps a store (every mode but :data:`FIXED`; None, the generic path, none)."""
+        return mode is not None and mode != FIXED
+
     @classmethod
     def bytes_per_block(cls, policy: PagedPolicy, mode: int, kv_heads: int, head_dim: int, block_size: int) -> int:
         """Bytes the store of :meth:`for_policy` holds per block of vLLM's cache (what a KV cache of ``n`` blocks
@@ -297,7 +302,7 @@ def fused_decode(
     if bs > MAX_BLOCK_SIZE:
         raise ValueError(f"fused paged decode: block size {bs} is out of range; allowed: <= {MAX_BLOCK_SIZE}")
     r = policy.segments_per_page(bs)
-    if (store is None) != (mode == FIXED):
+    if (store is None) == PageStore.kept_in(mode):
         raise ValueError("fused paged decode: a PageStore is needed exactly when the mode scores pages")
     plan = plan or step_plan(policy, seq_lens, bs)
     if not (plan.plan.shape[0] == block_table.shape[0] == seq_lens.shape[0] == B):

@@ -31,7 +31,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from sparseattn.vllm.backend import DecodeMethod, _layer_index, fused_refusal
 from sparseattn.vllm.config import WORKER_CLS, request_from
-from sparseattn.vllm.paged_kernel import FIXED, PageStore, cache_share
+from sparseattn.vllm.paged_kernel import PageStore, cache_share
 
 __all__ = ["WORKER_CLS", "SparseCPUWorker", "counted", "store_bytes"]
 
@@ -48,7 +48,6 @@ def counted() -> bool:
 def store_bytes(vllm_config: Any, kv_cache_spec: Mapping[str, Any]) -> dict[str, int]:
     """Bytes per cache block of each attention layer's page store under the engine's configured method (none when it
     asks for none, and for layers the fused step does not run); ``kv_cache_spec``: vLLM's, layer name -> spec."""
-
     request = request_from(vllm_config.additional_config)
     if request is None or not kv_cache_spec:
         return {}
@@ -62,7 +61,7 @@ def store_bytes(vllm_config: Any, kv_cache_spec: Mapping[str, Any]) -> dict[str,
             methods[block_size] = DecodeMethod.of(request.policy(block_size, vllm_config.model_config.max_model_len), n_layers, refusal)
         method = methods[block_size]
         leaf, fused = method.variants[method.variant(_layer_index(name))]
-        sizes[name] = 0 if fused is None or fused == FIXED else PageStore.bytes_per_block(leaf, fused, kv_heads, head_dim, block_size)
+        sizes[name] = PageStore.bytes_per_block(leaf, fused, kv_heads, head_dim, block_size) if PageStore.kept_in(fused) else 0
     return sizes
 
 
