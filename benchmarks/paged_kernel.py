@@ -18,6 +18,13 @@ benchmark's shared document), one decode query per sequence, the default model's
 
 The table gives each fused run's page store in MiB (what the engine holds beside vLLM's cache for one layer).
 
+Each call reads the next of ``--caches`` caches (each with its own page stores), round robin, as a serving
+step's layers do: one 8k x 8 cache (49 MB in bf16) would stay partly in the last-level cache from call to
+call, which a model's 30 layers never allow. ``--profile`` adds, per fused run, where one call's time goes
+(:class:`sparseattn.vllm.profile.StepProfile`: each phase's microseconds, the megabytes it reads counted
+in 64-byte lines, its GB/s and share of the machine's read bandwidth, measured at the start with
+:func:`sparseattn.bandwidth.read_bandwidth`) and the call's byte floor: its bytes over that bandwidth.
+
 Methods are specs (``radar+:split=pooled,rest=merged``); a per-layer method (``radar+adaptive``) runs
 the method of layer ``--layer`` of the default model's 30.
 
@@ -31,6 +38,7 @@ as vLLM's CPU worker runs on this 2-core machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -43,7 +51,9 @@ import torch
 from sparseattn.machine import cpu_model
 from sparseattn.cli.common import parse_method
 from sparseattn.vllm.paged import PagedPolicy, attend_pages, choose_pages, page_views
-from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, step_plan
+from sparseattn.bandwidth import read_bandwidth
+from sparseattn.vllm.paged_kernel import PageStore, fused_decode, fused_mode, step_plan, summary_dtype
+from sparseattn.vllm.profile import PHASE_WHAT, StepProfile
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -107,11 +117,14 @@ def main() -> None:
                         "totals only on a store that keeps every segment's sums (the former layout), as '<run> (segment rows)'")
     parser.add_argument("--fused-only", action="store_true", help="leave out the generic rows (a merged rest's take ~180 ms a call)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--caches", type=int, default=4, help="caches read in turn (as a model's layers are), so that "
+                        "each call reads from memory, not from the last-level cache")
+    parser.add_argument("--profile", action="store_true", help="also time each fused run's phases and count their bytes")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     for option, value, least in (("--length", args.length, 2), ("--batch", args.batch, 1), ("--budget", args.budget, 1),
-                                 ("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):  # fmt: skip
+                                 ("--repeats", args.repeats, 1), ("--threads", args.threads, 1), ("--caches", args.caches, 1)):  # fmt: skip
         if value < least:
             parser.error(f"{option}: {value} is out of range; allowed: >= {least}")
     if args.block_size < 16 or args.block_size % 16:
@@ -134,74 +147,137 @@ def main() -> None:
 
     H, G, D, bs = 3, 3, 64, args.block_size
     dtype = DTYPES[args.dtype]
-    cache, table = make_cache(args.batch, args.length, bs, H, D, dtype, args.shared)
+    caches = [make_cache(args.batch, args.length, bs, H, D, dtype, args.shared, seed=i) for i in range(args.caches)]
     query = torch.randn(args.batch, H * G, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     lens = torch.full((args.batch,), args.length, dtype=torch.int32)
     scale = D**-0.5
 
-    calls, store_mib = {}, {}
+    # Each run: one callable per cache (its own page store: a layer's), called in turn.
+    calls: dict[str, list] = {}
+    store_mib: dict[str, float] = {}
+    fused_runs: set[str] = set()
     if have_vllm:
-        calls["vllm kernel (all pages)"] = vllm_kernel(cache, table, lens, query, scale)
+        calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, query, scale) for cache, table in caches]
     for name in args.methods:
         policy = PagedPolicy(built[name], name, segments[name]).for_layer(args.layer, 30)
         mode = fused_mode(policy)
         if mode is not None:
-            store = None if mode == FIXED else PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
             plan = step_plan(policy, lens, bs)
-            calls[f"fused {name}"] = (lambda p=policy, m=mode, s=store, pl=plan: fused_decode(
-                p, m, s, cache, query, table, lens, scale, plan=pl)[0])  # fmt: skip
-            store_mib[f"fused {name}"] = 0.0 if store is None else store.nbytes / 2**20
-            if args.segment_rows and store is not None and not store.segment_sums:
-                rows_store = PageStore(cache.shape[0], H, D, mode, sums=True, segments=policy.segments_per_page(bs),
-                                       summary_dtype=store.summary.dtype, segment_sums=True)  # fmt: skip
-                calls[f"fused {name} (segment rows)"] = (lambda p=policy, m=mode, s=rows_store, pl=plan: fused_decode(
-                    p, m, s, cache, query, table, lens, scale, plan=pl)[0])  # fmt: skip
-                store_mib[f"fused {name} (segment rows)"] = rows_store.nbytes / 2**20
+            variants = [(f"fused {name}", None)]
+            if args.segment_rows and PageStore.kept_in(mode) and not PageStore.for_policy(policy, mode, 1, H, D, bs).segment_sums:
+                variants.append((f"fused {name} (segment rows)", True))
+            for label, rows_layout in variants:
+                runs = []
+                for cache, table in caches:
+                    if not PageStore.kept_in(mode):
+                        store = None
+                    elif rows_layout:
+                        store = PageStore(cache.shape[0], H, D, mode, sums=True, segments=policy.segments_per_page(bs),
+                                          summary_dtype=summary_dtype(policy), segment_sums=True)  # fmt: skip
+                    else:
+                        store = PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
+                    runs.append(lambda p=policy, m=mode, s=store, pl=plan, c=cache, t=table: fused_decode(
+                        p, m, s, c, query, t, lens, scale, plan=pl)[0])  # fmt: skip
+                    store_mib[label] = 0.0 if store is None else store.nbytes / 2**20
+                calls[label] = runs
+                fused_runs.add(label)
         if have_vllm and name != "dense" and not args.fused_only:
             from sparseattn.vllm.backend import kernel_attend_pages
             from sparseattn.vllm.paged import PageSummaries
 
             params, gen = policy.prepare(H, D, 0)
-            summaries = PageSummaries(cache.shape[0], bs)
+            runs = []
+            for cache, table in caches:
+                summaries = PageSummaries(cache.shape[0], bs)
 
-            def generic(p=policy, pr=params, ge=gen, su=summaries):
-                chosen = choose_pages(p, pr, ge, cache, query, table, lens, scale, su)
-                if chosen.merged is not None:
-                    return attend_pages(query, cache, table, chosen.pages, lens, scale, None, merged=chosen.merged)
-                return kernel_attend_pages(query, cache, table, chosen.pages, lens, scale, None, "vec")
+                def generic(p=policy, pr=params, ge=gen, su=summaries, c=cache, t=table):
+                    chosen = choose_pages(p, pr, ge, c, query, t, lens, scale, su)
+                    if chosen.merged is not None:
+                        return attend_pages(query, c, t, chosen.pages, lens, scale, None, merged=chosen.merged)
+                    return kernel_attend_pages(query, c, t, chosen.pages, lens, scale, None, "vec")
 
-            calls[f"generic {name}"] = generic
-    times = {label: [] for label in calls}
-    for call in calls.values():  # warm: kernels built, summaries computed
-        call()
+                runs.append(generic)
+            calls[f"generic {name}"] = runs
+    times: dict[str, list[float]] = {label: [] for label in calls}
+    for runs in calls.values():  # warm: kernels built, every cache's summaries computed
+        for run in runs:
+            run()
+    turn = 0
     for r in range(args.repeats):
         for label in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-            start = time.perf_counter()
-            calls[label]()
-            times[label].append(time.perf_counter() - start)
+            for _ in range(args.caches):  # one call per cache: each reads what the last call of this run did not
+                start = time.perf_counter()
+                calls[label][turn % args.caches]()
+                times[label].append(time.perf_counter() - start)
+                turn += 1
+    profiles = {}
+    bandwidth = None
+    if args.profile:
+        bandwidth = read_bandwidth(threads=args.threads, chunk=4096)
+        for label in calls:
+            if label not in fused_runs:
+                continue
+            with StepProfile() as prof:
+                for i in range(args.repeats * args.caches):
+                    calls[label][i % args.caches]()
+            profiles[label] = prof
     reference = "vllm kernel (all pages)" if have_vllm else next(iter(calls))
     base = statistics.median(times[reference])
-    rows = [{"run": label, "median_us": 1e6 * statistics.median(t), "min_us": 1e6 * min(t),
-             "vs_reference": base / statistics.median(t), "store_mib": store_mib.get(label)} for label, t in times.items()]  # fmt: skip
+    dense = statistics.median(times["fused dense"]) if "fused dense" in times else None
+    rows = []
+    for label, t in times.items():
+        row = {"run": label, "median_us": 1e6 * statistics.median(t), "min_us": 1e6 * min(t), "max_us": 1e6 * max(t),
+               "vs_reference": base / statistics.median(t), "vs_fused_dense": dense / statistics.median(t) if dense else None,
+               "store_mib": store_mib.get(label)}  # fmt: skip
+        if label in profiles:
+            prof = profiles[label]
+            row["profile"] = prof.rows(bandwidth.median_gbps, calls=args.repeats * args.caches)
+            row["mb_per_call"] = prof.total_bytes / (args.repeats * args.caches) / 1e6
+            row["floor_us"] = row["mb_per_call"] / bandwidth.median_gbps * 1e3  # MB / (GB/s) = ms
+            row["of_floor"] = row["floor_us"] / row["median_us"]
+        rows.append(row)
 
     from rich.console import Console
     from rich.table import Table
 
+    console = Console(width=160)
     shared = "shared blocks" if args.shared else "own blocks"
     table_out = Table(title=f"one layer's decode attention: batch {args.batch} x {args.length} tokens ({shared}), {args.dtype}, "
-                            f"{bs}-token pages, budget {args.budget}, {args.threads} thread(s), median of {args.repeats}")
-    for col in ("run", "us / call", "min us", f"speed vs {reference}", "page store MiB"):
+                            f"{bs}-token pages, budget {args.budget}, {args.threads} thread(s), {args.caches} caches in turn, "
+                            f"median (min-max) of {args.repeats * args.caches} calls")  # fmt: skip
+    cols = ["run", "us / call", "min-max us", f"vs {reference}", "vs fused dense", "page store MiB"]
+    if profiles:
+        cols += ["MB read / call", "byte floor us", "of floor"]
+    for col in cols:
         table_out.add_column(col, justify="left" if col == "run" else "right")
     for row in rows:
         mib = "" if row["store_mib"] is None else f"{row['store_mib']:.1f}"
-        table_out.add_row(row["run"], f"{row['median_us']:.0f}", f"{row['min_us']:.0f}", f"{row['vs_reference']:.2f}x", mib)
-    Console(width=160).print(table_out)
+        cells = [row["run"], f"{row['median_us']:.0f}", f"{row['min_us']:.0f}-{row['max_us']:.0f}", f"{row['vs_reference']:.2f}x",
+                 "" if row["vs_fused_dense"] is None else f"{row['vs_fused_dense']:.2f}x", mib]  # fmt: skip
+        if profiles:
+            cells += [f"{row['mb_per_call']:.1f}", f"{row['floor_us']:.0f}", f"{row['of_floor']:.2f}"] if "profile" in row else ["", "", ""]
+        table_out.add_row(*cells)
+    console.print(table_out)
+    for row in rows:
+        if "profile" not in row:
+            continue
+        part_table = Table(title=f"{row['run']}: where one call's {row['median_us']:.0f} us go (thread time; bandwidth "
+                                 f"{bandwidth.median_gbps:.1f} GB/s: 4 KiB chunks scattered, {args.threads} thread(s), measured now)")
+        for col in ("part", "us / call", "MB / call", "GB/s", "of bandwidth", "what"):
+            part_table.add_column(col, justify="left" if col in ("part", "what") else "right")
+        for part in row["profile"]:
+            share = "" if part["of_bandwidth"] is None else f"{part['of_bandwidth']:.2f}"
+            part_table.add_row(part["part"], f"{part['us']:.0f}", f"{part['mb']:.2f}", f"{part['gbps']:.1f}" if part["mb"] else "",
+                               share, PHASE_WHAT.get(part["part"], ""))  # fmt: skip
+        console.print(part_table)
     out = args.out or REPO / "benchmarks" / "results" / f"paged-kernel-{args.dtype}-b{args.batch}-L{args.length}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
                "cpu_capability": torch.backends.cpu.get_cpu_capability(), **cpu_model()}  # fmt: skip
-    out.write_text(json.dumps({"machine": machine, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                               "rows": rows}, indent=2) + "\n")  # fmt: skip
+    record = {"machine": machine, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
+    if bandwidth is not None:
+        record["bandwidth"] = dataclasses.asdict(bandwidth)
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -17,7 +17,6 @@ from sparseattn.vllm.paged import PagedPolicy, paged_decode_ref, select_pages
 from sparseattn.vllm.paged_kernel import (
     BOUND,
     FIXED,
-    RERANK,
     SPLIT,
     PageStore,
     StepPlan,
@@ -124,7 +123,7 @@ def test_the_kernel_attends_what_the_policy_selects(name, options, shape, dtype)
 
 def test_a_budget_covering_the_context_is_dense():
     policy, cache, table, query, lens = setup("radar+", {"budget": 10**6}, (300, 77, 1024), 32, 2, 3, 16)
-    out, _ = fused_decode(policy, RERANK, store_for(policy, cache), cache, query, table, lens, 0.25)
+    out, _ = fused_decode(policy, SPLIT, store_for(policy, cache), cache, query, table, lens, 0.25)
     assert_close(out, paged_decode_ref(cache.double(), query.double(), table, lens, 0.25).float(), torch.float32)
 
 
@@ -145,7 +144,7 @@ def test_an_output_buffer_that_does_not_fit_is_refused_before_any_work(bad):
     policy, cache, table, query, lens = setup("radar+", {"budget": 128}, (600, 300), 16, 2, 3, 16)
     store = store_for(policy, cache)
     with pytest.raises(ValueError, match="out"):
-        fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25, out=bad)
+        fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.25, out=bad)
     assert int(store.state.sum()) == 0  # no page was summarised
 
 
@@ -155,19 +154,19 @@ def test_kept_summaries_are_used_shared_and_refreshed_after_a_write():
     table[1] = table[0]  # prefix caching: both sequences read the same blocks
     query[1] = query[0]
     store = store_for(policy, cache)
-    first, sel = fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25, with_selection=True)
+    first, sel = fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.25, with_selection=True)
     assert torch.equal(first[0], first[1]) and torch.equal(sel[0], sel[1])
     n_cand = int(step_plan(policy, lens, 16).plan[0, 1])
     assert int(store.state.sum()) == n_cand  # each shared candidate block summarised once
-    again, _ = fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25)
+    again, _ = fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.25)
     assert torch.equal(again, first)
     # vLLM writes into two candidate blocks: their keys change, the slot mapping marks them stale.
     blocks = table[0, 3:5].long()
     cache[blocks] = torch.randn_like(cache[blocks]) * 3
     store.invalidate((blocks * 16 + 5).to(torch.int64), 16)
     assert int(store.state.sum()) == n_cand - 2
-    after, _ = fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25)
-    fresh, _ = fused_decode(policy, RERANK, store_for(policy, cache), cache, query, table, lens, 0.25)
+    after, _ = fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.25)
+    fresh, _ = fused_decode(policy, SPLIT, store_for(policy, cache), cache, query, table, lens, 0.25)
     assert torch.equal(after, fresh)
 
 
@@ -191,16 +190,16 @@ def test_a_bad_plan_or_table_is_refused_before_any_work():
     bad = plan.plan.clone()
     bad[0, 1] += 10  # candidates past the last page
     with pytest.raises(ValueError, match="plan does not fit"):
-        fused_decode(policy, RERANK, store, cache, query, table, lens, 0.25, plan=StepPlan(bad, plan.kmax))
+        fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.25, plan=StepPlan(bad, plan.kmax))
     bad_table = table.clone()
     bad_table[1, 2] = cache.shape[0]
     with pytest.raises(ValueError, match="block table entry"):
-        fused_decode(policy, RERANK, store, cache, query, bad_table, lens, 0.25)
+        fused_decode(policy, SPLIT, store, cache, query, bad_table, lens, 0.25)
     assert int(store.state.sum()) == 0  # nothing was summarised
     with pytest.raises(ValueError, match="page store"):
-        fused_decode(policy, RERANK, PageStore(cache.shape[0], 1, 16, RERANK), cache, query, table, lens, 0.25)
+        fused_decode(policy, SPLIT, PageStore(cache.shape[0], 1, 16, SPLIT), cache, query, table, lens, 0.25)
     with pytest.raises(ValueError, match="one of each per sequence"):
-        fused_decode(policy, RERANK, store, cache, query[:1], table, lens, 0.25)
+        fused_decode(policy, SPLIT, store, cache, query[:1], table, lens, 0.25)
 
 
 def test_policies_the_kernel_does_not_know_keep_the_generic_path():
@@ -363,23 +362,19 @@ def test_segments_inside_pages_in_the_fused_step_give_the_generic_paths_output(s
     lens = torch.tensor(lengths)
     mode = fused_mode(policy)
     assert mode is not None and mode != FIXED
-    # radar+ with uniform top-k runs the split step on segments (the faster there); RERANK, its mode on whole pages,
-    # must give the same output on segments too
-    uniform = mode == SPLIT and policy.method.allocation.uniform and policy.merged is None
     params, gen = policy.prepare(H, D, 0)
     want = paged_decode(policy, params, gen, cache, query.float(), table, lens, D**-0.5)
-    for each in (mode, RERANK) if uniform else (mode,):
-        store = PageStore.for_policy(policy, each, cache.shape[0], H, D, bs)
-        for _ in range(2):  # summaries computed, then kept
-            got, _ = fused_decode(policy, each, store, cache, query, table, lens, D**-0.5)
-            assert_close(got, want, torch.float32)
+    store = PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
+    for _ in range(2):  # summaries computed, then kept
+        got, _ = fused_decode(policy, mode, store, cache, query, table, lens, D**-0.5)
+        assert_close(got, want, torch.float32)
 
 
 def test_a_store_for_whole_pages_is_refused_for_segments():
     policy, cache, table, query, lens = setup("radar+", {"budget": 160}, (600,), 32, 2, 3, 16)
     policy = PagedPolicy(policy.method, "radar+", segment=16)
     with pytest.raises(ValueError, match=r"2 segment\(s\) per page"):
-        fused_decode(policy, RERANK, PageStore(cache.shape[0], 2, 16, RERANK), cache, query, table, lens, 0.25)
+        fused_decode(policy, SPLIT, PageStore(cache.shape[0], 2, 16, SPLIT), cache, query, table, lens, 0.25)
 
 
 def test_the_store_keeps_page_totals_where_blocks_are_whole_pages_and_centroids_float32():

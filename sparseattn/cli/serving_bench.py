@@ -43,6 +43,9 @@ def serving_bench(
     yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
                                       "hf_overrides), for contexts beyond the trained window: untrained, every row is labelled so"),
     out: Path | None = typer.Option(None, help="the JSON, rewritten after every round (default: results/serving-c<context>-b<batch>.json)"),
+    profile: bool = typer.Option(False, "--profile", help="after the rounds, time one more measurement of each plugin run "
+                                 "part by part (the fused step's phases with the bytes they read, the plan, the Python around "
+                                 "them, and the rest of the step) and print where a decode step goes"),
 ) -> None:
     """Decode speed with quality in vLLM: stock vLLM vs the plugin's dense path vs sparse methods, distinct prompts.
 
@@ -116,7 +119,7 @@ def serving_bench(
 
     args = {"model": model, "method": method, "budget": budget, "context": context, "batch": batch, "steps": steps, "runs": runs,
             "held": held, "texts": texts, "dtype": dtype, "float32": float32, "shared": shared, "kv_cache_gib": kv_cache_gib,
-            "block_size": block_size, "segment": segment, "yarn": yarn, "out": out}  # fmt: skip
+            "block_size": block_size, "segment": segment, "yarn": yarn, "out": out, "profile": profile}  # fmt: skip
 
     def checkpoint(machine, rows, complete=False):
         serving.write(out, machine, str(info.directory), args, rows, complete=complete)
@@ -124,10 +127,13 @@ def serving_bench(
     machine, rows = serving.run(
         str(info.directory), plan, context=context, batch=batch, steps=steps, rounds=runs, held=held, shared=shared, dtype=dtype,
         kv_cache_gib=kv_cache_gib, block_size=block_size, hf_overrides=overrides, say=lambda line: console.print(line, markup=False, highlight=False),
-        checkpoint=checkpoint, texts=texts,
+        checkpoint=checkpoint, texts=texts, profile=profile,
     )  # fmt: skip
     checkpoint(machine, rows, complete=True)
     console.print(serving.table(rows, rounds=runs))
+    if profile:
+        one_thread = next((b["median_gbps"] for b in machine.get("bandwidth", ()) if b["threads"] == 1 and b["chunk"] == 4096), None)
+        console.print(serving.profile_table(rows, one_thread))
     weights = rows[0]["weights_mb"] if rows else 0
     console.print(serving.NOTE.format(weights=weights) + (" Beyond the model's trained window (YaRN, untrained)." if yarn else ""))
     wrote([out])

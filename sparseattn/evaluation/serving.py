@@ -362,6 +362,7 @@ class Measured:
     answers: list[str] | None = None
     passkey: float | None = None
     fallback_steps: int = 0
+    profile: dict[str, Any] | None = None  #: where a step's time went (plugin runs, with ``profile``): :func:`step_profile`
 
 
 def machine_info() -> dict[str, Any]:
@@ -469,11 +470,15 @@ def run(
     say: Callable[[str], None] = print,
     checkpoint: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
     texts: Sequence[str] | None = None,
+    profile: bool = False,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start the engines, time every run on every workload in alternation, then measure quality: ``(machine, rows)``.
 
     ``model``: a local HF directory. ``runs``: :func:`plan_runs`. ``checkpoint(machine, rows)`` is called
-    with the rows so far after every round and at the end (results are written as they come).
+    with the rows so far after every round and at the end (results are written as they come). ``profile``: after
+    the rounds, one more measurement of every plugin run with its decode steps timed part by part
+    (:func:`step_profile`). The machine's read bandwidth is measured before any engine starts
+    (:func:`sparseattn.bandwidth.machine_bandwidth`) and recorded with the machine.
     """
     if not runs or runs[0].label != STOCK:
         raise ValueError(f"the first run must be {STOCK!r}, the reference; got {[r.label for r in runs]}")
@@ -492,6 +497,10 @@ def run(
     if longest + max(steps + 1, len(rows_in[0].question) + ANSWER_TOKENS) > max_len:
         raise ValueError(f"a prompt of {longest} tokens does not fit {max_len} positions: the margin is too small")
     info = machine_info()
+    from sparseattn.bandwidth import machine_bandwidth
+
+    say("measuring the machine's read bandwidth (1 and 2 threads; sequential and scattered chunks) ...")
+    info["bandwidth"] = machine_bandwidth(repeats=3)
     page = block_size or DEFAULT_BLOCK_SIZE
     head = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     info["attention_isa"] = {d: attention_isas(d, page, head) for d in sorted({dtype, *(["float32"] if any(r.engine == STOCK_F32 for r in runs) else [])})}
@@ -500,7 +509,8 @@ def run(
         f"{', '.join(f'{r.depth:.0f}%' for r in rows_in)}" + ("; plus the shared-prefix workload" if shared else ""))
 
     engines: dict[str, Any] = {}
-    started: dict[str, float] = {}
+    started: dict[str, float] = {}  # engine start-up, seconds
+    prefilled: dict[str, float] = {}  # the workloads' prefill (and two decode steps), seconds: the time to first tokens
     for name in dict.fromkeys(r.engine for r in runs):
         engine_dtype = "float32" if name == STOCK_F32 else dtype
         gib = kv_cache_gib * (2 if engine_dtype == "float32" and dtype != "float32" else 1)
@@ -514,7 +524,8 @@ def run(
         ready = time.perf_counter()
         for prompts in workloads.values():
             generate(engines[name], prompts, 2)  # prefill into the prefix cache, and a first decode step
-        started[name] = time.perf_counter() - begin
+        started[name] = ready - begin
+        prefilled[name] = time.perf_counter() - ready
         say(f"{name}: started in {ready - begin:.0f} s, prompts prefilled in {time.perf_counter() - ready:.0f} s")
 
     def fallbacks(run_: Run) -> int:
@@ -539,7 +550,7 @@ def run(
 
     def rows_now() -> list[dict[str, Any]]:
         return _rows(runs, measured, workloads, info, hf_config, batch=batch, context=context, steps=steps, dtype=dtype,
-                     started=started, block_size=block_size, hf_overrides=hf_overrides, prompts=rows_in)  # fmt: skip
+                     started=started, prefilled=prefilled, block_size=block_size, hf_overrides=hf_overrides, prompts=rows_in)  # fmt: skip
 
     for r in range(rounds):
         order = labels if r % 2 == 0 else labels[::-1]
@@ -558,6 +569,19 @@ def run(
             measured[label, DISTINCT].fallback_steps += fallbacks(run_) - before
         if checkpoint:
             checkpoint(info, rows_now())
+
+    for label in labels if profile else ():
+        run_ = by_label[label]
+        if run_.engine != "plugin":
+            continue
+        llm = switch(run_)
+        llm.collective_rpc("sparseattn_profile", args=(True,))
+        try:
+            _, ms, _ = _measure(llm, workloads[DISTINCT], steps)
+        finally:
+            timed = llm.collective_rpc("sparseattn_profile", args=(False,))[0]
+        measured[label, DISTINCT].profile = step_profile(timed, ms)
+        say(f"profile {label}: " + ", ".join(f"{p['part']} {p['ms']:.1f}" for p in measured[label, DISTINCT].profile["parts"]) + " ms/step")
 
     for label in labels:
         run_ = by_label[label]
@@ -581,7 +605,54 @@ def run(
     return info, rows
 
 
-def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, dtype, started, block_size, hf_overrides,
+def step_profile(timed: Mapping[str, Any], ms_step: float) -> dict[str, Any]:
+    """A worker's profile (:meth:`sparseattn.vllm.switch.MethodSwitch.sparseattn_profile`) per decode step, beside the
+    step's measured time ``ms_step``: ``parts`` (each C phase, the plan, the glue, the layers' own Python: ``ms`` per
+    step and ``mb`` read per step) and ``other``, what the step spends outside attention (the model's other work,
+    vLLM's scheduling and sampling): ``ms_step`` less every part.
+
+    >>> p = step_profile({"steps": 2, "calls": 60, "parts": {"score": {"ns": 4e6, "bytes": 2e6}, "plan": {"ns": 2e5, "bytes": 0}}}, 10.0)
+    >>> [(x["part"], x["ms"]) for x in p["parts"]], p["other_ms"]
+    ([('score', 2.0), ('plan', 0.1)], 7.9)
+    """
+    steps = max(int(timed.get("steps", 0)), 1)
+    parts = [{"part": name, "ms": v["ns"] / steps / 1e6, "mb": v["bytes"] / steps / 1e6} for name, v in timed["parts"].items()]
+    spent = sum(p["ms"] for p in parts)
+    return {"steps": timed.get("steps", 0), "layer_calls": timed.get("calls", 0), "ms_step": ms_step, "parts": parts,
+            "other_ms": round(ms_step - spent, 6)}  # fmt: skip
+
+
+def profile_table(rows: Sequence[Mapping[str, Any]], bandwidth_gbps: float | None = None):
+    """Where each profiled run's decode step goes: one rich table, a column per run, a row per part (ms per step)."""
+    from rich.table import Table
+
+    from sparseattn.vllm.profile import PHASE_WHAT
+
+    profiled = [r for r in rows if r.get("profile")]
+    result = Table(title="where a decode step goes (ms per step; the parts' MB and GB/s in brackets)" +
+                   (f"; read bandwidth {bandwidth_gbps:.1f} GB/s (1 thread, 4 KiB chunks)" if bandwidth_gbps else ""))  # fmt: skip
+    result.add_column("part")
+    for r in profiled:
+        result.add_column(r["run"], justify="right")
+    result.add_column("what")
+    names = list(dict.fromkeys(p["part"] for r in profiled for p in r["profile"]["parts"]))
+    for name in names:
+        cells = []
+        for r in profiled:
+            part = next((p for p in r["profile"]["parts"] if p["part"] == name), None)
+            if part is None:
+                cells.append("-")
+            elif part["mb"]:
+                cells.append(f"{part['ms']:.2f} ({part['mb']:.0f} MB, {part['mb'] / max(part['ms'], 1e-9):.1f} GB/s)")
+            else:
+                cells.append(f"{part['ms']:.2f}")
+        result.add_row(name, *cells, PHASE_WHAT.get(name, ""))
+    result.add_row("other", *[f"{r['profile']['other_ms']:.2f}" for r in profiled], "the rest of the step: the model's other layers, vLLM's scheduling and sampling")
+    result.add_row("step", *[f"{r['profile']['ms_step']:.2f}" for r in profiled], "the profiled measurement's time per step")
+    return result
+
+
+def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, dtype, started, prefilled, block_size, hf_overrides,
           prompts: Sequence[Prompt] = ()) -> list[dict[str, Any]]:  # fmt: skip
     rows = []
     stock = {w: measured[STOCK, w] for w in workloads}
@@ -599,7 +670,8 @@ def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, 
                 "batch": batch, "context": context, "steps": steps, "block_size": block_size, "hf_overrides": dict(hf_overrides) if hf_overrides else None,
                 "tok_s": tok_s, "tok_s_min": min(m.tok_s), "tok_s_max": max(m.tok_s), "tok_s_all": m.tok_s,
                 "ms_step": statistics.median(m.ms_step), "attended": attended, "engine_start_s": started.get(r.engine),
-                "fallback_steps": m.fallback_steps,
+                "prefill_s": prefilled.get(r.engine),
+                "fallback_steps": m.fallback_steps, **({"profile": m.profile} if m.profile else {}),
                 **step_bytes(hf_config, batch, attended, 4 if engine_dtype == "float32" else 2),
             }  # fmt: skip
             if stock[w].tok_s:
@@ -637,7 +709,7 @@ def table(rows: Sequence[Mapping[str, Any]], *, rounds: int):
              f"median [min-max] of {rounds} rounds; quality vs stock {first.get('dtype')}")  # fmt: skip
     result = Table(title=title)
     columns = ("run", "prompts", "dtype", "tok/s (min-max)", "ms/step", "vs stock", "kernel", "sparsity", "KV tokens", "KV MB",
-               "prefix", "top-1", "ppl", "pass keys")  # fmt: skip
+               "prefix", "top-1", "ppl", "pass keys", "start / prefill s")  # fmt: skip
     for col in columns:
         result.add_column(col, justify="left" if col in ("run", "prompts") else "right")
 
@@ -652,6 +724,8 @@ def table(rows: Sequence[Mapping[str, Any]], *, rounds: int):
             f"{row['kernel_gain']:.2f}x" if "kernel_gain" in row else "-", f"{row['sparsity_gain']:.2f}x" if "sparsity_gain" in row else "-",
             str(row["attended"]), f"{row['kv_mb']:.0f}", pct(row.get("greedy_prefix_vs_stock")), pct(row.get("top1_vs_stock")),
             "-" if row.get("ppl") is None else f"{row['ppl']:.3f}", pct(row.get("passkey")),
+            "-" if row.get("prefill_s") is None or row["workload"] != DISTINCT or row["run"] not in (STOCK, STOCK_F32, DENSE)
+            else f"{row['engine_start_s']:.0f} / {row['prefill_s']:.0f}",
         )  # fmt: skip
     return result
 
@@ -663,7 +737,8 @@ NOTE = (
     "values that makes a step read (a byte model; the weights add {weights:.0f} MB a step). Quality, on the distinct "
     "prompts: 'prefix' the share of stock's greedy tokens matched before the first difference; 'top-1' (how often the "
     "most likely next token is stock's) and 'ppl' by teacher forcing each file's true next tokens through decode steps; "
-    "'pass keys' the share of prompts whose hidden key the answer contains."
+    "'pass keys' the share of prompts whose hidden key the answer contains. 'start / prefill s': the engine's start-up "
+    "and the prefill of every prompt (the time to the first tokens), once per engine (the plugin's on its dense row)."
 )
 
 

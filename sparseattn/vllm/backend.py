@@ -65,6 +65,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, request_from
 from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
 from sparseattn.vllm.paged_kernel import PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
+from sparseattn.vllm.profile import active, python_part
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
 
 __all__ = [
@@ -272,18 +273,22 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> SparseCPUAttentionMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        decode = decode_step(base.query_start_loc, base.seq_lens, base.block_table, common_attn_metadata.is_prefilling)
-        prefill = plan_error = None
-        plans: tuple[StepPlan | None, ...] = ()
-        if decode is not None:
-            try:
-                if decode.mixed and base.dynamic_causal is None:
-                    prefill = prefill_part(base, decode, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
-                                           self.isa, self.kv_cache_dtype)  # fmt: skip
-                plans = tuple(None if fused is None else step_plan(leaf, decode.lens, self.block_size)
-                              for leaf, fused in self.method.variants)  # fmt: skip
-            except Exception as error:  # noqa: BLE001 (each layer leaves the step to vLLM's kernel and counts it)
-                plan_error = error
+        with python_part("plan"):
+            decode = decode_step(base.query_start_loc, base.seq_lens, base.block_table, common_attn_metadata.is_prefilling)
+            prefill = plan_error = None
+            plans: tuple[StepPlan | None, ...] = ()
+            if decode is not None:
+                prof = active()
+                if prof is not None:
+                    prof.steps += 1
+                try:
+                    if decode.mixed and base.dynamic_causal is None:
+                        prefill = prefill_part(base, decode, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
+                                               self.isa, self.kv_cache_dtype)  # fmt: skip
+                    plans = tuple(None if fused is None else step_plan(leaf, decode.lens, self.block_size)
+                                  for leaf, fused in self.method.variants)  # fmt: skip
+                except Exception as error:  # noqa: BLE001 (each layer leaves the step to vLLM's kernel and counts it)
+                    plan_error = error
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         return SparseCPUAttentionMetadata(**fields, decode=decode, prefill=prefill, plans=plans, plan_error=plan_error,
                                           method=self.method, fallbacks=self.fallbacks)  # fmt: skip
@@ -334,8 +339,13 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
             self._start(attn_metadata.method)
         error = attn_metadata.plan_error
         if error is None:
+            prof = active()
             try:
-                self._decode(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+                if prof is None:
+                    self._decode(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+                else:
+                    with prof.layer():
+                        self._decode(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
             except Exception as failure:  # noqa: BLE001 (any failure: vLLM's kernel answers the step, nothing is lost)
                 error = failure
         if error is not None:

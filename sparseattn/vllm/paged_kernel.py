@@ -5,10 +5,10 @@ batch of the method's summary and selector per group of alike sequences) and a p
 attends the listed pages. For the policies whose parts it knows, :func:`fused_decode` does the same
 step in ``paged_kernels.c`` (built like the cpu backend's kernel, :func:`~sparseattn.backends.cpu_kernels.build_library`):
 
-* ``Rerank(Centroid(), per_group=True)`` + ``TopK`` (radar+): centroid scores of every candidate
-  page, the KV group's shortlist, the shortlist's exact log masses, each head's top pages; the
-  shortlist's logits are kept and attended, so a shortlisted key is read once (``RERANK``; on segments
-  inside pages, and with per-head counts or a merged rest, the split step ``SPLIT``);
+* ``Rerank(Centroid(), per_group=True)`` + ``TopK`` (radar+ in every form: whole pages or segments inside
+  them, any allocation, a merged rest): centroid scores of every candidate, the KV group's shortlist,
+  its exact log masses, each head's segments; the shortlist's logits are kept and attended, so a
+  shortlisted key is read once (``SPLIT``, :class:`SplitCall`);
 * ``MinMaxBound`` + ``TopK`` (quest): the per-channel bound of every candidate page, each head's top pages;
 * dense and streamingllm (the pages attended do not depend on the query).
 
@@ -29,12 +29,13 @@ import functools
 import math
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sparseattn.backends.cpu_kernels import DTYPE_CODES, build_library, build_refusal
 from sparseattn.allocations.pooled import PooledMass
+from sparseattn.allocations.uniform import Uniform
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.minmax import MinMaxBound
@@ -42,16 +43,22 @@ from sparseattn.summaries.rerank import Rerank
 from sparseattn.methods.rest import MergedRest
 from sparseattn.summaries.base import Shortlist
 from sparseattn.vllm.paged import PagedPolicy, PageStep
+from sparseattn.vllm.profile import active, python_part
 
 __all__ = [
-    "BOUND", "FIXED", "RERANK", "SPLIT", "PageStore", "StepPlan", "cache_share", "fused_decode", "fused_mode", "kernel_refusal", "split_decode",
-    "step_plan", "summary_dtype",
+    "ALLOC_NONE", "ALLOC_POOLED", "ALLOC_TOPK", "BOUND", "FIXED", "SPLIT", "SPLIT_ALLOCATE", "SPLIT_ATTEND", "SPLIT_SCORE",
+    "PageStore", "SplitArgs", "SplitCall", "StepPlan", "c_allocation", "cache_share", "fused_decode", "fused_mode",
+    "kernel_refusal", "step_plan", "summary_dtype", "top_k_positions",
 ]
 
-#: The kernel's modes (``paged_kernels.c``); SPLIT: radar+'s scoring with the policy's own allocation (per-head
-#: page counts) and merged rest, in two calls with the allocation between them (:func:`split_decode`).
-RERANK, BOUND, FIXED, SPLIT = 0, 1, 2, 3
-SYMBOLS = ("sa_paged_decode", "sa_paged_invalidate", "sa_paged_float16_supported", "sa_paged_score", "sa_paged_attend_lists")
+#: The kernel's modes (``paged_kernels.c``): BOUND (quest) and FIXED (dense, streamingllm) in ``sa_paged_decode``; SPLIT:
+#: radar+ in every form (centroid scores, the group's shortlist reranked, the policy's own allocation, a merged rest), in
+#: ``sa_paged_split``: one C call with the allocation in it, or two with the allocation in Python between them (:class:`SplitCall`).
+BOUND, FIXED, SPLIT = 1, 2, 3
+SYMBOLS = (
+    "sa_paged_decode", "sa_paged_invalidate", "sa_paged_float16_supported", "sa_paged_split", "sa_paged_split_layout",
+    "sa_paged_profile", "sa_paged_top_k",
+)  # fmt: skip
 _ERRORS = {
     1: "a block table entry is outside the cache's blocks",
     2: "the kernel could not allocate its scratch memory",
@@ -70,21 +77,17 @@ def _library() -> ctypes.CDLL:
     lib.sa_paged_decode.argtypes = [
         ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, i32, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, i32,
     ]  # fmt: skip
-    lib.sa_paged_score.restype = ctypes.c_int
-    lib.sa_paged_score.argtypes = [
-        ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, f32, ptr, i32, f32, ptr, i64, i64, ptr, ptr, ptr, ptr,
-        ptr, i32,
-    ]  # fmt: skip
-    lib.sa_paged_attend_lists.restype = ctypes.c_int
-    lib.sa_paged_attend_lists.argtypes = [
-        ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, f32, f32, ptr, i64, ptr, ptr, i64, i64, ptr,
-        ptr, i32, ptr, ptr, i32,
-    ]  # fmt: skip
-    lib.sa_paged_pooled_split.restype = ctypes.c_int
-    lib.sa_paged_pooled_split.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i32]
+    lib.sa_paged_split.restype = ctypes.c_int
+    lib.sa_paged_split.argtypes = [ptr, i32]
+    lib.sa_paged_split_layout.restype = i64
+    lib.sa_paged_split_layout.argtypes = [ptr]
     lib.sa_paged_invalidate.restype = None
     lib.sa_paged_invalidate.argtypes = [ptr, i64, i64, ptr, i64]
     lib.sa_paged_float16_supported.restype = ctypes.c_int
+    lib.sa_paged_top_k.restype = ctypes.c_int
+    lib.sa_paged_top_k.argtypes = [ptr, i64, i64, ptr]
+    lib.sa_paged_profile.restype = ctypes.c_int
+    lib.sa_paged_profile.argtypes = [ctypes.c_int, ptr]
     return lib
 
 
@@ -94,12 +97,27 @@ def kernel_refusal() -> str | None:
     return build_refusal(_library)
 
 
+def top_k_positions(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of the ``k`` largest of ``x`` (1-D float32), in no order, as the kernel's selection finds them
+    (``top_k_set``: a radix select; a NaN ranks lowest; ties at the k-th value go to the earlier positions).
+
+    >>> sorted(top_k_positions(torch.tensor([0.5, 2.0, float("nan"), 2.0, -1.0]), 2).tolist())
+    [1, 3]
+    """
+    x = x.to(torch.float32).contiguous()
+    if x.dim() != 1 or not 1 <= k <= x.numel():
+        raise ValueError(f"top_k_positions: k={k} of a tensor of shape {tuple(x.shape)}; allowed: 1 <= k <= its length, 1-D")
+    out = torch.empty(k, dtype=torch.int64)
+    _check(_library().sa_paged_top_k(x.data_ptr(), x.numel(), k, out.data_ptr()))
+    return out
+
+
 def fused_mode(policy: PagedPolicy) -> int | None:
     """The kernel mode that runs ``policy`` exactly as the generic path does, or None (generic path).
 
     >>> from sparseattn import registry
     >>> [fused_mode(PagedPolicy(registry.build(n), n)) for n in ("dense", "streamingllm", "radar+", "quest", "radar")]
-    [2, 2, 0, 1, None]
+    [2, 2, 3, 1, None]
     >>> fused_mode(PagedPolicy(registry.build("radar+", split="pooled", rest="merged"), "radar+:split=pooled,rest=merged"))
     3
     >>> fused_mode(PagedPolicy(registry.build("radar+"), "radar+", segment=8))  # segments inside pages: the split step
@@ -120,11 +138,9 @@ def fused_mode(policy: PagedPolicy) -> int | None:
     if not m.allocation.uniform or m.rest is not None:  # per-head counts or a merged rest: scored, split, attended
         return SPLIT if centroids else None
     if centroids:
-        # Segments inside pages: the split step computes each shortlisted page's logits once for all its segments and
-        # attends a group's lists in one pass, where RERANK computes them per segment (radar+ on 8-token segments of
-        # 32-token pages at 8k x 8: 2.2 against 3.4 ms; on whole pages RERANK is the faster, 0.67 against 0.73 ms).
-        # bfloat16 centroids are scored by the split step only.
-        return SPLIT if policy.segment is not None or summary.coarse.dtype == torch.bfloat16 else RERANK
+        # The split step on whole pages too: at 8k x 8 on 32-token pages, budget 1024, one thread, 1.63 against the
+        # former single-pass mode's 2.12 ms (which was then removed).
+        return SPLIT
     if type(summary) is MinMaxBound:
         return BOUND
     return None
@@ -148,6 +164,9 @@ class StepPlan:
 
     plan: torch.Tensor
     kmax: int
+    #: The split step's calls prepared for this step (:class:`SplitCall`, one per policy and layer shape): every layer
+    #: of the step that runs the same policy reuses one.
+    calls: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def step_plan(policy: PagedPolicy, seq_lens: torch.Tensor, block_size: int) -> StepPlan:
@@ -289,9 +308,24 @@ def fused_decode(
     :func:`step_plan` (computed here when None). ``with_selection``: also return the attended candidate
     pages ``[B, H_kv, G', kmax]`` int32 (candidate indices: logical page - sink pages; ``-1`` past a
     list's end), else None. ``out``: a contiguous float32 ``[B, H_q, D]`` to write the result into
-    (the backend hands vLLM's float32 output rows: no copy), else a new tensor.
+    (the backend hands vLLM's float32 output rows: no copy), else a new tensor. Inside a
+    :class:`~sparseattn.vllm.profile.StepProfile` the call's phases are timed.
     """
+    prof = active()
+    if prof is None:
+        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out)
+    with prof.call():
+        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out)
+
+
+def _fused_decode(
+    policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan | None,
+    with_selection: bool, out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     lib = _library()
+    if mode not in (BOUND, FIXED, SPLIT):
+        raise ValueError(f"fused paged decode: mode {mode!r}; allowed: BOUND ({BOUND}), FIXED ({FIXED}), SPLIT ({SPLIT}) (fused_mode)")
     N, H, bs, two_d = kv_cache.shape
     B, H_q, D = query.shape
     if kv_cache.dtype not in DTYPE_CODES or (kv_cache.dtype == torch.float16 and not lib.sa_paged_float16_supported()):
@@ -316,18 +350,21 @@ def fused_decode(
                          f"{summary_dtype(policy)} (PageStore.for_policy)")
     G = H_q // H
     shared = policy.shared_selection
-    if mode == SPLIT:
-        if with_selection:
-            raise ValueError("fused paged decode: the split step reports no selection (its lists are the allocation's)")
-        return split_decode(policy, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, out, r), None
-    q = query.to(torch.float32).contiguous()
-    table = block_table.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
     if out is None:
         out = torch.empty(B, H_q, D, dtype=torch.float32)
     elif out.shape != (B, H_q, D) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"fused paged decode: out {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}); "
                          f"expected a contiguous float32 {(B, H_q, D)}")
+    if mode == SPLIT:
+        key = (id(policy), N, H, bs, D, G, kv_cache.dtype, query.dtype, float(scale), float(softcap or 0.0))
+        call = plan.calls.get(key)
+        if call is None:
+            call = plan.calls[key] = SplitCall(policy, plan, kv_cache, query, scale, softcap, r)
+        call(store, kv_cache, query, block_table, seq_lens, out)
+        return out, call.selected(max(plan.kmax, 1)) if with_selection else None
+    q = query.to(torch.float32).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
     kmax = max(plan.kmax, 1)
     selected = torch.empty(B, H, 1 if shared else G, kmax, dtype=torch.int32) if with_selection else None
     status = lib.sa_paged_decode(
@@ -362,102 +399,198 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def split_decode(
-    policy: PagedPolicy, store: PageStore, kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan, out: torch.Tensor | None = None, r: int = 1,
-) -> torch.Tensor:
-    """The :data:`SPLIT` step (through :func:`fused_decode`, which checks the arguments): per-head page counts and a merged rest.
+def _fields(*groups: tuple[type, str]) -> list[tuple[str, type]]:
+    """A ctypes ``_fields_`` list from ``(type, "name name ...")`` groups, in order."""
+    return [(name, kind) for kind, names in groups for name in names.split()]
 
-    1. ``sa_paged_score`` (C): every candidate's centroid score, the KV group's shortlist and its exact log
-       masses (the logits kept), the sinks' and tail's log mass, for the sequences that select;
-    2. the policy's own allocation (any :class:`~sparseattn.allocations.Allocation`) over those scores, given
-       to it as a :class:`~sparseattn.vllm.paged.PageStep` exactly as the generic path gives them (the
-       :class:`~sparseattn.summaries.base.Shortlist`'s scores): each selection's own list of pages, one batch
-       per group of alike sequences;
-    3. ``sa_paged_attend_lists`` (C): sinks, tail and each selection's list (a shortlisted page's logits
-       reused), and the merged rest: its values from the value sums in ``store``, its logits from the centroid
-       scores of step 1 where the centroids are float32 (from the keys' sums the store keeps where they are bfloat16).
 
-    Returns ``[B, H_q, D]`` float32 (in ``out`` when given). ``r``: segments per page.
+class SplitArgs(ctypes.Structure):
+    """``paged_kernels.c``'s ``sa_split_args``, field by field (``tests/test_vllm_paged_kernel.py`` holds the offsets
+    to the C struct's): what :class:`SplitCall` hands ``sa_paged_split``."""
+
+    _fields_ = _fields(
+        (ctypes.c_void_p, "q cache block_table seq_lens plan pool summary state sums sums_state coarse short_ix exact always kept chosen out"),
+        (ctypes.c_int64, "N H bs D r G B bt_stride S_max M_max per_block"),
+        (ctypes.c_float, "scale softcap root unused"),
+        (ctypes.c_int32, "dtype q_dtype shared summary_bf16 segment_rows allocation threads unused2"),
+    )
+
+
+#: ``sa_paged_split``'s phases (bits) and the allocations it runs itself.
+SPLIT_SCORE, SPLIT_ALLOCATE, SPLIT_ATTEND = 1, 2, 4
+ALLOC_NONE, ALLOC_TOPK, ALLOC_POOLED = 0, 1, 2
+
+
+def c_allocation(policy: PagedPolicy, plan: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """Which allocation the split step runs in C for ``policy`` on ``plan [B, 4]``, and (pooled) its per-row ``[B, 2]``
+    widths and floors: ``TopK`` over the shortlist (a uniform split whose ``k`` the shortlist holds), ``PooledMass``
+    (each query head selecting, its width within the shortlist), else :data:`ALLOC_NONE` (the policy's own, in Python).
+
+    >>> from sparseattn import registry
+    >>> rows = torch.tensor([[1, 100, 10, 20]], dtype=torch.int32)
+    >>> c_allocation(PagedPolicy(registry.build("radar+"), "radar+"), rows)[0] == ALLOC_TOPK
+    True
+    >>> mode, pool = c_allocation(PagedPolicy(registry.build("radar+", split="pooled"), "radar+:split=pooled"), rows)
+    >>> mode == ALLOC_POOLED, pool.tolist()
+    (True, [[20, 3]])
+    >>> c_allocation(PagedPolicy(registry.build("radar+", split="topp"), "radar+:split=topp"), rows)[0] == ALLOC_NONE
+    True
     """
-    lib = _library()
-    N, H, bs, _ = kv_cache.shape
-    B, H_q, D = query.shape
-    G = H_q // H
     m = policy.method
-    shared = policy.shared_selection
-    Gs = 1 if shared else G
-    rest = m.rest
-    if rest is not None and store.sums is None:
-        raise ValueError("fused paged decode: a merged rest needs a PageStore made with sums=True")
-    rows = plan.plan
-    S_max = max(int(rows[:, 1].max()) if B else 0, 1)
-    M_max = max(int(rows[:, 3].max()) if B else 0, 1)
-    q = query.to(torch.float32).contiguous()
-    table = block_table.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    dtype = DTYPE_CODES[kv_cache.dtype]
-    coarse = _SCRATCH.get("coarse", (B, H, G, S_max))
-    short = _SCRATCH.get("short", (B, H, M_max), torch.int32)
-    exact = _SCRATCH.get("exact", (B, H, G, M_max))
-    always = _SCRATCH.get("always", (B, H, G))
-    kept = _SCRATCH.get("kept", (B, H, M_max, G, bs))
-    status = lib.sa_paged_score(
-        q.data_ptr(), kv_cache.data_ptr(), dtype, N, H, bs, D, r, G, B, table.data_ptr(), table.shape[1], lens.data_ptr(),
-        rows.data_ptr(), float(scale), store.summary.data_ptr(), int(store.summary.dtype == torch.bfloat16), math.sqrt(scale),
-        store.state.data_ptr(), S_max, M_max, coarse.data_ptr(),
-        short.data_ptr(), exact.data_ptr(), always.data_ptr(), kept.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if status:
-        raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
-    # The allocation, per group of alike sequences (the same candidates, page count and shortlist), as choose_pages runs it.
-    groups: dict[tuple[int, int, int, int], list[int]] = {}
-    for i, (sink_pages, n_cand, k, mm) in enumerate(rows.tolist()):
-        if 0 < k < n_cand:
-            groups.setdefault((sink_pages, n_cand, k, mm), []).append(i)
-    chosen = _SCRATCH.get("chosen", (B, H, Gs, S_max), torch.uint8).zero_()  # each selection's candidates (rows that do not select: none)
-    grouped = q.view(B, H, G, D)
     stage = m.select_stage
-    for (sink_pages, n_cand, k, mm), members in groups.items():
-        if type(stage) is PooledMass and not shared and type(m.selector) is TopK and stage.width(k, n_cand) <= mm:
-            # PooledMass's plan in C on the same scores (its picks are the shortlist's best, as PageStep reads them
-            # off): the Python part below is its reference, and the tests hold the two steps' outputs equal.
+    if type(m.selector) is not TopK:
+        return ALLOC_NONE, None
+    selecting = (plan[:, 2] > 0) & (plan[:, 2] < plan[:, 1])
+    rows = plan[selecting].tolist()
+    if type(stage) is Uniform and all(k <= mm for _, _, k, mm in rows):
+        return ALLOC_TOPK, None
+    if type(stage) is PooledMass and not policy.shared_selection:
+        pool = torch.zeros(plan.shape[0], 2, dtype=torch.int32)
+        for i, (_, n_cand, k, mm) in zip(selecting.nonzero().flatten().tolist(), rows):
             w = stage.width(k, n_cand)
-            only = rows.clone()
-            others = torch.ones(B, dtype=torch.bool)
-            others[members] = False
-            only[others, 2] = 0  # the other rows select nothing here
-            status = lib.sa_paged_pooled_split(
-                B, H, G, only.data_ptr(), coarse.data_ptr(), S_max, short.data_ptr(), exact.data_ptr(), M_max,
-                always.data_ptr(), w, min(stage.floor_count(k), w), chosen.data_ptr(), torch.get_num_threads(),
-            )  # fmt: skip
-            if status:
-                raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
-            continue
-        idx = torch.tensor(members)
-        shortlist = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm])
+            if w > mm:  # past the shortlist: segments the split step did not rescore (the Python part reads the rest)
+                return ALLOC_NONE, None
+            pool[i, 0], pool[i, 1] = w, min(stage.floor_count(k), w)
+        return ALLOC_POOLED, pool
+    return ALLOC_NONE, None
 
-        def scorer(top_k: int, shortlist=shortlist, k=k) -> torch.Tensor:
-            if top_k != k:
-                raise ValueError(f"the split step scored for top_k={k}; the allocation asked for {top_k}")
-            return shortlist.scores
 
-        layout = policy.layout(int(lens[members[0]]), bs)
-        step = PageStep(m, None, torch.Generator(), grouped[idx], layout, k, Gs, scorer, lambda idx=idx: always[idx], shortlist)
-        selection = m.select_stage.select_segments(step)
-        flags = torch.zeros(len(members), H, Gs, S_max, dtype=torch.uint8)
-        flags.scatter_(-1, selection.segments, 1 if selection.valid is None else selection.valid.to(torch.uint8))
-        chosen[idx] = flags
-    if out is None:
-        out = torch.empty(B, H_q, D, dtype=torch.float32)
-    per_block = 0 if rest is None else min(rest.per_block, 2**62)
-    status = lib.sa_paged_attend_lists(
-        q.data_ptr(), kv_cache.data_ptr(), dtype, N, H, bs, D, r, G, B, table.data_ptr(), table.shape[1], lens.data_ptr(),
-        rows.data_ptr(), int(shared), float(scale), float(softcap or 0.0), chosen.data_ptr(), S_max, short.data_ptr(),
-        kept.data_ptr(), M_max, per_block, None if store.sums is None else store.sums.data_ptr(),
-        None if store.sums_state is None else store.sums_state.data_ptr(), int(store.segment_sums),
-        coarse.data_ptr() if store.summary.dtype == torch.float32 else None, out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+class SplitCall:
+    """The :data:`SPLIT` step of one decode step for one policy (through :func:`fused_decode`, which checks the
+    arguments): segments inside pages, per-head segment counts and a merged rest, in ``sa_paged_split`` (C,
+    ``paged_kernels.c``):
+
+    1. score: every candidate's centroid score, the KV group's shortlist and its exact log masses (the logits
+       kept), the sinks' and tail's log mass, for the sequences that select;
+    2. allocate: the policy's own allocation over those scores, in C for ``TopK`` over the shortlist and
+       :class:`~sparseattn.allocations.PooledMass` (:func:`c_allocation`), else in Python: any
+       :class:`~sparseattn.allocations.Allocation`, given a :class:`~sparseattn.vllm.paged.PageStep` exactly as
+       the generic path gives it the scores (the :class:`~sparseattn.summaries.base.Shortlist`'s), one batch per
+       group of alike sequences (the two C phases are then two calls);
+    3. attend: sinks, tail and each selection's segments (a shortlisted page's logits reused), and the merged rest:
+       its values from the value sums in ``store``, its logits from the centroid scores of step 1 where the
+       centroids are float32 (from the keys' sums the store keeps where they are bfloat16).
+
+    Made once per step and policy (:attr:`StepPlan.calls`): the plan's sizes, the allocation, the scratch and the
+    C argument struct are the same in every layer, which sets only its own pointers: a layer's Python runs right
+    after the last layer's step swept its megabytes through the caches, where every Python operation is slow.
+    """
+
+    def __init__(self, policy: PagedPolicy, plan: StepPlan, kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
+                 softcap: float | None, r: int) -> None:  # fmt: skip
+        N, H, bs, _ = kv_cache.shape
+        B, H_q, D = query.shape
+        G = H_q // H
+        self.policy, self.plan, self.G = policy, plan, G
+        m = policy.method
+        self.Gs = 1 if policy.shared_selection else G
+        rows = self.rows = plan.plan.contiguous()
+        S_max = self.S_max = max(int(rows[:, 1].max()) if B else 0, 1)
+        M_max = max(int(rows[:, 3].max()) if B else 0, 1)
+        # Views of the thread's scratch (each buffer grows to the largest step seen): held here, so a later call that
+        # grows a buffer leaves this one's memory alive.
+        self.coarse = _SCRATCH.get("coarse", (B, H, G, S_max))
+        self.short = _SCRATCH.get("short", (B, H, M_max), torch.int32)
+        self.exact = _SCRATCH.get("exact", (B, H, G, M_max))
+        self.always = _SCRATCH.get("always", (B, H, G))
+        self.kept = _SCRATCH.get("kept", (B, H, M_max, G, bs))
+        self.chosen = _SCRATCH.get("chosen", (B, H, self.Gs, S_max), torch.uint8)
+        self.allocation, self.pool = c_allocation(policy, rows)
+        rest = m.rest
+        self.merged = rest is not None
+        self.args = SplitArgs(
+            None, None, None, None, rows.data_ptr(), None if self.pool is None else self.pool.data_ptr(), None, None, None, None,
+            self.coarse.data_ptr(), self.short.data_ptr(), self.exact.data_ptr(), self.always.data_ptr(), self.kept.data_ptr(),
+            self.chosen.data_ptr(), None, N, H, bs, D, r, G, B, 0, S_max, M_max, 0 if rest is None else min(rest.per_block, 2**62),
+            float(scale), float(softcap or 0.0), math.sqrt(scale), 0.0, DTYPE_CODES[kv_cache.dtype], DTYPE_CODES[query.dtype],
+            int(policy.shared_selection), 0, 0, self.allocation, 1, 0,
+        )  # fmt: skip
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (the step's block table, as the kernel reads it)
+        self._lens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def selected(self, kmax: int) -> torch.Tensor:
+        """The last call's attended candidates ``[B, H_kv, G', kmax]`` int32 (ascending, -1 past each list's end;
+        the selections that did not select: every candidate when they attend all, else none), as ``sa_paged_decode`` reports them."""
+        rows, chosen = self.rows, self.chosen
+        B, H, Gs, S = chosen.shape
+        out = torch.full((B, H, Gs, kmax), -1, dtype=torch.int32)
+        for b, (_, n_cand, k, _) in enumerate(rows.tolist()):
+            if 0 < k < n_cand:
+                flags = chosen[b, :, :, :n_cand].bool()
+                order = torch.where(flags, torch.arange(n_cand), n_cand).sort(dim=-1).values[..., :kmax]
+                out[b] = torch.where(order < n_cand, order, -1).to(torch.int32)
+            elif k >= n_cand > 0:
+                out[b, :, :, : min(n_cand, kmax)] = torch.arange(min(n_cand, kmax), dtype=torch.int32)
+        return out
+
+    def _int32(self, which: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as contiguous int32, converted once per step (every layer passes the step's same table and lengths)."""
+        have = getattr(self, which)
+        if have is None or have[0] is not t:
+            have = (t, t.to(torch.int32).contiguous())
+            setattr(self, which, have)
+        return have[1]
+
+    def __call__(self, store: PageStore, kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        if self.merged and store.sums is None:
+            raise ValueError("fused paged decode: a merged rest needs a PageStore made with sums=True")
+        lib = _library()
+        table = self._int32("_table", block_table)
+        a = self.args
+        q = query if query.is_contiguous() else query.contiguous()
+        a.q, a.cache, a.out = q.data_ptr(), kv_cache.data_ptr(), out.data_ptr()
+        a.block_table, a.bt_stride, a.seq_lens = table.data_ptr(), table.shape[1], self._int32("_lens", seq_lens).data_ptr()
+        a.summary, a.state = store.summary.data_ptr(), store.state.data_ptr()
+        a.sums = None if store.sums is None else store.sums.data_ptr()
+        a.sums_state = None if store.sums_state is None else store.sums_state.data_ptr()
+        a.summary_bf16, a.segment_rows = int(store.summary.dtype == torch.bfloat16), int(store.segment_sums)
+        a.threads = torch.get_num_threads()
+        if self.allocation != ALLOC_NONE:
+            _check(lib.sa_paged_split(ctypes.byref(a), SPLIT_SCORE | SPLIT_ALLOCATE | SPLIT_ATTEND))
+            return out
+        _check(lib.sa_paged_split(ctypes.byref(a), SPLIT_SCORE))
+        # The allocation, per group of alike sequences (the same candidates, page count and shortlist), as choose_pages runs it.
+        groups: dict[tuple[int, int, int, int], list[int]] = {}
+        for i, row in enumerate(self.rows.tolist()):
+            if 0 < row[2] < row[1]:
+                groups.setdefault(tuple(row), []).append(i)
+        B, H, D, bs = q.shape[0], kv_cache.shape[1], q.shape[2], kv_cache.shape[2]
+        grouped = q.float().view(B, H, self.G, D)
+        lens = self._int32("_lens", seq_lens)
+        for row, members in groups.items():
+            with python_part("allocate (python)"):
+                self.chosen[torch.tensor(members)] = _python_allocation(
+                    self.policy, grouped, members, row, self.coarse, self.short, self.exact, self.always, lens, bs, self.Gs, self.S_max,
+                )  # fmt: skip
+        _check(lib.sa_paged_split(ctypes.byref(a), SPLIT_ATTEND))
+        return out
+
+
+def _check(status: int) -> None:
     if status:
         raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
-    return out
+
+
+def _python_allocation(
+    policy: PagedPolicy, grouped: torch.Tensor, members: list[int], row: tuple[int, int, int, int], coarse: torch.Tensor,
+    short: torch.Tensor, exact: torch.Tensor, always: torch.Tensor, lens: torch.Tensor, bs: int, Gs: int, S_max: int,
+) -> torch.Tensor:
+    """The policy's own allocation over the split step's scores, for the sequences ``members`` (alike: ``row``'s plan):
+    flags ``[len(members), H, G', S_max]`` uint8, 1 for each candidate a selection attends."""
+    m = policy.method
+    _, n_cand, k, mm = row
+    idx = torch.tensor(members)
+    shortlist = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm])
+
+    def scorer(top_k: int) -> torch.Tensor:
+        if top_k != k:
+            raise ValueError(f"the split step scored for top_k={k}; the allocation asked for {top_k}")
+        return shortlist.scores
+
+    layout = policy.layout(int(lens[members[0]]), bs)
+    step = PageStep(m, None, torch.Generator(), grouped[idx], layout, k, Gs, scorer, lambda: always[idx], shortlist)
+    selection = m.select_stage.select_segments(step)
+    flags = torch.zeros(len(members), coarse.shape[1], Gs, S_max, dtype=torch.uint8)
+    flags.scatter_(-1, selection.segments, 1 if selection.valid is None else selection.valid.to(torch.uint8))
+    return flags

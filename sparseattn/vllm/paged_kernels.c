@@ -1,44 +1,109 @@
 /*
- * The paged engine's fused decode step on the CPU: score, select and attend vLLM's KV pages in one
- * pass per (sequence, KV head), reading the pages in place in vLLM's CPU cache layout.
- * The passes run head-major (every sequence's pass over KV head 0, then head 1, ...): under prefix
- * caching the sequences of a batch share their document's pages, and one head's pages of a long
- * document fit in the last-level cache from one sequence to the next where all heads' do not.
+ * The paged engine's fused decode step on the CPU: score, select and attend vLLM's KV pages, reading the pages in
+ * place in vLLM's CPU cache layout. Two entry points:
  *
- * The layout (sparseattn/vllm/paged.py, page_views): the cache of one layer is [N, H, bs, 2 D];
- * per (block, KV head) the bs * 2 D elements are the page's keys *transposed*, [D, bs], then its
- * values [bs, D]. So a page's logits are a product over d of whole key rows of bs tokens (the inner
- * loop runs over tokens, contiguous), and its values are read row by row.
+ *   sa_paged_decode: one pass per (sequence, KV head) for the policies whose candidates are ranked by one score each
+ *     and attended whole: quest (SA_BOUND: the bound sum_d max(q_d min_d, q_d max_d) of each candidate's per-channel
+ *     key minimum and maximum; each query head, or the group, takes its k best) and the fixed selections (SA_FIXED:
+ *     dense, streamingllm).
+ *   sa_paged_split: radar+ in every form (centroid scores, the KV group's shortlist reranked exactly, any allocation
+ *     of the layer's segments between heads, a merged rest), in phases (the section at its definition).
  *
- * Per sequence b the caller's plan says (sink_pages, n_cand, k, m): pages [0, sink_pages) are sinks,
- * the next n_cand / r pages hold the n_cand candidates (segments of bs / r tokens, r per page: r = 1, a page is
- * a segment), the rest (through the sequence's last, partial page) are the tail.
- * Sinks and tail are always attended. Of the candidates the step attends
- *   - every one when k >= n_cand (dense, or a budget covering the context);
- *   - none when k == 0 (streamingllm as a selection);
- *   - else the k chosen by the mode:
- *       SA_RERANK: radar+ -- every candidate is scored by its centroid, scale q.mean(k) + log(bs); the
- *         KV group's m best by the group's log-sum-exp over its query heads are shortlisted; their
- *         exact log masses logsumexp_j scale q.k_j are computed (the logits are kept) and each query
- *         head (or the group, shared) takes its k best. The kept logits are then attended: a
- *         shortlisted key is read once, for ranking and attention.
- *       SA_BOUND: quest -- every candidate is scored by the bound sum_d max(q_d min_d, q_d max_d) of
- *         its per-channel key minimum and maximum; each query head (or the group) takes its k best.
- *   One softmax over every attended token of a query head (float32; the running maximum starts at a
- *   finite value: built with -ffast-math).
+ * The passes run head-major (every sequence's pass over KV head 0, then head 1, ...): under prefix caching the
+ * sequences of a batch share their document's pages, and one head's pages of a long document fit in the last-level
+ * cache from one sequence to the next where all heads' do not.
  *
- * Summaries live in caller-owned stores indexed by physical block: summary[N, H, D] (centroid: mean
- * key; bound: min, then max in a second store) and state[N] (0: stale, 1: valid). A stale page is
- * summarised before any scoring, once even when prefix caching shares it between sequences.
+ * The layout (sparseattn/vllm/paged.py, page_views): the cache of one layer is [N, H, bs, 2 D]; per (block, KV head)
+ * the bs * 2 D elements are the page's keys *transposed*, [D, bs], then its values [bs, D]. So a page's logits are a
+ * product over d of whole key rows of bs tokens (the inner loop runs over tokens, contiguous), and its values are read
+ * row by row; 32 bf16 keys of one channel are a 64-byte line, the least a read of keys brings.
  *
- * The Python references are sparseattn.vllm.paged.select_pages (the selection) and attend_pages
- * (the attention); tests/test_vllm_paged_kernel.py holds the kernel to them.
+ * Per sequence b the caller's plan says (sink_pages, n_cand, k, m): pages [0, sink_pages) are sinks, the next
+ * n_cand / r pages hold the n_cand candidates (segments of bs / r tokens, r per page: r = 1, a page is a segment), the
+ * rest (through the sequence's last, partial page) are the tail. Sinks and tail are always attended. Of the candidates
+ * the step attends every one when k >= n_cand (dense, or a budget covering the context), none when k == 0
+ * (streamingllm as a selection), else the ones the policy chooses. One softmax over every attended token of a query
+ * head (float32; the running maximum starts at a finite value: built with -ffast-math).
+ *
+ * Summaries live in caller-owned stores indexed by physical block: summary[N, H, r, D] (centroid: mean key; bound:
+ * min, then max in a second store) and state[N] (0: stale, 1: valid). A stale page is summarised before any scoring,
+ * once even when prefix caching shares it between sequences.
+ *
+ * The Python references are sparseattn.vllm.paged.select_pages (the selection) and attend_pages (the attention);
+ * tests/test_vllm_paged_kernel.py holds the kernel to them.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime, for the profile */
 #include <float.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <stddef.h>
+#include <time.h>
 
 #include "kernel_common.h"
 
-enum { SA_RERANK = 0, SA_BOUND = 1, SA_FIXED = 2 };
+/* ---- The profile: where a step's time goes, phase by phase, and the bytes each phase reads from memory. Off unless
+ * sa_paged_profile(1, ...) turned it on (then two clock reads per phase and work item); each work item accumulates
+ * its own and adds them to the totals once. Bytes are counted in whole 64-byte lines, as memory moves them: a
+ * 4-token segment of a 32-token page's transposed keys costs its page's lines. Times are thread time (one thread:
+ * the call's). sparseattn.vllm.profile reads them. */
+enum {
+    SA_PH_SUMMARISE, SA_PH_SCORE, SA_PH_SHORTLIST, SA_PH_RERANK, SA_PH_ALWAYS_MASS, SA_PH_ALLOCATE, SA_PH_ATTEND_ALWAYS,
+    SA_PH_ATTEND_SELECTED, SA_PH_REST, SA_PH_SETUP, SA_NPHASES
+};
+static int sa_prof_on = 0;
+static double sa_prof_totals[2 * SA_NPHASES]; /* ns, then bytes */
+typedef struct {
+    double t0, ns[SA_NPHASES], bytes[SA_NPHASES];
+} sa_prof;
+static inline double sa_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+static inline void prof_start(sa_prof *p) {
+    if (!sa_prof_on) return;
+    memset(p, 0, sizeof *p);
+    p->t0 = sa_now_ns();
+}
+/* The time since the last mark goes to `phase`, with `bytes` read in it. */
+static inline void prof_mark(sa_prof *p, int phase, double bytes) {
+    if (!sa_prof_on) return;
+    const double t = sa_now_ns();
+    p->ns[phase] += t - p->t0;
+    p->t0 = t;
+    p->bytes[phase] += bytes;
+}
+static inline void prof_flush(const sa_prof *p) {
+    if (!sa_prof_on) return;
+    for (int i = 0; i < SA_NPHASES; ++i) {
+#pragma omp atomic
+        sa_prof_totals[i] += p->ns[i];
+#pragma omp atomic
+        sa_prof_totals[SA_NPHASES + i] += p->bytes[i];
+    }
+}
+/* Bytes of the 64-byte lines that [offset, offset + n) touches. */
+static inline double lines_bytes(int64_t offset, int64_t n) {
+    return n <= 0 ? 0.0 : (double)(((offset + n + 63) / 64 - offset / 64) * 64);
+}
+
+/* The least difference from a maximum that a vector loop of exponentials is given: e^-80 is nothing beside the
+ * maximum's e^0 in any sum it joins, and glibc's vector expf leaves its fast path (for a scalar call per lane) for any
+ * lane below about -87: a loop over logits far apart took 5x as long. */
+#define SA_EXP_FLOOR (-80.f)
+static inline float exp_arg(float x) { return x > SA_EXP_FLOOR ? x : SA_EXP_FLOOR; }
+
+/* Turn the profile on (1) or off (0); with out, first copy the totals so far into out[2 * SA_NPHASES] (ns per phase,
+ * then bytes per phase). The totals restart from zero. Returns the number of phases. */
+int sa_paged_profile(int enable, double *out) {
+    if (out) memcpy(out, sa_prof_totals, sizeof sa_prof_totals);
+    memset(sa_prof_totals, 0, sizeof sa_prof_totals);
+    sa_prof_on = enable;
+    return SA_NPHASES;
+}
+
+enum { SA_CENTROID = 0, SA_BOUND = 1, SA_FIXED = 2 }; /* SA_CENTROID: the split step's summary (sa_paged_split) */
 enum { SA_BAD_BLOCK = 1, SA_BAD_PLAN = 6 }; /* besides kernel_common.h's */
 
 int sa_paged_float16_supported(void) { return sa_float16_built(); }
@@ -74,6 +139,13 @@ static inline int64_t seg_row(const sa_pages *c, const int32_t *table, int64_t s
     return (cand_block(c, table, sink_pages, i) * c->H + h) * c->r + i % c->r;
 }
 
+/* The profile's bytes: columns [col0, col0 + n) of a page's D key rows (a row under 64 bytes counted as a line), and
+ * value rows [row0, row0 + n). */
+static inline double key_bytes(const sa_pages *c, int64_t col0, int64_t n) { return (double)c->D * lines_bytes(col0 * c->elem, n * c->elem); }
+static inline double value_bytes(const sa_pages *c, int64_t row0, int64_t n) {
+    return lines_bytes(row0 * c->D * c->elem, n * c->D * c->elem);
+}
+
 /* ---- Vector loops (SA_LANES floats wide): a page's logits and its value sums, for head dims and page sizes that are
  * multiples of the lane count (vLLM's CPU kernels take pages of multiples of 16; head dims 64, 80,
  * 128...). The vector type is GCC's, one register wide. Accumulators stay in registers for up
@@ -94,16 +166,26 @@ typedef _Float16 sa_f16x16 __attribute__((vector_size(2 * SA_LANES)));
 static inline __attribute__((always_inline)) sa_v16 load16(const char *src, int dtype) {
     sa_v16 f;
     if (dtype == SA_BF16) {
+#ifdef __AVX512F__
+        /* one widening load (GCC's generic conversion splits it into 256-bit halves where the tuning prefers them) */
+        const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16);
+#else
         sa_u16x16 h;
         memcpy(&h, src, sizeof h);
         sa_u32x16 w = __builtin_convertvector(h, sa_u32x16) << 16;
+#endif
         memcpy(&f, &w, sizeof f);
     }
 #ifndef SA_NO_FLOAT16
     else if (dtype == SA_F16) {
+#ifdef __AVX512F__
+        const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+        memcpy(&f, &w, sizeof f);
+#else
         sa_f16x16 h;
         memcpy(&h, src, sizeof h);
         f = __builtin_convertvector(h, sa_v16);
+#endif
     }
 #endif
     else {
@@ -127,10 +209,10 @@ static inline __attribute__((always_inline)) sa_v16 load16(const char *src, int 
  * FMA latency otherwise), and one broadcast of q per two vectors. */
 static inline __attribute__((always_inline)) void logits16(const char *keys, int64_t bs, int64_t D, int64_t elem, int dtype,
                                                            const float *q, int NG, float *lg, int64_t ld, int64_t j0,
-                                                           const char *pf) {
+                                                           const char *pf, int64_t pf_stride) {
     sa_v16 acc[SA_HEADS][2] = {{0}};
     for (int64_t d = 0; d < D; ++d) {
-        SA_PREFETCH(pf, d * 2 * SA_LANES * elem, 2 * SA_LANES * elem);
+        SA_PREFETCH(pf, d * pf_stride, 2 * SA_LANES * elem);
         const char *row = keys + (d * bs + j0) * elem;
         const sa_v16 k0 = load16(row, dtype), k1 = load16(row + SA_LANES * elem, dtype);
         for (int g = 0; g < NG; ++g) {
@@ -175,7 +257,7 @@ static inline __attribute__((always_inline)) void values16(const char *values, i
 
 #define SA_DEFINE_FAST(SUFFIX)                                                                                      \
     static void page_logits_##SUFFIX(const char *keys, int n, int64_t bs, int64_t D, const float *q, int G, float *lg,   \
-                                     int64_t ld, const char *pf) {                                                       \
+                                     int64_t ld, const char *pf, int64_t pf_rows) {                                      \
         for (int g0 = 0; g0 < G; g0 += SA_HEADS) {                                                                       \
             const int ng = G - g0 < SA_HEADS ? G - g0 : SA_HEADS;                                                        \
             for (int64_t j0 = 0; j0 < n; j0 += 2 * SA_LANES) {                                                           \
@@ -192,10 +274,11 @@ static inline __attribute__((always_inline)) void values16(const char *values, i
         }                                                                                                                \
     }
 /* The next block is prefetched on the first pass over the rows only; the logits' chunk j0 of 2 SA_LANES tokens
- * takes its D * 2 SA_LANES elements of the next key block (together: the whole block when n == bs). */
+ * takes its D * 2 SA_LANES elements of the next key block (together: the whole block when n == bs), or with pf_rows
+ * (the next block is part of a page: rows bs apart) its own columns of each of the next block's D rows. */
 #define SA_LOGITS_CALL(NG)                                                                                    \
     logits16(keys, bs, D, SA_ELEM, SA_DT, q + (int64_t)g0 * D, NG, lg + (int64_t)g0 * ld, ld, j0,            \
-             pf && g0 == 0 ? pf + j0 * D * SA_ELEM : NULL)
+             pf && g0 == 0 ? pf + (pf_rows ? j0 : j0 * D) * SA_ELEM : NULL, pf_rows ? bs * SA_ELEM : 2 * SA_LANES * SA_ELEM)
 #define SA_VALUES_CALL(NG) values16(values, n, D, SA_ELEM, SA_DT, rows + r0, NG, p, pld, out, r0 == 0 ? pf : NULL)
 
 #define SA_DT SA_F32
@@ -220,19 +303,21 @@ SA_DEFINE_FAST(f16)
 static inline int fast_shape(const sa_pages *c) { return c->bs % (2 * SA_LANES) == 0 && c->D % (2 * SA_LANES) == 0; }
 
 /* Logits lg[g * ld + j] = q_g . k_j of the first n tokens of a page, for rows g < G (q is pre-scaled).
- * Keys are [D, bs]: one converted row of n tokens per channel, multiplied into every head's logits. */
-static void page_logits(const sa_pages *c, const char *keys, int n, const float *restrict q, int G, float *restrict lg,
-                        int64_t ld, float *restrict row, const char *next_keys) {
+ * Keys are [D, bs]: one converted row of n tokens per channel, multiplied into every head's logits. next_keys: the
+ * key block read after this one, asked for meanwhile (a whole page's, or with next_rows the same columns of its D
+ * rows: part of a page), or NULL. */
+static void page_logits_ahead(const sa_pages *c, const char *keys, int n, const float *restrict q, int G, float *restrict lg,
+                              int64_t ld, float *restrict row, const char *next_keys, int next_rows) {
     const int64_t D = c->D, bs = c->bs;
     /* A segment smaller than a vector chunk (pages cut in r > 1) still takes the vector loops: they compute the
      * whole chunk of 2 SA_LANES tokens (the page's next columns, unused), and that is faster than the scalar loop's
      * conversion per channel (measured: 6.2 against 8.4 ms for the scores at 8k x 8 with 4-token segments). */
     if (fast_shape(c)) {
-        if (c->dtype == SA_BF16) page_logits_bf16(keys, n, bs, D, q, G, lg, ld, next_keys);
+        if (c->dtype == SA_BF16) page_logits_bf16(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
 #ifndef SA_NO_FLOAT16
-        else if (c->dtype == SA_F16) page_logits_f16(keys, n, bs, D, q, G, lg, ld, next_keys);
+        else if (c->dtype == SA_F16) page_logits_f16(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
 #endif
-        else page_logits_f32(keys, n, bs, D, q, G, lg, ld, next_keys);
+        else page_logits_f32(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
         return;
     }
     for (int g = 0; g < G; ++g) memset(lg + g * ld, 0, (size_t)n * sizeof(float));
@@ -244,6 +329,10 @@ static void page_logits(const sa_pages *c, const char *keys, int n, const float 
             for (int j = 0; j < n; ++j) lgg[j] += qd * row[j];
         }
     }
+}
+static inline void page_logits(const sa_pages *c, const char *keys, int n, const float *restrict q, int G, float *restrict lg,
+                               int64_t ld, float *restrict row, const char *next_keys) {
+    page_logits_ahead(c, keys, n, q, G, lg, ld, row, next_keys, 0);
 }
 
 /* Online-softmax state of G query rows. */
@@ -390,46 +479,57 @@ static inline float finite_or_lowest(float x) {
 }
 
 /* The k (1 <= k <= n) largest of x[0..n) into out, in no particular order (ties at the k-th value: the earlier
- * indices), O(n): the k-th largest by quickselect on copies (v, w: scratch of n), whose partitions are branch-free
- * stores (a branch per value mispredicts half the time on scores in no order), then one pass collects. For a
- * shortlist whose order nothing reads (the split step's: its pages are ranked by slot, its masses by place). */
+ * indices), O(n): the k-th largest by a radix select on the numbers' order-preserving 32-bit keys (a NaN ranks
+ * lowest), 8 or 11 bits a pass from the top (a histogram, then the bucket holding the k-th: a pass over the numbers
+ * still in it), then one pass collects. Scratch: v, w of n 32-bit words. For a shortlist whose order nothing reads (the
+ * split step's: its pages are ranked by slot, its masses by place). Replaced a quickselect (3-4x the time at n = 2000:
+ * its partitions swept the numbers several times). */
+static inline uint32_t order_key(float x) {
+    uint32_t bits;
+    x = ranked(x);
+    memcpy(&bits, &x, sizeof bits);
+    if (bits == 0x80000000u) bits = 0; /* -0 is 0 */
+    return bits & 0x80000000u ? ~bits : bits | 0x80000000u; /* larger number, larger key */
+}
 static void top_k_set(const float *x, int64_t n, int64_t k, int64_t *out, float *v, float *w) {
-    for (int64_t i = 0; i < n; ++i) v[i] = ranked(x[i]);
-    int64_t m = n, want = k; /* the want-th largest of v[0..m) */
-    float kth;
-    for (;;) {
-        if (m <= 16) { /* a few left: sort them, best first */
-            for (int64_t i = 1; i < m; ++i)
-                for (int64_t j = i; j > 0 && v[j] > v[j - 1]; --j) {
-                    const float t = v[j];
-                    v[j] = v[j - 1], v[j - 1] = t;
-                }
-            kth = v[want - 1];
-            break;
-        }
-        const float a = v[0], b = v[m / 2], z = v[m - 1];
-        const float pivot = a > b ? (b > z ? b : (a > z ? z : a)) : (a > z ? a : (b > z ? z : b)); /* median of three */
-        int64_t above = 0, equal = 0;
-        for (int64_t i = 0; i < m; ++i) w[above] = v[i], above += v[i] > pivot;
-        if (want <= above) {
-            float *t = v;
-            v = w, w = t, m = above;
-            continue;
-        }
-        for (int64_t i = 0; i < m; ++i) equal += v[i] == pivot;
-        if (want <= above + equal) {
-            kth = pivot;
-            break;
-        }
-        int64_t below = 0;
-        for (int64_t i = 0; i < m; ++i) w[below] = v[i], below += v[i] < pivot;
-        float *t = v;
-        v = w, w = t, m = below, want -= above + equal;
+    uint32_t *keys = (uint32_t *)v, *rest = (uint32_t *)w; /* the keys, then those still in the k-th's bucket */
+    for (int64_t i = 0; i < n; ++i) keys[i] = order_key(x[i]);
+    uint32_t prefix = 0, known = 0; /* the k-th key's bits found so far (the top `known` bits) */
+    int64_t m = n, want = k;       /* the want-th largest of the m keys that share the prefix */
+    const uint32_t *cur = keys;
+    const int step = n < 4096 ? 8 : 11; /* bits a pass: a histogram no longer to clear and scan than the numbers */
+    for (int shift = 32 - step; m > 1 && known < 32; shift = shift >= step ? shift - step : 0) {
+        const int bits = 32 - (int)known - shift; /* this pass's bits: [shift, 32 - known) */
+        int64_t hist[2048];
+        memset(hist, 0, sizeof(int64_t) << bits);
+        const uint32_t mask = (uint32_t)((1u << bits) - 1u);
+        for (int64_t i = 0; i < m; ++i) hist[(cur[i] >> shift) & mask]++;
+        int64_t above = 0, bucket = (int64_t)mask;
+        for (; bucket > 0 && above + hist[bucket] < want; --bucket) above += hist[bucket];
+        want -= above;
+        prefix |= (uint32_t)bucket << shift;
+        known += (uint32_t)bits;
+        int64_t kept = 0; /* the keys of the k-th's bucket, for the next pass */
+        const uint32_t hi_mask = known >= 32 ? 0xFFFFFFFFu : ~((1u << (32 - known)) - 1u);
+        for (int64_t i = 0; i < m; ++i) rest[kept] = cur[i], kept += (cur[i] & hi_mask) == prefix;
+        cur = rest, m = kept;
+        if (shift == 0) break;
     }
+    uint32_t kth = prefix;
+    if (known < 32) kth = cur[0]; /* one key left in the bucket: it is the k-th */
     int64_t have = 0;
-    for (int64_t i = 0; i < n; ++i) out[have] = i, have += ranked(x[i]) > kth; /* fewer than k: kth is the k-th */
+    for (int64_t i = 0; i < n; ++i) out[have] = i, have += keys[i] > kth; /* fewer than k: kth is the k-th */
     for (int64_t i = 0; i < n && have < k; ++i)
-        if (ranked(x[i]) == kth) out[have++] = i;
+        if (keys[i] == kth) out[have++] = i;
+}
+
+/* top_k_set for tests (sparseattn.vllm.paged_kernel.top_k_positions): out[k] the positions of x[0..n)'s k largest. */
+int sa_paged_top_k(const float *x, int64_t n, int64_t k, int64_t *out) {
+    if (n < 1 || k < 1 || k > n) return SA_BAD_PLAN;
+    float *v = malloc(sizeof(float) * (size_t)n), *w = malloc(sizeof(float) * (size_t)n);
+    if (v && w) top_k_set(x, n, k, out, v, w);
+    free(v), free(w);
+    return v && w ? SA_OK : SA_NO_MEMORY;
 }
 
 static inline float log_sum_exp(const float *x, int64_t n, int64_t stride) {
@@ -449,7 +549,7 @@ static inline uint16_t sa_float_to_bf16(float x) {
 }
 
 /* Summarise the r segments of one page of one head into summary (+ summary2 for the bound), r rows of D: each
- * segment's mean key, or its min and max. With s16 (SA_RERANK) the means go there instead, as bfloat16 means of
+ * segment's mean key, or its min and max. With s16 (SA_CENTROID) the means go there instead, as bfloat16 means of
  * the keys times key_root, exactly as Centroid(dtype=torch.bfloat16).summarize rounds them from the float32 scaled
  * keys the generic path hands it: each product in float32, their mean in float64, rounded to float32 and then to
  * bfloat16 (the float32 means: key_root 1, a product that changes nothing). */
@@ -461,7 +561,7 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
         sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
         for (int64_t u = 0; u < c->r; ++u) {
             const float *x = row + u * seg;
-            if (mode == SA_RERANK) {
+            if (mode == SA_CENTROID) {
                 double sum = 0.0;
                 for (int64_t j = 0; j < seg; ++j) {
                     const float scaled = x[j] * key_root;
@@ -499,7 +599,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     const int32_t *plan, int mode, int shared, float scale, float softcap, float *summary, float *summary2,
                     uint8_t *state, int32_t *selected, int64_t kmax, float *out, int threads) {
     if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
-    if (mode != SA_FIXED && mode != SA_RERANK && mode != SA_BOUND) return SA_BAD_PLAN;
+    if (mode != SA_FIXED && mode != SA_BOUND) return SA_BAD_PLAN;
     if (bs < 1 || bs > 4096 || D < 1 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r) return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
     if (dtype == SA_F16) return SA_BAD_DTYPE;
@@ -507,19 +607,17 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
     const int64_t elem = dtype == SA_F32 ? 4 : 2;
     const sa_pages c = {(const char *)cache, dtype, elem, H, bs, D, r, bs / r};
     /* Check the plan and the block table before any work; collect the stale candidate pages. */
-    int64_t most_cand = 0, most_m = 0, stale_n = 0;
+    int64_t most_cand = 0, stale_n = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int32_t *pl = plan + b * 4;
         const int64_t L = seq_lens[b], pages = (L + bs - 1) / bs;
         const int64_t attended = pl[2] < pl[1] ? pl[2] : pl[1];
         if (L < 1 || pl[0] < 0 || pl[1] < 0 || pl[1] % r || pl[0] + pl[1] / r >= pages + (pl[1] == 0) || pl[2] < 0 || attended > kmax ||
-            pages > bt_stride || (mode == SA_FIXED && pl[2] > 0 && pl[2] < pl[1]) ||
-            (mode == SA_RERANK && pl[2] > 0 && pl[2] < pl[1] && (pl[3] < pl[2] || pl[3] > pl[1])))
+            pages > bt_stride || (mode == SA_FIXED && pl[2] > 0 && pl[2] < pl[1]))
             return SA_BAD_PLAN;
         for (int64_t p = 0; p < pages; ++p)
             if (block_table[b * bt_stride + p] < 0 || block_table[b * bt_stride + p] >= N) return SA_BAD_BLOCK;
         most_cand = pl[1] > most_cand ? pl[1] : most_cand;
-        most_m = pl[3] > most_m ? pl[3] : most_m;
     }
     int64_t *stale = NULL;
     if (mode != SA_FIXED) {
@@ -541,6 +639,8 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
     if (threads < 1) threads = 1;
 #endif
     int status = SA_OK;
+    sa_prof whole;
+    prof_start(&whole);
     if (stale_n) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t i = 0; i < stale_n * H; ++i) {
@@ -550,28 +650,27 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                       row);
         }
     }
+    prof_mark(&whole, SA_PH_SUMMARISE, stale_n * H * key_bytes(&c, 0, bs));
+    prof_flush(&whole);
     free(stale);
     const int64_t Gs = shared ? 1 : G;
 #pragma omp parallel num_threads(threads)
     {
         /* Per-thread scratch: scores of the candidates, the shortlist's kept logits, one page's logits and weights. */
-        const int64_t cand_cap = most_cand > 0 ? most_cand : 1, m_cap = most_m > 0 ? most_m : 1;
+        const int64_t cand_cap = most_cand > 0 ? most_cand : 1;
         float *qs = malloc(sizeof(float) * (size_t)(G * D));
         float *cs = malloc(sizeof(float) * (size_t)(G * cand_cap));
         float *gs = malloc(sizeof(float) * (size_t)cand_cap);
-        float *kept = mode == SA_RERANK ? malloc(sizeof(float) * (size_t)(m_cap * G * bs)) : NULL;
-        float *mass = malloc(sizeof(float) * (size_t)(G * m_cap));
         float *lg = malloc(sizeof(float) * (size_t)(G * bs));
         float *p = malloc(sizeof(float) * (size_t)(G * bs));
         float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
         float *vals = malloc(sizeof(float) * (size_t)(cand_cap + 1));
-        int64_t *short_ix = malloc(sizeof(int64_t) * (size_t)m_cap);
         int64_t *pick = malloc(sizeof(int64_t) * (size_t)(Gs * cand_cap));
         int64_t *npick = malloc(sizeof(int64_t) * (size_t)Gs);
         uint8_t *rows = malloc((size_t)G);
         float *m = malloc(sizeof(float) * (size_t)G), *l = malloc(sizeof(float) * (size_t)G);
         float *acc = malloc(sizeof(float) * (size_t)(G * D));
-        const int ok = qs && cs && gs && (kept || mode != SA_RERANK) && mass && lg && p && row && vals && short_ix && pick &&
+        const int ok = qs && cs && gs && lg && p && row && vals && pick &&
                        npick && rows && m && l && acc;
         if (!ok) {
 #pragma omp atomic write
@@ -585,11 +684,13 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
             const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
             const int64_t cand_end = sink_pages + n_cand / r, seg = c.seg;
             const int32_t *table = block_table + b * bt_stride;
+            sa_prof prof;
+            prof_start(&prof);
             for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
             sa_softmax st = {m, l, acc};
             for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
             memset(acc, 0, sizeof(float) * (size_t)(G * D));
-            int64_t short_n = 0;
+            double sel_bytes = 0.0;
             const int select = k > 0 && k < n_cand && mode != SA_FIXED;
             if (select) {
                 /* Coarse scores of every candidate, per query row. */
@@ -598,41 +699,17 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     const float *s1 = summary + srow * D;
                     for (int64_t g = 0; g < G; ++g) {
                         const float *qg = qs + g * D;
+                        const float *s2 = summary2 + srow * D;
                         float v = 0.f;
-                        if (mode == SA_RERANK) {
-                            for (int64_t d = 0; d < D; ++d) v += qg[d] * s1[d];
-                        } else {
-                            const float *s2 = summary2 + srow * D;
-                            for (int64_t d = 0; d < D; ++d) {
-                                const float a = qg[d] * s1[d], z = qg[d] * s2[d];
-                                v += a > z ? a : z;
-                            }
+                        for (int64_t d = 0; d < D; ++d) {
+                            const float a = qg[d] * s1[d], z = qg[d] * s2[d];
+                            v += a > z ? a : z;
                         }
                         cs[g * n_cand + i] = v;
                     }
                 }
-                if (mode == SA_RERANK) {
-                    /* The group's shortlist by log-sum-exp over its rows, then exact masses (logits kept). */
-                    const int64_t mm = pl[3];
-                    for (int64_t i = 0; i < n_cand; ++i) gs[i] = log_sum_exp(cs + i, G, n_cand);
-                    top_k(gs, n_cand, mm, short_ix, vals);
-                    short_n = mm;
-                    for (int64_t s = 0; s < short_n; ++s) {
-                        float *ks = kept + s * G * bs;
-                        const char *next = s + 1 < short_n ? seg_keys(&c, table, sink_pages, short_ix[s + 1], h) : NULL;
-                        page_logits(&c, seg_keys(&c, table, sink_pages, short_ix[s], h), (int)seg, qs, (int)G, ks, bs, row, next);
-                        for (int64_t g = 0; g < G; ++g) mass[g * short_n + s] = log_sum_exp(ks + g * bs, seg, 1);
-                    }
-                    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
-                        const float *src = mass + gs_i * short_n;
-                        if (shared) { /* the group's mass: log-sum-exp over its rows */
-                            for (int64_t s = 0; s < short_n; ++s) gs[s] = log_sum_exp(mass + s, G, short_n);
-                            src = gs;
-                        }
-                        top_k(src, short_n, k, pick + gs_i * cand_cap, vals); /* positions in the shortlist */
-                        npick[gs_i] = k;
-                    }
-                } else {
+                prof_mark(&prof, SA_PH_SCORE, (double)n_cand * lines_bytes(0, D * (int64_t)sizeof(float)) * 2);
+                {
                     for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
                         const float *src = cs + gs_i * n_cand;
                         if (shared) {
@@ -642,30 +719,31 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                         top_k(src, n_cand, k, pick + gs_i * cand_cap, vals);
                         npick[gs_i] = k;
                     }
+                    prof_mark(&prof, SA_PH_SHORTLIST, 0.0);
                 }
             }
             attend_common(&c, table, h, L, sink_pages, cand_end, select || k == 0, qs, (int)G, softcap, &st, lg, p, row);
+            {
+                const int64_t pages_all = (L + bs - 1) / bs, common = select || k == 0 ? pages_all - n_cand / r : pages_all;
+                prof_mark(&prof, SA_PH_ATTEND_ALWAYS, (double)common * (key_bytes(&c, 0, bs) + value_bytes(&c, 0, bs)));
+            }
             /* The selected candidates: per selection, its rows. */
             if (select) {
                 for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
                     for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
                     for (int64_t t = 0; t < npick[gs_i]; ++t) {
                         const int64_t at = pick[gs_i * cand_cap + t];
-                        const int64_t cand = mode == SA_RERANK ? short_ix[at] : at;
+                        const int64_t cand = at;
                         int64_t next = -1; /* the candidate attended after this one (prefetched meanwhile) */
                         if (t + 1 < npick[gs_i]) {
                             const int64_t at2 = pick[gs_i * cand_cap + t + 1];
-                            next = mode == SA_RERANK ? short_ix[at2] : at2;
+                            next = at2;
                         }
                         const char *vals_c = seg_values(&c, table, sink_pages, cand, h);
-                        if (mode == SA_RERANK) { /* the logits are kept: only values are read */
-                            attend_logits(&c, vals_c, (int)seg, kept + at * G * bs, bs, (int)G, rows, softcap, &st, p, row,
-                                          next >= 0 ? seg_values(&c, table, sink_pages, next, h) : NULL);
-                        } else {
-                            page_logits(&c, seg_keys(&c, table, sink_pages, cand, h), (int)seg, qs, (int)G, lg, bs, row, vals_c);
-                            attend_logits(&c, vals_c, (int)seg, lg, bs, (int)G, rows, softcap, &st, p, row,
-                                          next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
-                        }
+                        sel_bytes += value_bytes(&c, (cand % r) * seg, seg) + key_bytes(&c, (cand % r) * seg, seg);
+                        page_logits(&c, seg_keys(&c, table, sink_pages, cand, h), (int)seg, qs, (int)G, lg, bs, row, vals_c);
+                        attend_logits(&c, vals_c, (int)seg, lg, bs, (int)G, rows, softcap, &st, p, row,
+                                      next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
                         if (selected) selected[((b * H + h) * Gs + gs_i) * kmax + t] = (int32_t)cand;
                     }
                 }
@@ -678,20 +756,16 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                 }
             }
             write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
+            prof_mark(&prof, SA_PH_ATTEND_SELECTED, sel_bytes);
+            prof_flush(&prof);
         }
-        free(qs); free(cs); free(gs); free(kept); free(mass); free(lg); free(p); free(row); free(vals);
-        free(short_ix); free(pick); free(npick); free(rows); free(m); free(l); free(acc);
+        free(qs); free(cs); free(gs); free(lg); free(p); free(row); free(vals);
+        free(pick); free(npick); free(rows); free(m); free(l); free(acc);
     }
     return status;
 }
 
-/* ---- The split step: per-head page counts and the merged rest (sa_paged_score, then sa_paged_attend_lists).
- * A policy whose allocation splits the layer's pages between its heads (pooled mass, top-p, any allocation) needs
- * every head's scores before any head's count is known, so the step is two calls with the allocation, in Python,
- * between them: the first scores (centroids, the group's shortlist, its exact log masses, the sinks' and tail's
- * log mass) and keeps the shortlist's logits; the second attends each selection's own list of candidates (the
- * kept logits where the shortlist holds them) and, for a merged rest, one token per block of candidate pages
- * made of the pages the selection leaves out, from per-page key and value sums kept per physical block. */
+/* ---- What the split step (sa_paged_split, below) builds on. */
 
 /* Check a step's plan and block table (as sa_paged_decode does); most candidates and shortlist of any row. */
 static int check_step(int64_t N, int64_t B, int64_t bs, int64_t r, const int32_t *block_table, int64_t bt_stride,
@@ -779,278 +853,391 @@ static void lse_columns(const float *restrict x, int64_t G, int64_t ld, int64_t 
         for (int64_t i = 0; i < n; ++i) top[i] = x[g * ld + i] > top[i] ? x[g * ld + i] : top[i];
     for (int64_t i = 0; i < n; ++i) out[i] = 0.f;
     for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < n; ++i) out[i] += expf(x[g * ld + i] - top[i]);
+        for (int64_t i = 0; i < n; ++i) out[i] += expf(exp_arg(x[g * ld + i] - top[i]));
     for (int64_t i = 0; i < n; ++i) out[i] = top[i] + logf(out[i]);
 }
 
-/* The candidate pages that hold a shortlisted segment (sh[0..mm), candidate indices, r per page), each once:
- * slot[p] its place among them in ascending page order, -1 for the others; order[j] the j-th. Both calls of the
- * split step derive the same slots from the same shortlist: the kept logits are one whole page per slot (a page's
- * logits cost what one segment's do in the vector loops, which compute whole chunks), so a page holding several
- * shortlisted segments is read once and its other segments' logits come free. Returns the number of slots. */
-static int64_t shortlist_slots(const int32_t *sh, int64_t mm, int64_t r, int64_t n_pages, int32_t *slot, int64_t *order) {
-    for (int64_t p = 0; p < n_pages; ++p) slot[p] = -1;
-    for (int64_t s = 0; s < mm; ++s) slot[sh[s] / r] = -2;
+/* The tokens whose logits the split step keeps together (a slot): what one read of the keys' lines brings. A page's
+ * keys are rows of bs tokens per channel, so 32 bf16 tokens are a 64-byte line: a shortlisted 4- or 8-token segment
+ * costs its 32 tokens' lines whatever else is read (a 16-token segment of float32 keys, its own). A unit is 32
+ * tokens, or the segment where it is longer, or the page where pages are not multiples of 32. */
+static inline int64_t slot_unit(int64_t bs, int64_t seg) { return seg >= 32 ? seg : (bs % 32 == 0 ? 32 : bs); }
+
+/* The units (slot_unit tokens: cu candidates each, candidate i in unit i / cu) that hold a shortlisted segment
+ * (sh[0..mm)), each once: slot[u] its place among them in ascending order, -1 for the others; order[j] the j-th.
+ * Both phases of the split step derive the same slots from the same shortlist: the kept logits are one whole unit per
+ * slot, so a unit holding several shortlisted segments is read once and its other segments' logits come free.
+ * Returns the number of slots. */
+static int64_t shortlist_slots(const int32_t *sh, int64_t mm, int64_t cu, int64_t n_units, int32_t *slot, int64_t *order) {
+    for (int64_t u = 0; u < n_units; ++u) slot[u] = -1;
+    for (int64_t s = 0; s < mm; ++s) slot[sh[s] / cu] = -2;
     int64_t n = 0;
-    for (int64_t p = 0; p < n_pages; ++p)
-        if (slot[p] == -2) order[n] = p, slot[p] = (int32_t)n++;
+    for (int64_t u = 0; u < n_units; ++u)
+        if (slot[u] == -2) order[n] = u, slot[u] = (int32_t)n++;
     return n;
 }
 
-/*
- * Scores of one decode step (first call of the split step), for the rows that select (0 < k < n_cand):
- * coarse[B, H, G, S_max] = scale q . centroid + log bs of every candidate (the centroid summary's score);
- * short_ix[B, H, M_max] the KV group's m best by log-sum-exp over its rows (m = plan[3]); exact[B, H, G, M_max]
- * their exact log masses logsumexp_j scale q . k_j, whose logits are kept in kept[B, H, M_max, G, bs], one whole
- * page per slot of shortlist_slots;
- * always[B, H, G] the log mass of the sinks' and the tail's tokens. Summaries as sa_paged_decode's (mode
- * SA_RERANK: float32 raw means, scored against q times scale), or with summary_bf16 the bfloat16 means of the keys
- * times root (summarise with s16: Centroid(dtype=torch.bfloat16)), scored in float32 against q times root (half the
- * bytes of the scoring pass, which reads every candidate's row). Entries past a row's own counts are left as they were.
+/* The keys of unit u (of `unit` tokens, bs / unit per page) of a sequence's candidates, and a request for its lines. */
+static inline const char *unit_keys(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t u, int64_t unit, int64_t h) {
+    const int64_t per_page = c->bs / unit;
+    return page_keys(c, table[sink_pages + u / per_page], h) + (u % per_page) * unit * c->elem;
+}
+static inline void prefetch_unit(const sa_pages *c, const char *keys, int64_t unit) {
+    if (unit == c->bs) {
+        SA_PREFETCH(keys, 0, c->D * c->bs * c->elem);
+        return;
+    }
+    for (int64_t d = 0; d < c->D; ++d) SA_PREFETCH(keys + d * c->bs * c->elem, 0, unit * c->elem);
+}
+
+/* ---- The split step: sa_paged_split(args, phases).
+ *
+ * A policy whose allocation splits the layer's segments between its heads (pooled mass, top-p, any allocation), or
+ * that merges the rest, or that selects segments inside pages, runs in phases:
+ *   SA_SPLIT_SCORE, per (sequence, KV head) that selects (0 < k < n_cand): every candidate's centroid score
+ *     coarse[B, H, G, S_max] = scale q . mean k + log seg (or, with bfloat16 centroids, root q . the stored mean of
+ *     the keys times root); the KV group's shortlist short_ix[B, H, M_max], its m = plan[3] best by log-sum-exp over
+ *     the group's rows; the logits of the pages holding them, kept[B, H, M_max, G, bs], one whole page per slot of
+ *     shortlist_slots (a page's logits cost what one segment's do: the lines are the page's), and the shortlisted
+ *     segments' exact log masses exact[B, H, G, M_max]; the log mass of the sinks and the tail always[B, H, G]. With
+ *     allocation SA_ALLOC_TOPK each selection then flags its k best of the shortlist by exact mass (a shared selection:
+ *     by the group's log-sum-exp) in chosen[B, H, G', S_max].
+ *   SA_SPLIT_ALLOCATE, with allocation SA_ALLOC_POOLED: PooledMass's split of each sequence's segments between all its
+ *     query heads (every head's scores first: a phase of its own), flagged in chosen.
+ *   SA_SPLIT_ATTEND, per (sequence, KV head): the sinks and the tail for every row; every candidate when the row does
+ *     not select (k >= n_cand; none when k == 0); else each selection's flagged candidates, their logits the kept
+ *     ones where the shortlist holds their page, and with per_block > 0 one merged token per block of per_block
+ *     candidates made of what the selection leaves out (its logit off the centroid scores where the centroids are
+ *     float32, else from the keys' sums the store keeps).
+ * With allocation SA_ALLOC_NONE the caller flags chosen itself between a SCORE call and an ATTEND call (the policy's
+ * own allocation, in Python: sparseattn.vllm.paged_kernel.split_decode). chosen is zero where nothing is flagged.
+ *
+ * The selection is attended in two passes over the union of the selections' candidates, one run per stretch of
+ * adjacent segments of a page chosen by the same selections: first every run's logits (each row's maximum), then,
+ * with one rescale per row, the weights and the values; a run's values are prefetched several runs ahead (runs are
+ * a few hundred bytes: one run ahead leaves the loop waiting on memory). All scratch is per thread and kept from call
+ * to call (the OpenMP threads are torch's persistent pool): no call maps fresh pages.
  */
-int sa_paged_score(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t r,
-                   int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, const int32_t *plan,
-                   float scale, void *summary_store, int summary_bf16, float root, uint8_t *state, int64_t S_max, int64_t M_max,
-                   float *coarse, int32_t *short_out, float *exact, float *always, float *kept, int threads) {
-    if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
-    if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r) return SA_BAD_PLAN;
-#ifdef SA_NO_FLOAT16
-    if (dtype == SA_F16) return SA_BAD_DTYPE;
-#endif
-    const sa_pages c = {(const char *)cache, dtype, dtype == SA_F32 ? 4 : 2, H, bs, D, r, bs / r};
-    int64_t most_cand, most_m;
-    int status = check_step(N, B, bs, r, block_table, bt_stride, seq_lens, plan, &most_cand, &most_m);
-    if (status) return status;
-    if (most_cand > S_max || most_m > M_max) return SA_BAD_PLAN;
-    int64_t *stale = NULL;
-    const int64_t stale_n = stale_blocks(B, r, block_table, bt_stride, plan, most_cand, state, &stale);
-    if (stale_n < 0) return SA_NO_MEMORY;
-#ifdef _OPENMP
-    if (threads < 1) threads = 1;
-#endif
-    float *summary = summary_bf16 ? NULL : (float *)summary_store;
-    uint16_t *summary16 = summary_bf16 ? (uint16_t *)summary_store : NULL;
-    const int64_t row_bytes = summary_bf16 ? 2 : (int64_t)sizeof(float);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < stale_n * H; ++i) {
-        float row[4096];
-        const int64_t blk = stale[i / H], h = i % H;
-        if (summary_bf16)
-            summarise(&c, SA_RERANK, blk, h, NULL, NULL, summary16 + (blk * H + h) * r * D, root, row);
-        else
-            summarise(&c, SA_RERANK, blk, h, summary + (blk * H + h) * r * D, NULL, NULL, 1.f, row);
+
+enum { SA_SPLIT_SCORE = 1, SA_SPLIT_ALLOCATE = 2, SA_SPLIT_ATTEND = 4 };
+enum { SA_ALLOC_NONE = 0, SA_ALLOC_TOPK = 1, SA_ALLOC_POOLED = 2 };
+
+/* The split step's arguments (sparseattn.vllm.paged_kernel.SplitArgs mirrors it field by field; sa_paged_split_layout
+ * gives the offsets a test holds it to). Pointers, then 64-bit integers, then 32-bit numbers: no padding between. */
+typedef struct {
+    const void *q;              /* [B, H, G, D] of q_dtype (float32, bfloat16, float16), unscaled */
+    const void *cache;          /* [N, H, bs, 2 D] of dtype */
+    const int32_t *block_table; /* [B, bt_stride] physical blocks */
+    const int32_t *seq_lens;    /* [B], the current token included */
+    const int32_t *plan;        /* [B, 4]: sink_pages, n_cand (segments, r per page), k, m */
+    const int32_t *pool;        /* [B, 2] with SA_ALLOC_POOLED: the most segments a query head takes, and its floor */
+    void *summary;              /* [N, H, r, D]: float32 raw means, or (summary_bf16) bfloat16 means of the keys times root */
+    uint8_t *state;             /* [N]: 1 while a block's summaries are valid */
+    float *sums;                /* [N, H, sums_rows, W] the merged rest's sums (per_block > 0), or NULL */
+    uint8_t *sums_state;        /* [N] */
+    float *coarse;              /* [B, H, G, S_max] */
+    int32_t *short_ix;          /* [B, H, M_max] */
+    float *exact;               /* [B, H, G, M_max] */
+    float *always;              /* [B, H, G] */
+    float *kept;                /* [B, H, M_max, G, bs] */
+    uint8_t *chosen;            /* [B, H, G', S_max] */
+    float *out;                 /* [B, H, G, D] float32 */
+    int64_t N, H, bs, D, r, G, B, bt_stride, S_max, M_max;
+    int64_t per_block;          /* candidates per merged block; 0: no merged rest */
+    float scale, softcap, root, unused;
+    int32_t dtype, q_dtype, shared, summary_bf16, segment_rows, allocation, threads, unused2;
+} sa_split_args;
+
+#define SA_SPLIT_FIELDS(X)                                                                                                 \
+    X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(pool) X(summary) X(state) X(sums) X(sums_state) X(coarse) X(short_ix)      \
+    X(exact) X(always) X(kept) X(chosen) X(out) X(N) X(H) X(bs) X(D) X(r) X(G) X(B) X(bt_stride) X(S_max) X(M_max)         \
+    X(per_block) X(scale) X(softcap) X(root) X(unused) X(dtype) X(q_dtype) X(shared) X(summary_bf16)   \
+    X(segment_rows) X(allocation) X(threads) X(unused2)
+
+/* offsets[i] = the offset of the struct's i-th field (in SA_SPLIT_FIELDS order); returns its size. */
+int64_t sa_paged_split_layout(int64_t *offsets) {
+    int64_t i = 0;
+#define SA_OFFSET(f) offsets[i++] = (int64_t)offsetof(sa_split_args, f);
+    SA_SPLIT_FIELDS(SA_OFFSET)
+#undef SA_OFFSET
+    return (int64_t)sizeof(sa_split_args);
+}
+
+/* Per-thread scratch kept from call to call: one block that grows to the largest step seen, carved per phase. */
+static __thread char *sa_scratch_base;
+static __thread size_t sa_scratch_cap;
+typedef struct {
+    char *base;
+    size_t used, cap;
+} sa_carver;
+static inline sa_carver scratch_begin(size_t need) {
+    if (need > sa_scratch_cap) {
+        free(sa_scratch_base);
+        sa_scratch_cap = need + need / 4;
+        sa_scratch_base = malloc(sa_scratch_cap);
+        if (!sa_scratch_base) sa_scratch_cap = 0;
     }
-    free(stale);
-    const float log_seg = logf((float)c.seg);
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t cand_cap = most_cand > 0 ? most_cand : 1;
-        float *qs = malloc(sizeof(float) * (size_t)(G * D));
-        float *gs = malloc(sizeof(float) * (size_t)cand_cap);
-        float *vals = malloc(sizeof(float) * (size_t)(cand_cap + 1));
-        int64_t *ix = malloc(sizeof(int64_t) * (size_t)cand_cap);
-        float *spare = malloc(sizeof(float) * (size_t)cand_cap);
-        const int64_t m_cap = most_m > 0 ? most_m : 1;
-        float *shifted = malloc(sizeof(float) * (size_t)(m_cap * G * bs)), *tops = malloc(sizeof(float) * (size_t)(m_cap * G));
-        int32_t *slot = malloc(sizeof(int32_t) * (size_t)cand_cap);
-        int64_t *order = malloc(sizeof(int64_t) * (size_t)cand_cap);
-        float *lg = malloc(sizeof(float) * (size_t)(G * bs));
-        float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
-        float *run = malloc(sizeof(float) * (size_t)G * 2); /* per row: running maximum, running sum */
-        float *qr = malloc(sizeof(float) * (size_t)(G * D)), *wide = malloc(sizeof(float) * (size_t)D); /* bf16 centroids */
-        const int ok = qs && gs && vals && spare && shifted && tops && ix && slot && order && lg && row && run && qr && wide;
-        if (!ok) {
-#pragma omp atomic write
-            status = SA_NO_MEMORY;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * H; ++item) {
-            if (!ok) continue;
-            const int64_t h = item / B, b = item % B;
-            const int32_t *pl = plan + b * 4;
-            const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], mm = pl[3], L = seq_lens[b];
-            if (!(k > 0 && k < n_cand)) continue;
-            const int64_t pages = (L + bs - 1) / bs;
-            const int32_t *table = block_table + b * bt_stride;
-            for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
-            /* bf16 centroids hold the scaled keys' means: scored against the query times root (the generic path's
-             * q.root . mean(k.root)); float32 ones hold the raw means, scored against the query times scale. */
-            for (int64_t i = 0; i < G * D; ++i) qr[i] = q[(b * H + h) * G * D + i] * root;
-            const float *qc = summary_bf16 ? qr : qs;
-            const char *store = (const char *)summary_store;
-            float *cs = coarse + (b * H + h) * G * S_max;
-            for (int64_t i = 0; i < n_cand; ++i) {
-                const float *s1;
-                if (summary_bf16) {
-                    const char *src = (const char *)(summary16 + seg_row(&c, table, sink_pages, i, h) * D);
-                    if (D % SA_LANES == 0) {
-                        for (int64_t d = 0; d < D; d += SA_LANES) {
-                            const sa_v16 v = load16(src + 2 * d, SA_BF16);
-                            memcpy(wide + d, &v, sizeof v);
-                        }
-                    } else {
-                        sa_to_float(src, SA_BF16, D, wide);
+    return (sa_carver){sa_scratch_base, 0, sa_scratch_cap};
+}
+static inline void *carve(sa_carver *c, size_t bytes) {
+    void *p = c->base + c->used;
+    c->used += (bytes + 63) & ~(size_t)63;
+    return p;
+}
+/* Bytes carve takes for these sizes (each rounded to a line). */
+#define SA_LINE(x) ((((size_t)(x)) + 63) & ~(size_t)63)
+
+/* The k best of x[0..n) (positions) into out, any order, k <= n: top_k_set, or all of them when k == n. */
+static void best_positions(const float *x, int64_t n, int64_t k, int64_t *out, float *v, float *w) {
+    if (k >= n) {
+        for (int64_t i = 0; i < n; ++i) out[i] = i;
+        return;
+    }
+    top_k_set(x, n, k, out, v, w);
+}
+
+typedef struct {
+    float *qs, *qr, *wide, *gs, *v, *w, *shifted, *tops, *lg, *row, *run, *ex_s;
+    int64_t *ix, *order, *pick;
+    int32_t *slot;
+} sa_score_scratch;
+
+static size_t score_scratch_bytes(int64_t G, int64_t D, int64_t bs, int64_t S, int64_t M, int64_t seg) {
+    return 2 * SA_LINE(4 * G * D) + SA_LINE(4 * D) + 3 * SA_LINE(4 * (S + 1)) + SA_LINE(4 * M * G * seg) + SA_LINE(4 * M * G) +
+           SA_LINE(4 * G * bs) + SA_LINE(4 * (bs > D ? bs : D)) + SA_LINE(8 * G) + SA_LINE(4 * (M + 1)) + 3 * SA_LINE(8 * (S + 1)) +
+           SA_LINE(4 * (S + 1));
+}
+
+static sa_score_scratch score_scratch(sa_carver *cv, int64_t G, int64_t D, int64_t bs, int64_t S, int64_t M, int64_t seg) {
+    sa_score_scratch s;
+    s.qs = carve(cv, 4 * G * D), s.qr = carve(cv, 4 * G * D);
+    s.wide = carve(cv, 4 * D);
+    s.gs = carve(cv, 4 * (S + 1)), s.v = carve(cv, 4 * (S + 1)), s.w = carve(cv, 4 * (S + 1));
+    s.shifted = carve(cv, 4 * M * G * seg), s.tops = carve(cv, 4 * M * G);
+    s.lg = carve(cv, 4 * G * bs), s.row = carve(cv, 4 * (bs > D ? bs : D)), s.run = carve(cv, 8 * G);
+    s.ex_s = carve(cv, 4 * (M + 1));
+    s.ix = carve(cv, 8 * (S + 1)), s.order = carve(cv, 8 * (S + 1)), s.pick = carve(cv, 8 * (S + 1));
+    s.slot = carve(cv, 4 * (S + 1));
+    return s;
+}
+
+/* out[g * ld] = qc_g . s1 + add for the G rows of qc [G, D]. */
+static inline __attribute__((always_inline)) void score_row(const float *restrict qc, int64_t G, const float *restrict s1, int64_t D,
+                                                            float *restrict out, int64_t ld, float add) {
+    for (int64_t g = 0; g < G; ++g) {
+        const float *qg = qc + g * D;
+        float x = 0.f;
+        for (int64_t d = 0; d < D; ++d) x += qg[d] * s1[d];
+        out[g * ld] = x + add;
+    }
+}
+
+/* The scoring phase of one (sequence b, KV head h) that selects: see the top of this section. */
+static void split_score_item(const sa_split_args *a, const sa_pages *c, int64_t b, int64_t h, const sa_score_scratch *s) {
+    const int64_t H = a->H, G = a->G, D = a->D, bs = a->bs, r = a->r, seg = c->seg, S_max = a->S_max, M_max = a->M_max;
+    const int32_t *pl = a->plan + b * 4;
+    const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], mm = pl[3], L = a->seq_lens[b];
+    sa_prof prof;
+    prof_start(&prof);
+    const int64_t pages = (L + bs - 1) / bs, n_pc = n_cand / r;
+    const int32_t *table = a->block_table + b * a->bt_stride;
+    const int64_t q_elem = a->q_dtype == SA_F32 ? 4 : 2;
+    sa_to_float((const char *)a->q + (b * H + h) * G * D * q_elem, a->q_dtype, G * D, s->qr); /* qr: the raw query first */
+    for (int64_t i = 0; i < G * D; ++i) s->qs[i] = s->qr[i] * a->scale;
+    /* bf16 centroids hold the scaled keys' means: scored against the query times root (the generic path's
+     * q.root . mean(k.root)); float32 ones hold the raw means, scored against the query times scale. */
+    for (int64_t i = 0; i < G * D; ++i) s->qr[i] *= a->root;
+    const float *qc = a->summary_bf16 ? s->qr : s->qs;
+    const int64_t row_bytes = a->summary_bf16 ? 2 : 4, page_bytes = r * D * row_bytes;
+    const char *store = (const char *)a->summary;
+    const float log_seg = logf((float)seg);
+    float *cs = a->coarse + (b * H + h) * G * S_max;
+    /* Every candidate's score, page by page (no division per candidate): a page's r rows are one scattered chunk of
+     * r D row_bytes; chunks at least 8 KB ahead are asked for (fewer leave the loop waiting on memory), a row's lines
+     * per row scored (a burst of a chunk's lines at once measured slower). */
+    const int64_t ahead = 1 + (8192 + page_bytes - 1) / page_bytes;
+    for (int64_t p = 0; p < n_pc && p < ahead; ++p) SA_PREFETCH(store + (table[sink_pages + p] * H + h) * page_bytes, 0, page_bytes);
+    const int64_t row_b = D * row_bytes;
+    for (int64_t p = 0; p < n_pc; ++p) {
+        const char *later = p + ahead < n_pc ? store + (table[sink_pages + p + ahead] * H + h) * page_bytes : NULL;
+        const char *rows = store + (table[sink_pages + p] * H + h) * page_bytes;
+        for (int64_t u = 0; u < r; ++u) {
+            SA_PREFETCH(later, u * row_b, row_b); /* a later page's row per row scored: spread, not a burst */
+            const float *s1;
+            if (a->summary_bf16) {
+                const char *src = rows + u * D * 2;
+                if (D % SA_LANES == 0) {
+                    for (int64_t d = 0; d < D; d += SA_LANES) {
+                        const sa_v16 x = load16(src + 2 * d, SA_BF16);
+                        memcpy(s->wide + d, &x, sizeof x);
                     }
-                    s1 = wide;
                 } else {
-                    s1 = summary + seg_row(&c, table, sink_pages, i, h) * D;
+                    sa_to_float(src, SA_BF16, D, s->wide);
                 }
-                if (i % r == 0 && i + 2 * r < n_cand) /* a later page's r rows (scattered blocks: the prefetcher misses them) */
-                    SA_PREFETCH(store + seg_row(&c, table, sink_pages, i + 2 * r, h) * D * row_bytes, 0, r * D * row_bytes);
-                for (int64_t g = 0; g < G; ++g) {
-                    const float *qg = qc + g * D;
-                    float v = 0.f;
-                    for (int64_t d = 0; d < D; ++d) v += qg[d] * s1[d];
-                    cs[g * S_max + i] = v + log_seg;
-                }
+                s1 = s->wide;
+            } else {
+                s1 = (const float *)rows + u * D;
             }
-            lse_columns(cs, G, S_max, n_cand, gs, vals);
-            top_k_set(gs, n_cand, mm, ix, vals, spare);
-            int32_t *sh = short_out + (b * H + h) * M_max;
-            float *ex = exact + (b * H + h) * G * M_max;
-            for (int64_t s = 0; s < mm; ++s) sh[s] = (int32_t)ix[s];
-            /* The shortlist's pages' logits, each page once (its successor's keys prefetched), then each
-             * shortlisted segment's exact log mass from its columns. */
-            const int64_t n_slots = shortlist_slots(sh, mm, r, n_cand / r, slot, order);
-            float *kept_bh = kept + (b * H + h) * M_max * G * bs;
-            for (int64_t j = 0; j < n_slots; ++j) {
-                const char *next = j + 1 < n_slots ? page_keys(&c, table[sink_pages + order[j + 1]], h) : NULL;
-                page_logits(&c, page_keys(&c, table[sink_pages + order[j]], h), (int)bs, qs, (int)G, kept_bh + j * G * bs, bs, row, next);
-            }
-            /* Each (segment, row)'s logits less their maximum gathered into one array, so that the exponentials
-             * and the logarithms run as vector loops (libmvec) rather than one call per value. */
-            const int64_t seg = c.seg;
-            for (int64_t s = 0; s < mm; ++s) {
-                const float *ks = kept_bh + slot[sh[s] / r] * G * bs + (sh[s] % r) * seg;
-                for (int64_t g = 0; g < G; ++g) {
-                    const float *x = ks + g * bs;
-                    float top = x[0];
-                    for (int64_t j = 1; j < seg; ++j) top = x[j] > top ? x[j] : top;
-                    float *e = shifted + (s * G + g) * seg;
-                    for (int64_t j = 0; j < seg; ++j) e[j] = x[j] - top;
-                    tops[s * G + g] = top;
-                }
-            }
-            for (int64_t i = 0; i < mm * G * seg; ++i) shifted[i] = expf(shifted[i]);
-            for (int64_t i = 0; i < mm * G; ++i) {
-                float sum = 0.f;
-                for (int64_t j = 0; j < seg; ++j) sum += shifted[i * seg + j];
-                tops[i] += logf(sum);
-            }
-            for (int64_t s = 0; s < mm; ++s)
-                for (int64_t g = 0; g < G; ++g) ex[g * M_max + s] = tops[s * G + g];
-            /* The sinks' and the tail's log mass: a running log-sum-exp over their pages. */
-            for (int64_t g = 0; g < G; ++g) run[2 * g] = SA_NO_SCORE, run[2 * g + 1] = 0.f;
-            for (int64_t pg = 0; pg < pages; ++pg) {
-                if (pg >= sink_pages && pg < sink_pages + n_cand / r) continue;
-                const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
-                page_logits(&c, page_keys(&c, table[pg], h), n, qs, (int)G, lg, bs, row, NULL);
-                for (int64_t g = 0; g < G; ++g) {
-                    const float *x = lg + g * bs;
-                    float top = SA_NO_SCORE;
-                    for (int j = 0; j < n; ++j) top = x[j] > top ? x[j] : top;
-                    const float mx = run[2 * g] > top ? run[2 * g] : top;
-                    float sum = run[2 * g + 1] * expf(run[2 * g] - mx);
-                    for (int j = 0; j < n; ++j) sum += expf(x[j] - mx);
-                    run[2 * g] = mx, run[2 * g + 1] = sum;
-                }
-            }
-            for (int64_t g = 0; g < G; ++g) always[(b * H + h) * G + g] = run[2 * g] + logf(run[2 * g + 1]);
+            /* the common head dims as constants: the dot products compile to straight vector code */
+            if (D == 64) score_row(qc, G, s1, 64, cs + p * r + u, S_max, log_seg);
+            else if (D == 128) score_row(qc, G, s1, 128, cs + p * r + u, S_max, log_seg);
+            else score_row(qc, G, s1, D, cs + p * r + u, S_max, log_seg);
         }
-        free(qs); free(gs); free(vals); free(spare); free(shifted); free(tops); free(ix); free(slot); free(order); free(lg); free(row); free(run);
-        free(qr); free(wide);
     }
-    return status;
+    prof_mark(&prof, SA_PH_SCORE, (double)n_pc * lines_bytes(0, page_bytes));
+    lse_columns(cs, G, S_max, n_cand, s->gs, s->v);
+    best_positions(s->gs, n_cand, mm, s->ix, s->v, s->w);
+    int32_t *sh = a->short_ix + (b * H + h) * M_max;
+    float *ex = a->exact + (b * H + h) * G * M_max;
+    for (int64_t i = 0; i < mm; ++i) sh[i] = (int32_t)s->ix[i];
+    prof_mark(&prof, SA_PH_SHORTLIST, 0.0);
+    /* The shortlist's units' logits, each unit once, two units' keys asked for ahead; then each shortlisted
+     * segment's exact log mass from its columns. */
+    const int64_t unit = slot_unit(bs, seg), cu = unit / seg;
+    const int64_t n_slots = shortlist_slots(sh, mm, cu, n_cand / cu, s->slot, s->order);
+    float *kept_bh = a->kept + (b * H + h) * M_max * G * bs;
+    for (int64_t j = 0; j < n_slots && j < 2; ++j) prefetch_unit(c, unit_keys(c, table, sink_pages, s->order[j], unit, h), unit);
+    for (int64_t j = 0; j < n_slots; ++j) {
+        /* the unit two slots on asked for line by line inside the loop (a burst of its 64 lines at once measured 2x slower) */
+        const char *next = j + 2 < n_slots ? unit_keys(c, table, sink_pages, s->order[j + 2], unit, h) : NULL;
+        page_logits_ahead(c, unit_keys(c, table, sink_pages, s->order[j], unit, h), (int)unit, s->qs, (int)G, kept_bh + j * G * unit,
+                          unit, s->row, next, unit != bs);
+    }
+    /* Each (segment, row)'s logits less their maximum gathered into one array, so that the exponentials and the
+     * logarithms run as vector loops (libmvec) rather than one call per value. */
+    for (int64_t i = 0; i < mm; ++i) {
+        const float *ks = kept_bh + s->slot[sh[i] / cu] * G * unit + (sh[i] % cu) * seg;
+        for (int64_t g = 0; g < G; ++g) {
+            const float *x = ks + g * unit;
+            float top = x[0];
+            for (int64_t j = 1; j < seg; ++j) top = x[j] > top ? x[j] : top;
+            float *e = s->shifted + (i * G + g) * seg;
+            for (int64_t j = 0; j < seg; ++j) e[j] = exp_arg(x[j] - top);
+            s->tops[i * G + g] = top;
+        }
+    }
+    for (int64_t i = 0; i < mm * G * seg; ++i) s->shifted[i] = expf(s->shifted[i]);
+    for (int64_t i = 0; i < mm * G; ++i) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < seg; ++j) sum += s->shifted[i * seg + j];
+        s->tops[i] += logf(sum);
+    }
+    for (int64_t i = 0; i < mm; ++i)
+        for (int64_t g = 0; g < G; ++g) ex[g * M_max + i] = s->tops[i * G + g];
+    prof_mark(&prof, SA_PH_RERANK, n_slots * key_bytes(c, 0, unit));
+    /* The sinks' and the tail's log mass: a running log-sum-exp over their pages. */
+    float *run = s->run;
+    for (int64_t g = 0; g < G; ++g) run[2 * g] = SA_NO_SCORE, run[2 * g + 1] = 0.f;
+    for (int64_t pg = 0; pg < pages; ++pg) {
+        if (pg >= sink_pages && pg < sink_pages + n_pc) continue;
+        const int n = (int)(pg == pages - 1 ? L - pg * bs : bs);
+        page_logits(c, page_keys(c, table[pg], h), n, s->qs, (int)G, s->lg, bs, s->row, NULL);
+        for (int64_t g = 0; g < G; ++g) {
+            const float *x = s->lg + g * bs;
+            float top = SA_NO_SCORE;
+            for (int j = 0; j < n; ++j) top = x[j] > top ? x[j] : top;
+            const float mx = run[2 * g] > top ? run[2 * g] : top;
+            float sum = run[2 * g + 1] * expf(run[2 * g] - mx);
+            for (int j = 0; j < n; ++j) sum += expf(x[j] - mx);
+            run[2 * g] = mx, run[2 * g + 1] = sum;
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) a->always[(b * H + h) * G + g] = run[2 * g] + logf(run[2 * g + 1]);
+    prof_mark(&prof, SA_PH_ALWAYS_MASS, (double)(pages - n_pc) * key_bytes(c, 0, bs));
+    if (a->allocation == SA_ALLOC_TOPK) { /* each selection's k best of the shortlist (k <= m: checked by the caller) */
+        const int64_t Gs = a->shared ? 1 : G;
+        for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+            const float *src = ex + gs_i * M_max;
+            if (a->shared) { /* the group's mass: log-sum-exp over its rows */
+                for (int64_t i = 0; i < mm; ++i) s->ex_s[i] = log_sum_exp(ex + i, G, M_max);
+                src = s->ex_s;
+            }
+            best_positions(src, mm, k, s->pick, s->v, s->w);
+            uint8_t *flags = a->chosen + ((b * H + h) * Gs + gs_i) * S_max;
+            for (int64_t t = 0; t < k; ++t) flags[sh[s->pick[t]]] = 1;
+        }
+        prof_mark(&prof, SA_PH_ALLOCATE, 0.0);
+    }
+    prof_flush(&prof);
+}
+
+typedef struct {
+    float *share, *v, *spare;
+    int64_t *place, *pick;
+    uint8_t *is_short;
+} sa_pool_scratch;
+
+static size_t pool_scratch_bytes(int64_t H, int64_t G, int64_t w, int64_t S, int64_t M) {
+    const int64_t n_share = H * G * w, most = n_share > M ? n_share : M;
+    return SA_LINE(4 * n_share) + 2 * SA_LINE(4 * most) + SA_LINE(8 * n_share) + SA_LINE(8 * most) + SA_LINE(S);
+}
+
+static sa_pool_scratch pool_scratch(sa_carver *cv, int64_t H, int64_t G, int64_t w, int64_t S, int64_t M) {
+    const int64_t n_share = H * G * w, most = n_share > M ? n_share : M;
+    sa_pool_scratch s;
+    s.share = carve(cv, 4 * n_share), s.v = carve(cv, 4 * most), s.spare = carve(cv, 4 * most);
+    s.place = carve(cv, 8 * n_share), s.pick = carve(cv, 8 * most);
+    s.is_short = carve(cv, S);
+    memset(s.is_short, 0, (size_t)S);
+    return s;
 }
 
 /*
- * PooledMass's split of each selecting row's candidates between its KV heads' query heads, from sa_paged_score's
- * outputs (the Python part, sparseattn.allocations.PooledMass.plan on the Shortlist's scores, is the reference;
- * the split step runs this when the policy's allocation is exactly PooledMass and each query head selects).
- * Per row b with 0 < k < n_cand and per (h, g): the Shortlist's scores are the coarse ones shifted below the
- * smallest exact mass (shift = max coarse - min exact, at least 0, plus 1) with the shortlist's exact masses in
- * place; log_total = log(sum exp(scores) + exp(always)); the w best (w <= m: the shortlist's w best exact masses)
- * are listed with their shares exact - log_total (NaN: the lowest); each (h, g) takes its `floor` best, then the
- * row the H G k largest shares of the rest (at most H G w). chosen[b, h, g, i] = 1 for each candidate taken (else
- * left as it was: the caller zeroes it). Scratch per row: shares of H G w, and a candidate's n_cand.
+ * PooledMass's split of one selecting sequence b's candidates between its KV heads' query heads (the Python part,
+ * sparseattn.allocations.PooledMass.plan on the Shortlist's scores, is the reference; the split step runs this when
+ * the policy's allocation is exactly PooledMass and each query head selects). Per (h, g): the Shortlist's scores
+ * are the coarse ones shifted below the smallest exact mass (shift = max coarse - min exact, at least 0, plus 1)
+ * with the shortlist's exact masses in place; log_total = log(sum exp(scores) + exp(always)); the w best (w <= m:
+ * the shortlist's w best exact masses) are listed with their shares exact - log_total (NaN: the lowest); each (h, g)
+ * takes its `floor` best, then the sequence the H G k largest shares of the rest (at most H G w).
  */
-int sa_paged_pooled_split(int64_t B, int64_t H, int64_t G, const int32_t *plan, const float *coarse, int64_t S_max,
-                          const int32_t *short_ix, const float *exact, int64_t M_max, const float *always, int64_t w,
-                          int64_t floor_n, uint8_t *chosen, int threads) {
-    if (B < 0 || H < 1 || G < 1 || S_max < 1 || M_max < 1 || w < 1 || floor_n < 0 || floor_n > w) return SA_BAD_PLAN;
-    for (int64_t b = 0; b < B; ++b) {
-        const int32_t *pl = plan + b * 4;
-        if (pl[2] > 0 && pl[2] < pl[1] && (pl[1] > S_max || pl[3] > M_max || w > pl[3] || (int64_t)pl[2] * H * G < 1)) return SA_BAD_PLAN;
-    }
-#ifdef _OPENMP
-    if (threads < 1) threads = 1;
-#endif
-    int status = SA_OK;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t n_share = H * G * w;
-        float *share = malloc(sizeof(float) * (size_t)n_share), *v = malloc(sizeof(float) * (size_t)(n_share > M_max ? n_share : M_max));
-        float *spare = malloc(sizeof(float) * (size_t)(n_share > M_max ? n_share : M_max));
-        int64_t *place = malloc(sizeof(int64_t) * (size_t)n_share); /* each listed share's candidate */
-        int64_t *pick = malloc(sizeof(int64_t) * (size_t)(n_share > M_max ? n_share : M_max));
-        uint8_t *is_short = calloc((size_t)S_max, 1);
-        const int ok = share && v && spare && place && pick && is_short;
-        if (!ok) {
-#pragma omp atomic write
-            status = SA_NO_MEMORY;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b) {
-            if (!ok) continue;
-            const int32_t *pl = plan + b * 4;
-            const int64_t n_cand = pl[1], k = pl[2], mm = pl[3];
-            if (!(k > 0 && k < n_cand)) continue;
-            for (int64_t h = 0; h < H; ++h) {
-                const int32_t *sh = short_ix + (b * H + h) * M_max;
-                for (int64_t g = 0; g < G; ++g) {
-                    const float *cs = coarse + ((b * H + h) * G + g) * S_max;
-                    const float *ex = exact + ((b * H + h) * G + g) * M_max;
-                    float top = -FLT_MAX, low = FLT_MAX;
-                    for (int64_t i = 0; i < n_cand; ++i) top = cs[i] > top ? cs[i] : top;
-                    for (int64_t s = 0; s < mm; ++s) low = ex[s] < low ? ex[s] : low;
-                    const float shift = (top - low > 0.f ? top - low : 0.f) + 1.f;
-                    /* log-sum-exp of the Shortlist's scores: the coarse ones shifted (the shortlisted ones' in
-                     * their place are their exact masses), in float32 as torch computes it. */
-                    float mx = low; /* every exact mass is above every shifted coarse score */
-                    for (int64_t s = 0; s < mm; ++s) mx = ex[s] > mx ? ex[s] : mx;
-                    for (int64_t s = 0; s < mm; ++s) is_short[sh[s]] = 1;
-                    float sum = 0.f;
-                    for (int64_t i = 0; i < n_cand; ++i) sum += is_short[i] ? 0.f : expf((cs[i] - shift) - mx);
-                    for (int64_t s = 0; s < mm; ++s) sum += expf(ex[s] - mx), is_short[sh[s]] = 0;
-                    float log_total = mx + logf(sum > 0.f ? sum : FLT_MIN);
-                    const float al = always[(b * H + h) * G + g];
-                    log_total = log_total > al ? log_total + log1pf(expf(al - log_total)) : al + log1pf(expf(log_total - al));
-                    /* The w best exact masses of the shortlist (all of it when w == m), each a share. */
-                    int64_t *listed = pick;
-                    if (w < mm) top_k_set(ex, mm, w, listed, v, spare);
-                    else
-                        for (int64_t s = 0; s < mm; ++s) listed[s] = s;
-                    float *row = share + (h * G + g) * w;
-                    for (int64_t j = 0; j < w; ++j) {
-                        row[j] = finite_or_lowest(ex[listed[j]] - log_total);
-                        place[(h * G + g) * w + j] = sh[listed[j]];
-                    }
-                    if (floor_n > 0) { /* the row's floor best first: pushed above every share */
-                        top_k_set(row, w, floor_n, listed, v, spare);
-                        for (int64_t j = 0; j < floor_n; ++j) row[listed[j]] = FLT_MAX;
-                    }
-                }
+static void split_pooled_row(const sa_split_args *a, int64_t b, const sa_pool_scratch *s) {
+    const int64_t H = a->H, G = a->G, S_max = a->S_max, M_max = a->M_max, w = a->pool[2 * b], floor_n = a->pool[2 * b + 1];
+    const int32_t *pl = a->plan + b * 4;
+    const int64_t n_cand = pl[1], k = pl[2], mm = pl[3];
+    const int64_t n_share = H * G * w;
+    for (int64_t h = 0; h < H; ++h) {
+        const int32_t *sh = a->short_ix + (b * H + h) * M_max;
+        for (int64_t g = 0; g < G; ++g) {
+            const float *cs = a->coarse + ((b * H + h) * G + g) * S_max;
+            const float *ex = a->exact + ((b * H + h) * G + g) * M_max;
+            float top = -FLT_MAX, low = FLT_MAX;
+            for (int64_t i = 0; i < n_cand; ++i) top = cs[i] > top ? cs[i] : top;
+            for (int64_t i = 0; i < mm; ++i) low = ex[i] < low ? ex[i] : low;
+            const float shift = (top - low > 0.f ? top - low : 0.f) + 1.f;
+            /* log-sum-exp of the Shortlist's scores: the coarse ones shifted (the shortlisted ones' in their place
+             * are their exact masses), in float32 as torch computes it. */
+            float mx = low; /* every exact mass is above every shifted coarse score */
+            for (int64_t i = 0; i < mm; ++i) mx = ex[i] > mx ? ex[i] : mx;
+            for (int64_t i = 0; i < mm; ++i) s->is_short[sh[i]] = 1;
+            float sum = 0.f;
+            /* a shortlisted candidate's term is e^-80 here (its exact mass is added below): the select goes before the
+             * exponential, so the loop runs as vector exps (e^-80 beside the largest term's e^0 is nothing) */
+            for (int64_t i = 0; i < n_cand; ++i) sum += expf(s->is_short[i] ? SA_EXP_FLOOR : exp_arg((cs[i] - shift) - mx));
+            for (int64_t i = 0; i < mm; ++i) sum += expf(exp_arg(ex[i] - mx)), s->is_short[sh[i]] = 0;
+            float log_total = mx + logf(sum > 0.f ? sum : FLT_MIN);
+            const float al = a->always[(b * H + h) * G + g];
+            log_total = log_total > al ? log_total + log1pf(expf(al - log_total)) : al + log1pf(expf(log_total - al));
+            /* The w best exact masses of the shortlist (all of it when w == m), each a share. */
+            int64_t *listed = s->pick;
+            best_positions(ex, mm, w, listed, s->v, s->spare);
+            float *share_row = s->share + (h * G + g) * w;
+            for (int64_t j = 0; j < w; ++j) {
+                share_row[j] = finite_or_lowest(ex[listed[j]] - log_total);
+                s->place[(h * G + g) * w + j] = sh[listed[j]];
             }
-            const int64_t total = k * H * G < n_share ? k * H * G : n_share;
-            top_k_set(share, n_share, total, pick, v, spare);
-            for (int64_t j = 0; j < total; ++j) {
-                const int64_t at = pick[j], hg = at / w;
-                chosen[((b * H) * G + hg) * S_max + place[at]] = 1;
+            if (floor_n > 0) { /* the row's floor best first: pushed above every share */
+                best_positions(share_row, w, floor_n, listed, s->v, s->spare);
+                for (int64_t j = 0; j < floor_n; ++j) share_row[listed[j]] = FLT_MAX;
             }
         }
-        free(share); free(v); free(spare); free(place); free(pick); free(is_short);
     }
-    return status;
+    const int64_t total = k * H * G < n_share ? k * H * G : n_share;
+    best_positions(s->share, n_share, total, s->pick, s->v, s->spare);
+    for (int64_t j = 0; j < total; ++j) {
+        const int64_t at = s->pick[j], hg = at / w;
+        a->chosen[((b * H) * G + hg) * S_max + s->place[at]] = 1;
+    }
 }
 
 /* What a run of attended segments takes out of block j's rest, for each selection that chose it (bit gs of by):
@@ -1065,226 +1252,601 @@ static inline void leave_block(double *restrict rest, int64_t *restrict left, ui
     }
 }
 
-/*
- * Attend one decode step's own lists (second call of the split step). Per (sequence b, KV head h): the sinks
- * and the tail for every row; every candidate when the row does not select (k >= n_cand; none when k == 0);
- * else each selection gs (< G' = shared ? 1 : G) attends the candidates i with chosen[b, h, gs, i] != 0 (those in
- * the shortlist short_ix[b, h, :m] with the logits sa_paged_score kept, kept[b, h, place, :, :]), and with
- * per_block > 0 one merged token per block of per_block candidate pages of what it leaves out: logit
- * log m + scale q . (sum k) / m, value (sum v) / m, m its tokens (no token for a block it attends whole),
- * from the sums kept in sums[N, H, sums_rows(r, segment_rows), W] (page_sums; sums_state[N] as state). With coarse
- * (sa_paged_score's scores of float32 centroids, [B, H, G, S_max]) a merged token's logit is read off the scores:
- * scale q . (sum k) over a block's left-out segments is seg times the sum of their scores less log seg, and the
- * sums hold the values' alone (W = D); without (bf16 centroids, whose rounded means do not give the keys' sums),
- * keys' then values' (W = 2 D). Without segment rows (r > 1, blocks of whole pages: needs coarse) the store keeps
- * each page's total only, and a run of a page's segments leaves its block with its values' sum taken from the
- * value rows it has just attended. out: [B, H, G, D] float32.
- */
-int sa_paged_attend_lists(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D,
-                          int64_t r, int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                          const int32_t *plan, int shared, float scale, float softcap, const uint8_t *chosen,
-                          int64_t S_max, const int32_t *short_ix, const float *kept, int64_t M_max, int64_t per_block,
-                          float *sums, uint8_t *sums_state, int segment_rows, const float *coarse, float *out, int threads) {
-    if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
-    if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || S_max < 1 || M_max < 1 || per_block < 0 ||
-        r < 1 || bs % r || (per_block > 0 && (!sums || !sums_state)) ||
-        (per_block > 0 && r > 1 && !segment_rows && (per_block % r || !coarse)))
-        return SA_BAD_PLAN;
-#ifdef SA_NO_FLOAT16
-    if (dtype == SA_F16) return SA_BAD_DTYPE;
-#endif
-    const sa_pages c = {(const char *)cache, dtype, dtype == SA_F32 ? 4 : 2, H, bs, D, r, bs / r};
-    int64_t most_cand, most_m;
-    int status = check_step(N, B, bs, r, block_table, bt_stride, seq_lens, plan, &most_cand, &most_m);
-    if (status) return status;
-    const int64_t Gs = shared ? 1 : G;
-    if (most_cand > S_max || most_m > M_max) return SA_BAD_PLAN;
-    for (int64_t i = 0; i < B * H * M_max; ++i) { /* the shortlists: candidates of their rows */
-        const int64_t b = i / (H * M_max);
-        if (i % M_max < plan[b * 4 + 3] && (short_ix[i] < 0 || short_ix[i] >= plan[b * 4 + 1])) return SA_BAD_PLAN;
+/* One run of the selection: `n` tokens from candidate `first` on (one page), chosen by the selections of `by`; its
+ * logits lie at `off` in the runs' buffer, G rows of n (a row not in by left unused). */
+typedef struct {
+    int64_t first, off;
+    uint64_t by;
+    const char *values; /* the run's first value row */
+    int32_t n, unit;    /* the run's unit (slot_unit tokens: a run never crosses one) */
+} sa_run;
+
+/* acc[g, :] += sum over the runs and their tokens j of w_g[j] v_j, the weights row-major in buf (row g's of a run at
+ * buf[g T + run->off]; 0 where a row does not take the run): accumulators in registers for a block of up to 4 rows
+ * and SA_RUN_CH = 4 SA_LANES channels (64 with AVX-512), one pass over the runs per block, so no run loads and stores
+ * them (with runs of 4-8 tokens that traffic was most of the loop). A pass reads its own channels of each value row:
+ * the passes together read each line once. The first pass asks for the values `ahead` runs on. With `sums`, the
+ * first pass of each channel block also adds each run's values to sums[(run's block of per_block candidates) Gs + gs]
+ * for every selection gs that chose it (the merged rest then takes them out of its blocks: no second read). */
+#define SA_RUN_CH (4 * SA_LANES)
+static inline __attribute__((always_inline)) void runs_block(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T,
+                                                             int64_t D, int64_t elem, int dtype, int g0, int NG, int64_t d0,
+                                                             float *acc, int64_t ahead, float *sums, int64_t per_block,
+                                                             int64_t Gs) {
+    sa_v16 a[4][4];
+    for (int g = 0; g < NG; ++g)
+        for (int k = 0; k < 4; ++k) memcpy(&a[g][k], acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, sizeof(sa_v16));
+    for (int64_t t = 0; t < n_runs; ++t) {
+        const sa_run *run = runs + t;
+        if (ahead && t + ahead < n_runs) SA_PREFETCH(runs[t + ahead].values, 0, runs[t + ahead].n * D * elem);
+        const float *w = buf + (int64_t)g0 * T + run->off;
+        const char *v = run->values + d0 * elem;
+        sa_v16 vs[4] = {{0}};
+        for (int j = 0; j < run->n; ++j) {
+            const char *row = v + (int64_t)j * D * elem;
+            const sa_v16 x0 = load16(row, dtype), x1 = load16(row + SA_LANES * elem, dtype);
+            const sa_v16 x2 = load16(row + 2 * SA_LANES * elem, dtype), x3 = load16(row + 3 * SA_LANES * elem, dtype);
+            for (int g = 0; g < NG; ++g) {
+                const float wt = w[g * T + j];
+                a[g][0] += wt * x0, a[g][1] += wt * x1, a[g][2] += wt * x2, a[g][3] += wt * x3;
+            }
+            if (sums) vs[0] += x0, vs[1] += x1, vs[2] += x2, vs[3] += x3;
+        }
+        if (sums) {
+            float *blk = sums + (run->first / per_block) * Gs * D + d0;
+            for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                if (!((run->by >> gs_i) & 1)) continue;
+                for (int k = 0; k < 4; ++k) {
+                    sa_v16 x;
+                    memcpy(&x, blk + gs_i * D + k * SA_LANES, sizeof x);
+                    x += vs[k];
+                    memcpy(blk + gs_i * D + k * SA_LANES, &x, sizeof x);
+                }
+            }
+        }
     }
+    for (int g = 0; g < NG; ++g)
+        for (int k = 0; k < 4; ++k) memcpy(acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, &a[g][k], sizeof(sa_v16));
+}
+#define SA_DEFINE_RUNS(SUFFIX, DT, ELEM)                                                                                   \
+    static void runs_values_##SUFFIX(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T, int64_t D, int G,    \
+                                     float *acc, int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {               \
+        for (int64_t d0 = 0; d0 < D; d0 += SA_RUN_CH)                                                                        \
+            for (int g0 = 0; g0 < G; g0 += 4) {                                                                              \
+                const int64_t pf = d0 == 0 && g0 == 0 ? ahead : 0;                                                         \
+                float *sm = g0 == 0 ? sums : NULL;                                                                           \
+                switch (G - g0 < 4 ? G - g0 : 4) {                                                                          \
+                case 1: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 1, d0, acc, pf, sm, per_block, Gs); break;        \
+                case 2: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 2, d0, acc, pf, sm, per_block, Gs); break;        \
+                case 3: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 3, d0, acc, pf, sm, per_block, Gs); break;        \
+                default: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 4, d0, acc, pf, sm, per_block, Gs); break;       \
+                }                                                                                                            \
+            }                                                                                                                \
+    }
+SA_DEFINE_RUNS(f32, SA_F32, 4)
+SA_DEFINE_RUNS(bf16, SA_BF16, 2)
+#ifndef SA_NO_FLOAT16
+SA_DEFINE_RUNS(f16, SA_F16, 2)
+#endif
+
+typedef struct {
+    float *qs, *lg, *p, *row, *m, *l, *acc, *mean, *vsum, *buf, *top, *taken;
+    double *total, *rest, *kx;
+    int64_t *left, *nonempty, *which, *list, *order;
+    uint64_t *chosen_by;
+    int32_t *slot, *pos_of;
+    uint8_t *rows;
+    sa_run *runs;
+} sa_attend_scratch;
+
+static size_t attend_scratch_bytes(int64_t G, int64_t D, int64_t bs, int64_t S, int64_t seg, int64_t nbc) {
+    const int64_t Gs_cap = G; /* selections: G at most */
+    return SA_LINE(4 * G * D) + SA_LINE(4 * G * bs) + SA_LINE(4 * G * (bs > nbc ? bs : nbc)) + SA_LINE(4 * (bs > D ? bs : D)) +
+           3 * SA_LINE(4 * G) + SA_LINE(4 * G * D) + SA_LINE(4 * nbc * 2 * D) + SA_LINE(4 * D) + SA_LINE(4 * G * (S * seg + 1)) +
+           SA_LINE(8 * nbc * 2 * D) + SA_LINE(8 * Gs_cap * nbc * 2 * D) + SA_LINE(8 * nbc) + SA_LINE(8 * Gs_cap * nbc) +
+           2 * SA_LINE(8 * nbc) + 2 * SA_LINE(8 * (S + 1)) + SA_LINE(8 * (S + 1)) + 2 * SA_LINE(4 * (S + 1)) + SA_LINE(G) +
+           SA_LINE(sizeof(sa_run) * (S + 1)) + SA_LINE(4 * nbc * G * D);
+}
+
+static sa_attend_scratch attend_scratch(sa_carver *cv, int64_t G, int64_t D, int64_t bs, int64_t S, int64_t seg, int64_t nbc) {
+    sa_attend_scratch s;
+    s.qs = carve(cv, 4 * G * D), s.lg = carve(cv, 4 * G * bs), s.p = carve(cv, 4 * G * (bs > nbc ? bs : nbc));
+    s.row = carve(cv, 4 * (bs > D ? bs : D));
+    s.m = carve(cv, 4 * G), s.l = carve(cv, 4 * G), s.top = carve(cv, 4 * G), s.acc = carve(cv, 4 * G * D);
+    s.mean = carve(cv, 4 * nbc * 2 * D), s.vsum = carve(cv, 4 * D), s.buf = carve(cv, 4 * G * (S * seg + 1));
+    s.total = carve(cv, 8 * nbc * 2 * D), s.rest = carve(cv, 8 * G * nbc * 2 * D), s.kx = carve(cv, 8 * nbc);
+    s.left = carve(cv, 8 * G * nbc), s.nonempty = carve(cv, 8 * nbc), s.which = carve(cv, 8 * nbc);
+    s.list = carve(cv, 8 * (S + 1)), s.order = carve(cv, 8 * (S + 1)), s.chosen_by = carve(cv, 8 * (S + 1));
+    s.slot = carve(cv, 4 * (S + 1)), s.pos_of = carve(cv, 4 * (S + 1)), s.rows = carve(cv, G);
+    s.runs = carve(cv, sizeof(sa_run) * (S + 1)), s.taken = carve(cv, 4 * nbc * G * D);
+    return s;
+}
+
+/* acc[g] += sum_j p_g[j] v_j over a run's n tokens for the rows of `by`, p_g = w + g * T (the runs' buffer, row-major). */
+static void run_values(const sa_pages *c, const char *values, int n, const float *w, int64_t T, uint64_t by, int shared, int G,
+                       float *acc, int *active) {
+    int na = 0;
+    for (int g = 0; g < G; ++g)
+        if ((by >> (shared ? 0 : g)) & 1) active[na++] = g;
+    if (fast_shape(c)) {
+        if (c->dtype == SA_BF16) page_values_bf16(values, n, c->D, active, na, w, T, acc, NULL);
+#ifndef SA_NO_FLOAT16
+        else if (c->dtype == SA_F16) page_values_f16(values, n, c->D, active, na, w, T, acc, NULL);
+#endif
+        else page_values_f32(values, n, c->D, active, na, w, T, acc, NULL);
+        return;
+    }
+    float row[4096];
+    for (int j = 0; j < n; ++j) {
+        sa_to_float(values + (int64_t)j * c->D * c->elem, c->dtype, c->D, row);
+        for (int x = 0; x < na; ++x) {
+            const float wt = w[active[x] * T + j];
+            float *restrict ag = acc + (int64_t)active[x] * c->D;
+            for (int64_t d = 0; d < c->D; ++d) ag[d] += wt * row[d];
+        }
+    }
+}
+
+/* The attend phase of one (sequence b, KV head h): see the top of this section. */
+static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t b, int64_t h, const sa_attend_scratch *s,
+                              int64_t nbc) {
+    const int64_t H = a->H, G = a->G, D = a->D, bs = a->bs, r = a->r, seg = c->seg, S_max = a->S_max, M_max = a->M_max;
+    const int64_t Gs = a->shared ? 1 : G, per_block = a->per_block;
+    const int32_t *pl = a->plan + b * 4;
+    const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = a->seq_lens[b];
+    const int64_t cand_end = sink_pages + n_cand / r, n_pc = n_cand / r;
+    const int32_t *table = a->block_table + b * a->bt_stride;
+    const int from_scores = !a->summary_bf16; /* the merged tokens' logits off the float32 centroids' scores */
+    const int64_t k0 = from_scores ? D : 0, W = 2 * D - k0, rows_s = sums_rows(r, a->segment_rows), page_row = rows_s - 1;
+    const float log_seg = logf((float)seg);
+    sa_prof prof;
+    prof_start(&prof);
+    const int64_t q_elem = a->q_dtype == SA_F32 ? 4 : 2;
+    sa_to_float((const char *)a->q + (b * H + h) * G * D * q_elem, a->q_dtype, G * D, s->qs);
+    for (int64_t i = 0; i < G * D; ++i) s->qs[i] *= a->scale;
+    sa_softmax st = {s->m, s->l, s->acc};
+    for (int64_t g = 0; g < G; ++g) s->m[g] = SA_NO_SCORE, s->l[g] = 0.f;
+    memset(s->acc, 0, sizeof(float) * (size_t)(G * D));
+    const int select = k > 0 && k < n_cand;
+    prof_mark(&prof, SA_PH_SETUP, 0.0);
+    attend_common(c, table, h, L, sink_pages, cand_end, select || k == 0, s->qs, (int)G, a->softcap, &st, s->lg, s->p, s->row);
+    {
+        const int64_t pages_all = (L + bs - 1) / bs, common = select || k == 0 ? pages_all - n_pc : pages_all;
+        prof_mark(&prof, SA_PH_ATTEND_ALWAYS, (double)common * (key_bytes(c, 0, bs) + value_bytes(c, 0, bs)));
+    }
+    if (!select) {
+        write_rows(&st, (int)G, D, a->out + (b * H + h) * G * D);
+        prof_flush(&prof);
+        return;
+    }
+    /* The merged rest's blocks: each block's sums once for the KV head's selections. */
+    int64_t n_blocks = 0;
+    const int whole_pages = per_block > 0 && per_block % r == 0; /* no page across two blocks: one row per page */
+    double rest_bytes = 0.0, sel_bytes = 0.0;
+    if (per_block > 0) {
+        n_blocks = (n_cand + per_block - 1) / per_block;
+        memset(s->total, 0, sizeof(double) * (size_t)(n_blocks * 2 * D));
+        const int64_t step = whole_pages ? r : 1, ahead = 4 * step; /* rows prefetched this many candidates ahead */
+        for (int64_t i = 0; i < n_cand; i += step) {
+            const int64_t row_of = whole_pages ? page_row : i % r;
+            const float *src = a->sums + ((cand_block(c, table, sink_pages, i) * H + h) * rows_s + row_of) * W;
+            if (i + ahead < n_cand)
+                SA_PREFETCH((const char *)(a->sums + ((cand_block(c, table, sink_pages, i + ahead) * H + h) * rows_s +
+                                                      (whole_pages ? page_row : (i + ahead) % r)) * W), 0, W * (int64_t)sizeof(float));
+            double *t = s->total + (i / per_block) * 2 * D;
+            for (int64_t d = k0; d < 2 * D; ++d) t[d] += src[d - k0];
+        }
+        rest_bytes += (double)((n_cand + step - 1) / step) * lines_bytes(0, W * (int64_t)sizeof(float));
+        for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) { /* each selection's rest: its blocks' sums, less what it attends */
+            memcpy(s->rest + gs_i * nbc * 2 * D, s->total, sizeof(double) * (size_t)(n_blocks * 2 * D));
+            for (int64_t j = 0; j < n_blocks; ++j)
+                s->left[gs_i * nbc + j] = (j + 1) * per_block <= n_cand ? per_block : n_cand - j * per_block;
+        }
+    }
+    prof_mark(&prof, SA_PH_REST, rest_bytes);
+    const int64_t unit = slot_unit(bs, seg), cu = unit / seg;
+    shortlist_slots(a->short_ix + (b * H + h) * M_max, pl[3], cu, n_cand / cu, s->slot, s->order);
+    const float *kept_bh = a->kept + (b * H + h) * M_max * G * bs;
+    /* The union of the selections' lists, cut into runs (adjacent segments of one page chosen by the same selections:
+     * contiguous tokens, read once for all their rows). Eight candidates' flags at a time where G' <= 8: a word whose
+     * byte x is candidate i0 + x's selections (flags are 0 or 1). */
+    const uint8_t *chosen_bh = a->chosen + (b * H + h) * Gs * S_max;
+    int64_t n_runs = 0, T = 0;
+    sa_run *runs = s->runs;
+    for (int64_t i0 = 0; i0 < n_cand; i0 += 8) {
+        uint8_t by_of[8] = {0};
+        const int64_t n8 = n_cand - i0 < 8 ? n_cand - i0 : 8;
+        if (Gs <= 8 && n8 == 8) {
+            uint64_t word = 0;
+            for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                uint64_t f;
+                memcpy(&f, chosen_bh + gs_i * S_max + i0, 8);
+                word |= (f & 0x0101010101010101ull) << gs_i;
+            }
+            if (!word) continue;
+            memcpy(by_of, &word, 8);
+        } else {
+            for (int64_t x = 0; x < n8; ++x)
+                for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) by_of[x] |= (uint8_t)((chosen_bh[gs_i * S_max + i0 + x] != 0) << gs_i);
+        }
+        for (int64_t x = 0; x < n8; ++x) {
+            uint64_t by = by_of[x];
+            if (Gs > 8) { /* more selections than bits in a byte: the flags one by one */
+                by = 0;
+                for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) by |= (uint64_t)(chosen_bh[gs_i * S_max + i0 + x] != 0) << gs_i;
+            }
+            if (!by) continue;
+            const int64_t i = i0 + x, p = i / r, u = i - p * r;
+            sa_run *last = n_runs ? runs + n_runs - 1 : NULL;
+            if (last && last->first / cu == i / cu && last->by == by && last->first + last->n / seg == i) { /* one unit: one page */
+                last->n += (int32_t)seg;
+                continue;
+            }
+            runs[n_runs++] = (sa_run){i, 0, by, page_values(c, table[sink_pages + p], h) + u * seg * D * c->elem, (int32_t)seg,
+                                      (int32_t)(i / cu)};
+        }
+    }
+    for (int64_t t = 0; t < n_runs; ++t) runs[t].off = T, T += runs[t].n;
+    /* Each row's shift. Where every run lies in the shortlist's pages and there is no softcap, the largest exact log
+     * mass among the row's chosen segments: a segment's log mass is at least its largest logit and at most log seg
+     * above it, so the weights exp(x - shift) neither overflow nor all underflow, and the logits are read once, from
+     * the kept ones. Else (a page past the shortlist, a softcap) a first pass computes the logits into the runs'
+     * buffer and finds each row's largest. */
+    float *top = s->top;
+    for (int64_t g = 0; g < G; ++g) top[g] = SA_NO_SCORE;
+    int one_pass = a->softcap <= 0.f;
+    if (one_pass) {
+        const int32_t *sh = a->short_ix + (b * H + h) * M_max;
+        const float *ex = a->exact + (b * H + h) * G * M_max;
+        int32_t *pos_of = s->pos_of;
+        for (int64_t i = 0; i < n_cand; ++i) pos_of[i] = -1;
+        for (int64_t i = 0; i < pl[3]; ++i) pos_of[sh[i]] = (int32_t)i;
+        for (int64_t t = 0; t < n_runs && one_pass; ++t) {
+            const sa_run *run = runs + t;
+            for (int64_t x = 0; x < run->n / seg; ++x) {
+                const int32_t at = pos_of[run->first + x];
+                if (at < 0) {
+                    one_pass = 0;
+                    break;
+                }
+                for (int64_t g = 0; g < G; ++g)
+                    if ((run->by >> (a->shared ? 0 : g)) & 1) top[g] = ex[g * M_max + at] > top[g] ? ex[g * M_max + at] : top[g];
+            }
+        }
+        if (!one_pass)
+            for (int64_t g = 0; g < G; ++g) top[g] = SA_NO_SCORE;
+    }
+    if (!one_pass) { /* Pass 1: every run's logits (kept, or computed from the run's keys), and each row's largest. */
+        for (int64_t t = 0; t < n_runs; ++t) {
+            const sa_run *run = runs + t;
+            const int64_t col = (run->first % r) * seg; /* the run's first token within its page */
+            const float *src;
+            int64_t ld;
+            if (s->slot[run->unit] >= 0) {
+                src = kept_bh + s->slot[run->unit] * G * unit + (run->first % cu) * seg, ld = unit;
+            } else { /* a unit the shortlist does not hold (an allocation past it): its logits computed here */
+                const char *keys = page_keys(c, table[sink_pages + run->first / r], h) + col * c->elem;
+                page_logits(c, keys, run->n, s->qs, (int)G, s->lg, bs, s->row, NULL);
+                src = s->lg, ld = bs;
+                sel_bytes += key_bytes(c, col, run->n);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                if (!((run->by >> (a->shared ? 0 : g)) & 1)) continue;
+                float mx = top[g], *dst = s->buf + g * T + run->off;
+                for (int j = 0; j < run->n; ++j) {
+                    float x = src[g * ld + j];
+                    if (a->softcap > 0.f) x = a->softcap * tanhf(x / a->softcap);
+                    dst[j] = x;
+                    mx = x > mx ? x : mx;
+                }
+                top[g] = mx;
+            }
+        }
+    }
+    /* One rescale per row to its shift. */
+    for (int64_t g = 0; g < G; ++g) {
+        const float mx = s->m[g] > top[g] ? s->m[g] : top[g];
+        const float alpha = expf(s->m[g] - mx);
+        s->l[g] *= alpha;
+        for (int64_t d = 0; d < D; ++d) s->acc[g * D + d] *= alpha;
+        s->m[g] = mx;
+    }
+    /* Every run's logits less its rows' shifts, row-major in the runs' buffer ([G, T]), then one flat pass of
+     * exponentials over it (vector exps, not a short loop per run and row) and one sum per row. The differences are
+     * held at SA_EXP_FLOOR or above: a row a run does not serve gets it (weight e^-80, nothing beside the row's own
+     * of about 1). */
+    for (int64_t t = 0; t < n_runs; ++t) {
+        const sa_run *run = runs + t;
+        const float *src = one_pass ? kept_bh + s->slot[run->unit] * G * unit + (run->first % cu) * seg : NULL;
+        for (int64_t g = 0; g < G; ++g) {
+            float *dg = s->buf + g * T + run->off;
+            if (!((run->by >> (a->shared ? 0 : g)) & 1)) {
+                for (int j = 0; j < run->n; ++j) dg[j] = SA_EXP_FLOOR;
+                continue;
+            }
+            const float *xg = one_pass ? src + g * unit : dg, mx = s->m[g];
+            for (int j = 0; j < run->n; ++j) dg[j] = exp_arg(xg[j] - mx);
+        }
+    }
+    for (int64_t i = 0; i < G * T; ++i) s->buf[i] = expf(s->buf[i]);
+    for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
+        for (int64_t i = 0; i < T; ++i) sum += s->buf[g * T + i];
+        s->l[g] += sum;
+    }
+    /* The values: every run's rows at once, in registers (runs_values_*) where the head dim is a multiple of
+     * SA_RUN_CH, else run by run; several runs' values asked for ahead. A merged rest over blocks of whole pages with
+     * float32 centroids (its logits off the scores, its store one value row per page) takes each selection's
+     * attended values out of its blocks from sums the register pass adds up as it reads them. */
+    const int64_t run_bytes = seg * D * c->elem, ahead = 1 + (8192 + run_bytes - 1) / run_bytes;
+    for (int64_t t = 0; t < n_runs && t < ahead; ++t) SA_PREFETCH(runs[t].values, 0, runs[t].n * D * c->elem);
+    const int in_registers = D % SA_RUN_CH == 0;
+    const int sums_in_pass = n_blocks && in_registers && from_scores && whole_pages;
+    float *taken = sums_in_pass ? s->taken : NULL; /* [n_blocks, G', D] */
+    if (taken) memset(taken, 0, sizeof(float) * (size_t)(n_blocks * Gs * D));
+    if (in_registers) {
+        if (c->dtype == SA_BF16) runs_values_bf16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+#ifndef SA_NO_FLOAT16
+        else if (c->dtype == SA_F16) runs_values_f16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+#endif
+        else runs_values_f32(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+    }
+    if (sums_in_pass) {
+        for (int64_t t = 0; t < n_runs; ++t) { /* each selection's attended segments leave its blocks' counts */
+            const int64_t j = runs[t].first / per_block, n_segs = runs[t].n / seg;
+            for (int64_t gs_i = 0; gs_i < Gs; ++gs_i)
+                if ((runs[t].by >> gs_i) & 1) s->left[gs_i * nbc + j] -= n_segs;
+        }
+        for (int64_t j = 0; j < n_blocks; ++j)
+            for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                double *rx = s->rest + (gs_i * nbc + j) * 2 * D + D;
+                const float *tx = taken + (j * Gs + gs_i) * D;
+                for (int64_t d = 0; d < D; ++d) rx[d] -= tx[d];
+            }
+    }
+    /* Run by run: the values where they are not in registers; the merged rest's bookkeeping where the pass did not do
+     * it (what each selection's run takes out of its block, from the store's rows). */
+    int active[64];
+    for (int64_t t = 0; t < n_runs && (!in_registers || (n_blocks && !sums_in_pass)); ++t) {
+        const sa_run *run = runs + t;
+        if (!in_registers && t + ahead < n_runs) SA_PREFETCH(runs[t + ahead].values, 0, runs[t + ahead].n * D * c->elem);
+        const char *vals_c = run->values;
+        if (!in_registers) run_values(c, vals_c, run->n, s->buf + run->off, T, run->by, a->shared, (int)G, s->acc, active);
+        if (!n_blocks) continue;
+        const int64_t n_segs = run->n / seg;
+        const float *page_rows = a->sums + (cand_block(c, table, sink_pages, run->first) * H + h) * rows_s * W;
+        const int whole = whole_pages && r > 1 && n_segs == r;
+        if (!whole && r > 1 && rows_s == 1) { /* part of a page, whose total alone is kept: the run's values' sum */
+            for (int64_t d = 0; d < D; ++d) s->vsum[d] = 0.f;
+            for (int64_t j = 0; j < run->n; ++j) { /* rows just attended: in cache; at most a page's, summed in float32 */
+                sa_to_float(vals_c + j * D * c->elem, c->dtype, D, s->row);
+                for (int64_t d = 0; d < D; ++d) s->vsum[d] += s->row[d];
+            }
+            /* blocks of whole pages: the run is in one (its keys' side: the scores) */
+            leave_block(s->rest, s->left, run->by, Gs, nbc, run->first / per_block, 2 * D, D, s->vsum, n_segs);
+            continue;
+        }
+        for (int64_t x = 0; x < (whole ? 1 : n_segs); ++x)
+            leave_block(s->rest, s->left, run->by, Gs, nbc, (run->first + x) / per_block, 2 * D, k0,
+                        page_rows + (whole ? page_row : (run->first + x) % r) * W, whole ? r : 1);
+        rest_bytes += (whole ? 1 : n_segs) * lines_bytes(0, W * (int64_t)sizeof(float));
+    }
+    for (int64_t t = 0; t < n_runs; ++t) sel_bytes += value_bytes(c, (runs[t].first % r) * seg, runs[t].n);
+    prof_mark(&prof, SA_PH_ATTEND_SELECTED, sel_bytes);
+    /* The merged rest: per selection, one token per block of what it leaves out. */
+    for (int64_t gs_i = 0; n_blocks && gs_i < Gs; ++gs_i) {
+        const double *rest_s = s->rest + gs_i * nbc * 2 * D;
+        const int64_t *left_s = s->left + gs_i * nbc;
+        int64_t nn = 0;
+        for (int64_t j = 0; j < n_blocks; ++j) {
+            if (left_s[j] <= 0) continue;
+            const double tokens = (double)(left_s[j] * seg);
+            for (int64_t d = k0; d < 2 * D; ++d) s->mean[nn * 2 * D + d] = (float)(rest_s[j * 2 * D + d] / tokens);
+            s->which[nn] = j, s->nonempty[nn++] = left_s[j] * seg;
+        }
+        if (!nn) continue;
+        const uint8_t *mine = chosen_bh + gs_i * S_max;
+        for (int64_t g = 0; g < G; ++g) {
+            if (!(a->shared || g == gs_i)) continue;
+            const float *qg = s->qs + g * D;
+            float *pg = s->p + g * nbc, mx = SA_NO_SCORE;
+            if (from_scores) { /* each block's left-out segments' scores less log seg: scale q . k of their mean keys */
+                const float *cs = a->coarse + ((b * H + h) * G + g) * S_max;
+                for (int64_t j = 0; j < n_blocks; ++j) { /* a sum per block (not one through memory: it vectorises) */
+                    const int64_t hi = (j + 1) * per_block < n_cand ? (j + 1) * per_block : n_cand;
+                    double sum = 0.0;
+                    for (int64_t i = j * per_block; i < hi; ++i) sum += mine[i] ? 0.0 : (double)(cs[i] - log_seg);
+                    s->kx[j] = sum;
+                }
+            }
+            for (int64_t j = 0; j < nn; ++j) {
+                float x = 0.f;
+                if (from_scores) x = (float)(s->kx[s->which[j]] / (double)left_s[s->which[j]]);
+                else
+                    for (int64_t d = 0; d < D; ++d) x += qg[d] * s->mean[j * 2 * D + d];
+                if (a->softcap > 0.f) x = a->softcap * tanhf(x / a->softcap);
+                x += logf((float)s->nonempty[j]);
+                pg[j] = x;
+                mx = x > mx ? x : mx;
+            }
+            SA_SOFTMAX_STEP(pg, nn, mx, s->m[g], s->l[g], alpha);
+            float *ag = s->acc + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+            for (int64_t j = 0; j < nn; ++j)
+                for (int64_t d = 0; d < D; ++d) ag[d] += pg[j] * s->mean[j * 2 * D + D + d];
+        }
+    }
+    prof_mark(&prof, SA_PH_REST, 0.0);
+    write_rows(&st, (int)G, D, a->out + (b * H + h) * G * D);
+    prof_mark(&prof, SA_PH_SETUP, 0.0);
+    prof_flush(&prof);
+}
+
+/* The split step's phases (see the top of this section) for the sequences of args; returns a status. */
+int sa_paged_split(const sa_split_args *a, int phases) {
+    const int64_t N = a->N, H = a->H, bs = a->bs, D = a->D, r = a->r, G = a->G, B = a->B;
+    if (a->dtype != SA_F32 && a->dtype != SA_BF16 && a->dtype != SA_F16) return SA_BAD_DTYPE;
+    if (a->q_dtype != SA_F32 && a->q_dtype != SA_BF16 && a->q_dtype != SA_F16) return SA_BAD_DTYPE;
+    if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r || a->S_max < 1 || a->M_max < 1 ||
+        a->per_block < 0 || phases < 1 || phases > 7 || a->allocation < SA_ALLOC_NONE || a->allocation > SA_ALLOC_POOLED)
+        return SA_BAD_PLAN;
+    if (a->per_block > 0 && (!a->sums || !a->sums_state || (r > 1 && !a->segment_rows && (a->per_block % r || a->summary_bf16))))
+        return SA_BAD_PLAN;
+    if ((a->allocation == SA_ALLOC_POOLED && !a->pool) || !a->chosen || !a->summary || !a->state || !a->out) return SA_BAD_PLAN;
+#ifdef SA_NO_FLOAT16
+    if (a->dtype == SA_F16 || a->q_dtype == SA_F16) return SA_BAD_DTYPE;
+#endif
+    const sa_pages c = {(const char *)a->cache, a->dtype, a->dtype == SA_F32 ? 4 : 2, H, bs, D, r, bs / r};
+    int64_t most_cand, most_m;
+    int status = check_step(N, B, bs, r, a->block_table, a->bt_stride, a->seq_lens, a->plan, &most_cand, &most_m);
+    if (status) return status;
+    if (most_cand > a->S_max || most_m > a->M_max) return SA_BAD_PLAN;
+    const int64_t Gs = a->shared ? 1 : G;
+    int64_t most_w = 1;
+    for (int64_t b = 0; b < B; ++b) { /* what the allocations in C rely on */
+        const int32_t *pl = a->plan + b * 4;
+        if (!(pl[2] > 0 && pl[2] < pl[1])) continue;
+        if (a->allocation == SA_ALLOC_TOPK && pl[2] > pl[3]) return SA_BAD_PLAN;
+        if (a->allocation == SA_ALLOC_POOLED) {
+            const int32_t *pw = a->pool + 2 * b;
+            if (a->shared || pw[0] < 1 || pw[0] > pl[3] || pw[1] < 0 || pw[1] > pw[0]) return SA_BAD_PLAN;
+            most_w = pw[0] > most_w ? pw[0] : most_w;
+        }
+    }
+    if (phases & SA_SPLIT_SCORE) /* the selections' flags start empty (the allocation sets them) */
+        memset(a->chosen, 0, (size_t)(B * H * Gs * a->S_max));
+    if (!(phases & SA_SPLIT_SCORE)) /* the shortlists a later phase reads: candidates of their rows */
+        for (int64_t i = 0; i < B * H * a->M_max; ++i) {
+            const int64_t b = i / (H * a->M_max);
+            if (i % a->M_max < a->plan[b * 4 + 3] && (a->short_ix[i] < 0 || a->short_ix[i] >= a->plan[b * 4 + 1])) return SA_BAD_PLAN;
+        }
+    int threads = a->threads;
 #ifdef _OPENMP
     if (threads < 1) threads = 1;
 #endif
-    /* The rest's sums below are [2 D] wide, keys' then values'; with coarse only columns [D, 2 D) are used, and the
-     * store's rows are W = 2 D - k0 wide (column d of a block's sums is column d - k0 of a stored row). */
-    const int64_t k0 = coarse ? D : 0, W = 2 * D - k0;
-    if (per_block > 0) {
+    sa_prof whole;
+    prof_start(&whole);
+    double summarised = 0.0;
+    if (phases & SA_SPLIT_SCORE) { /* stale pages' centroids */
         int64_t *stale = NULL;
-        const int64_t stale_n = stale_blocks(B, r, block_table, bt_stride, plan, most_cand, sums_state, &stale);
+        const int64_t stale_n = stale_blocks(B, r, a->block_table, a->bt_stride, a->plan, most_cand, a->state, &stale);
         if (stale_n < 0) return SA_NO_MEMORY;
+        float *summary = a->summary_bf16 ? NULL : (float *)a->summary;
+        uint16_t *summary16 = a->summary_bf16 ? (uint16_t *)a->summary : NULL;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096];
             const int64_t blk = stale[i / H], h = i % H;
-            page_sums(&c, blk, h, segment_rows, !coarse, sums + (blk * H + h) * sums_rows(r, segment_rows) * W, row);
+            if (summary16)
+                summarise(&c, SA_CENTROID, blk, h, NULL, NULL, summary16 + (blk * H + h) * r * D, a->root, row);
+            else
+                summarise(&c, SA_CENTROID, blk, h, summary + (blk * H + h) * r * D, NULL, NULL, 1.f, row);
         }
+        summarised += stale_n * H * key_bytes(&c, 0, bs);
         free(stale);
     }
-    const int64_t n_blocks_cap = per_block > 0 ? (most_cand + per_block - 1) / per_block + 1 : 1;
-    const int64_t rows_s = sums_rows(r, segment_rows), page_row = rows_s - 1; /* the page's own row */
-    const float log_seg = logf((float)(bs / r));
+    if ((phases & SA_SPLIT_ATTEND) && a->per_block > 0) { /* stale pages' sums */
+        int64_t *stale = NULL;
+        const int64_t stale_n = stale_blocks(B, r, a->block_table, a->bt_stride, a->plan, most_cand, a->sums_state, &stale);
+        if (stale_n < 0) return SA_NO_MEMORY;
+        const int64_t W = a->summary_bf16 ? 2 * D : D;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < stale_n * H; ++i) {
+            float row[4096];
+            const int64_t blk = stale[i / H], h = i % H;
+            page_sums(&c, blk, h, a->segment_rows, a->summary_bf16, a->sums + (blk * H + h) * sums_rows(r, a->segment_rows) * W, row);
+        }
+        summarised += stale_n * H * (value_bytes(&c, 0, bs) + (a->summary_bf16 ? key_bytes(&c, 0, bs) : 0.0));
+        free(stale);
+    }
+    prof_mark(&whole, SA_PH_SUMMARISE, summarised);
+    prof_flush(&whole);
+    const int64_t seg = bs / r, nbc = a->per_block > 0 ? (most_cand + a->per_block - 1) / a->per_block + 1 : 1;
+    const int64_t w = most_w;
+    const size_t need_score = score_scratch_bytes(G, D, bs, most_cand, most_m, seg);
+    const size_t need_pool = pool_scratch_bytes(H, G, w, most_cand, most_m);
+    const size_t need_attend = attend_scratch_bytes(G, D, bs, most_cand, seg, nbc);
+    /* With its allocation in C, a whole step runs each work item's phases back to back: the kept logits the
+     * attention reads are then still in this core's cache (a (sequence, KV head)'s, or a sequence's under the pooled
+     * split, whose heads are allocated together), not fetched back from memory after every item was scored. */
+    const int together = phases == (SA_SPLIT_SCORE | SA_SPLIT_ALLOCATE | SA_SPLIT_ATTEND) && a->allocation != SA_ALLOC_NONE;
+    size_t need = need_score > need_pool ? need_score : need_pool;
+    need = need > need_attend ? need : need_attend;
+    if (together) need = need_score + need_pool + need_attend;
 #pragma omp parallel num_threads(threads)
     {
-        float *qs = malloc(sizeof(float) * (size_t)(G * D));
-        float *lg = malloc(sizeof(float) * (size_t)(G * bs));
-        float *p = malloc(sizeof(float) * (size_t)(G * (bs > n_blocks_cap ? bs : n_blocks_cap)));
-        float *row = malloc(sizeof(float) * (size_t)(bs > D ? bs : D));
-        uint8_t *rows = malloc((size_t)G);
-        float *m = malloc(sizeof(float) * (size_t)G), *l = malloc(sizeof(float) * (size_t)G);
-        float *acc = malloc(sizeof(float) * (size_t)(G * D));
-        double *total = malloc(sizeof(double) * (size_t)(n_blocks_cap * 2 * D)); /* the blocks' sums */
-        double *rest = malloc(sizeof(double) * (size_t)(Gs * n_blocks_cap * 2 * D)); /* each selection's rest */
-        int64_t *left = malloc(sizeof(int64_t) * (size_t)(Gs * n_blocks_cap));
-        float *mean = malloc(sizeof(float) * (size_t)(n_blocks_cap * 2 * D));
-        int64_t *nonempty = malloc(sizeof(int64_t) * (size_t)n_blocks_cap), *which = malloc(sizeof(int64_t) * (size_t)n_blocks_cap);
-        double *kx = malloc(sizeof(double) * (size_t)n_blocks_cap); /* with coarse: a row's left-out logits per block */
-        float *vsum = malloc(sizeof(float) * (size_t)D); /* a run's values' sum (page totals only) */
-        int32_t *slot = malloc(sizeof(int32_t) * (size_t)S_max); /* each candidate page's kept logits, or -1 */
-        int64_t *order = malloc(sizeof(int64_t) * (size_t)S_max);
-        int64_t *list = malloc(sizeof(int64_t) * (size_t)S_max); /* the candidates any selection chose, in order */
-        uint64_t *chosen_by = malloc(sizeof(uint64_t) * (size_t)S_max); /* which selections chose each (bit gs) */
-        const int ok = qs && lg && p && row && rows && m && l && acc && total && rest && left && mean && nonempty && slot && order &&
-                       list && chosen_by && vsum && which && kx;
+        sa_carver cv = scratch_begin(need);
+        const int ok = cv.base != NULL;
         if (!ok) {
 #pragma omp atomic write
             status = SA_NO_MEMORY;
         }
+        if (together) {
+            sa_carver at = cv;
+            const sa_score_scratch ss = ok ? score_scratch(&at, G, D, bs, most_cand, most_m, seg) : (sa_score_scratch){0};
+            const sa_pool_scratch ps = ok ? pool_scratch(&at, H, G, w, most_cand, most_m) : (sa_pool_scratch){0};
+            const sa_attend_scratch as = ok ? attend_scratch(&at, G, D, bs, most_cand, seg, nbc) : (sa_attend_scratch){0};
+            if (a->allocation == SA_ALLOC_TOPK) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * H; ++item) {
-            if (!ok) continue;
-            const int64_t h = item / B, b = item % B;
-            const int32_t *pl = plan + b * 4;
-            const int64_t sink_pages = pl[0], n_cand = pl[1], k = pl[2], L = seq_lens[b];
-            const int64_t cand_end = sink_pages + n_cand / r, seg = c.seg;
-            const int32_t *table = block_table + b * bt_stride;
-            for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
-            sa_softmax st = {m, l, acc};
-            for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
-            memset(acc, 0, sizeof(float) * (size_t)(G * D));
-            const int select = k > 0 && k < n_cand;
-            attend_common(&c, table, h, L, sink_pages, cand_end, select || k == 0, qs, (int)G, softcap, &st, lg, p, row);
-            int64_t n_blocks = 0;
-            const int whole_pages = per_block > 0 && per_block % r == 0; /* no page across two blocks: one row per page */
-            if (select && per_block > 0) { /* the blocks' sums, once for the KV head's selections */
-                n_blocks = (n_cand + per_block - 1) / per_block;
-                memset(total, 0, sizeof(double) * (size_t)(n_blocks * 2 * D));
-                const int64_t step = whole_pages ? r : 1, ahead = 4 * step; /* rows prefetched this many candidates ahead */
-                for (int64_t i = 0; i < n_cand; i += step) {
-                    const int64_t row_of = whole_pages ? page_row : i % r;
-                    const float *s = sums + ((cand_block(&c, table, sink_pages, i) * H + h) * rows_s + row_of) * W;
-                    if (i + ahead < n_cand)
-                        SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, i + ahead) * H + h) * rows_s +
-                                                           (whole_pages ? page_row : (i + ahead) % r)) * W), 0, W * (int64_t)sizeof(float));
-                    double *t = total + (i / per_block) * 2 * D;
-                    for (int64_t d = k0; d < 2 * D; ++d) t[d] += s[d - k0];
+                for (int64_t item = 0; item < B * H; ++item) {
+                    const int64_t h = item / B, b = item % B; /* head-major: see the top of the file */
+                    const int32_t *pl = a->plan + b * 4;
+                    if (!ok) continue;
+                    if (pl[2] > 0 && pl[2] < pl[1]) split_score_item(a, &c, b, h, &ss);
+                    split_attend_item(a, &c, b, h, &as, nbc);
                 }
-            }
-            if (select) shortlist_slots(short_ix + (b * H + h) * M_max, pl[3], r, n_cand / r, slot, order);
-            const float *kept_bh = kept + (b * H + h) * M_max * G * bs;
-            int64_t n_list = 0;
-            for (int64_t i = 0; select && i < n_cand; ++i) { /* the union of the selections' lists */
-                uint64_t by = 0;
-                for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) by |= (uint64_t)(chosen[((b * H + h) * Gs + gs_i) * S_max + i] != 0) << gs_i;
-                if (by) list[n_list] = i, chosen_by[n_list++] = by;
-            }
-            for (int64_t gs_i = 0; gs_i < Gs && n_blocks; ++gs_i) { /* each selection's rest: its blocks' sums, less what it attends */
-                memcpy(rest + gs_i * n_blocks_cap * 2 * D, total, sizeof(double) * (size_t)(n_blocks * 2 * D));
-                for (int64_t j = 0; j < n_blocks; ++j)
-                    left[gs_i * n_blocks_cap + j] = (j + 1) * per_block <= n_cand ? per_block : n_cand - j * per_block;
-            }
-            /* One pass over the union, one call per run of adjacent segments of a page (contiguous tokens) that the
-             * same selections chose, for their rows: a segment several heads chose is read once. The logits are
-             * the page's kept ones when the shortlist holds it, else computed here; then the run's sums leave each
-             * choosing selection's rest (a whole page's in one row). Each row still sees its own candidates in
-             * ascending order, as its own list would give them. */
-            for (int64_t t = 0, end; t < n_list; t = end) {
-                const int64_t first = list[t], page = first / r;
-                const uint64_t by = chosen_by[t];
-                for (end = t + 1; end < n_list && list[end] == list[end - 1] + 1 && list[end] / r == page && chosen_by[end] == by; ++end) {}
-                for (int64_t g = 0; g < G; ++g) rows[g] = (by >> (shared ? 0 : g)) & 1;
-                const int n = (int)((end - t) * seg);
-                const int64_t next = end < n_list ? list[end] : -1;
-                const char *vals_c = seg_values(&c, table, sink_pages, first, h);
-                if (slot[page] >= 0) {
-                    attend_logits(&c, vals_c, n, kept_bh + slot[page] * G * bs + (first % r) * seg, bs, (int)G, rows, softcap, &st,
-                                  p, row, next >= 0 ? seg_values(&c, table, sink_pages, next, h) : NULL);
-                } else {
-                    page_logits(&c, seg_keys(&c, table, sink_pages, first, h), n, qs, (int)G, lg, bs, row, vals_c);
-                    attend_logits(&c, vals_c, n, lg, bs, (int)G, rows, softcap, &st, p, row,
-                                  next >= 0 ? seg_keys(&c, table, sink_pages, next, h) : NULL);
-                }
-                if (!n_blocks) continue;
-                const float *page_rows = sums + (cand_block(&c, table, sink_pages, first) * H + h) * rows_s * W;
-                if (next >= 0) { /* the next run's rows, through its page's own */
-                    const int64_t from = rows_s > 1 ? next % r : 0;
-                    SA_PREFETCH((const char *)(sums + ((cand_block(&c, table, sink_pages, next) * H + h) * rows_s + from) * W), 0,
-                                (rows_s - from) * W * (int64_t)sizeof(float));
-                }
-                const int whole = whole_pages && r > 1 && end - t == r;
-                if (!whole && r > 1 && rows_s == 1) { /* part of a page, whose total alone is kept: the run's values' sum */
-                    for (int64_t d = 0; d < D; ++d) vsum[d] = 0.f;
-                    for (int64_t j = 0; j < n; ++j) { /* rows just attended: in cache; at most a page's, summed in float32 */
-                        sa_to_float(vals_c + j * D * c.elem, c.dtype, D, row);
-                        for (int64_t d = 0; d < D; ++d) vsum[d] += row[d];
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t b = 0; b < B; ++b) {
+                    const int32_t *pl = a->plan + b * 4;
+                    const int selects = pl[2] > 0 && pl[2] < pl[1];
+                    if (!ok) continue;
+                    for (int64_t h = 0; h < H && selects; ++h) split_score_item(a, &c, b, h, &ss);
+                    if (selects) {
+                        sa_prof prof;
+                        prof_start(&prof);
+                        split_pooled_row(a, b, &ps);
+                        prof_mark(&prof, SA_PH_ALLOCATE, 0.0);
+                        prof_flush(&prof);
                     }
-                    /* blocks of whole pages: the run is in one (its keys' side: the scores, coarse) */
-                    leave_block(rest, left, by, Gs, n_blocks_cap, first / per_block, 2 * D, D, vsum, end - t);
-                    continue;
-                }
-                for (int64_t x = t; x < (whole ? t + 1 : end); ++x)
-                    leave_block(rest, left, by, Gs, n_blocks_cap, list[x] / per_block, 2 * D, k0,
-                                page_rows + (whole ? page_row : list[x] % r) * W, whole ? r : 1);
-            }
-            for (int64_t gs_i = 0; select && gs_i < Gs; ++gs_i) {
-                for (int64_t g = 0; g < G; ++g) rows[g] = shared || g == gs_i;
-                const double *rest_s = rest + gs_i * n_blocks_cap * 2 * D;
-                const int64_t *left_s = left + gs_i * n_blocks_cap;
-                if (!n_blocks) continue;
-                int64_t nn = 0;
-                for (int64_t j = 0; j < n_blocks; ++j) {
-                    if (left_s[j] <= 0) continue;
-                    const double tokens = (double)(left_s[j] * seg);
-                    for (int64_t d = k0; d < 2 * D; ++d) mean[nn * 2 * D + d] = (float)(rest_s[j * 2 * D + d] / tokens);
-                    which[nn] = j, nonempty[nn++] = left_s[j] * seg;
-                }
-                if (!nn) continue;
-                const uint8_t *mine = chosen + ((b * H + h) * Gs + gs_i) * S_max;
-                for (int64_t g = 0; g < G; ++g) {
-                    if (!rows[g]) continue;
-                    const float *qg = qs + g * D;
-                    float *pg = p + g * n_blocks_cap, top = SA_NO_SCORE;
-                    if (coarse) { /* each block's left-out segments' scores less log seg: scale q . k of their mean keys */
-                        const float *cs = coarse + ((b * H + h) * G + g) * S_max;
-                        for (int64_t j = 0; j < n_blocks; ++j) { /* a sum per block (not one through memory: it vectorises) */
-                            const int64_t hi = (j + 1) * per_block < n_cand ? (j + 1) * per_block : n_cand;
-                            double sum = 0.0;
-                            for (int64_t i = j * per_block; i < hi; ++i) sum += mine[i] ? 0.0 : (double)(cs[i] - log_seg);
-                            kx[j] = sum;
-                        }
-                    }
-                    for (int64_t j = 0; j < nn; ++j) {
-                        float x = 0.f;
-                        if (coarse) x = (float)(kx[which[j]] / (double)left_s[which[j]]);
-                        else
-                            for (int64_t d = 0; d < D; ++d) x += qg[d] * mean[j * 2 * D + d];
-                        if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-                        x += logf((float)nonempty[j]);
-                        pg[j] = x;
-                        top = x > top ? x : top;
-                    }
-                    SA_SOFTMAX_STEP(pg, nn, top, m[g], l[g], alpha);
-                    float *ag = acc + g * D;
-                    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
-                    for (int64_t j = 0; j < nn; ++j)
-                        for (int64_t d = 0; d < D; ++d) ag[d] += pg[j] * mean[j * 2 * D + D + d];
+                    for (int64_t h = 0; h < H; ++h) split_attend_item(a, &c, b, h, &as, nbc);
                 }
             }
-            write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
         }
-        free(qs); free(lg); free(p); free(row); free(rows); free(m); free(l); free(acc); free(total); free(rest); free(left);
-        free(mean); free(nonempty); free(which); free(kx); free(slot); free(order); free(list); free(chosen_by); free(vsum);
+        if (!together && (phases & SA_SPLIT_SCORE)) {
+            sa_carver at = cv;
+            const sa_score_scratch s = ok ? score_scratch(&at, G, D, bs, most_cand, most_m, seg) : (sa_score_scratch){0};
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < B * H; ++item) {
+                const int64_t h = item / B, b = item % B; /* head-major: see the top of the file */
+                const int32_t *pl = a->plan + b * 4;
+                if (ok && pl[2] > 0 && pl[2] < pl[1]) split_score_item(a, &c, b, h, &s);
+            }
+        }
+        if (!together && (phases & SA_SPLIT_ALLOCATE) && a->allocation == SA_ALLOC_POOLED) {
+            sa_carver at = cv;
+            const sa_pool_scratch s = ok ? pool_scratch(&at, H, G, w, most_cand, most_m) : (sa_pool_scratch){0};
+            sa_prof prof;
+            prof_start(&prof);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t b = 0; b < B; ++b) {
+                const int32_t *pl = a->plan + b * 4;
+                if (ok && pl[2] > 0 && pl[2] < pl[1]) split_pooled_row(a, b, &s);
+            }
+            prof_mark(&prof, SA_PH_ALLOCATE, 0.0);
+            prof_flush(&prof);
+        }
+        if (!together && (phases & SA_SPLIT_ATTEND)) {
+            sa_carver at = cv;
+            const sa_attend_scratch s = ok ? attend_scratch(&at, G, D, bs, most_cand, seg, nbc) : (sa_attend_scratch){0};
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < B * H; ++item) {
+                const int64_t h = item / B, b = item % B;
+                if (ok) split_attend_item(a, &c, b, h, &s, nbc);
+            }
+        }
     }
+    (void)Gs;
     return status;
 }
 

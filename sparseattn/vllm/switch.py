@@ -48,6 +48,27 @@ class MethodSwitch:
             builder.use(policy)
         return request.label
 
+    def sparseattn_profile(self, start: bool) -> dict[str, Any] | None:
+        """Start (``True``) or stop (``False``) timing this worker's decode steps (:class:`~sparseattn.vllm.profile.StepProfile`).
+
+        Stopping returns what was timed since the start: ``steps`` (decode steps), ``calls`` (fused-step calls),
+        ``ns`` and ``bytes`` per part (the C phases, the plan, the glue, the layers' own Python), totals over the steps.
+        """
+        from sparseattn.vllm.profile import StepProfile
+
+        if start:
+            if getattr(self, "_sparseattn_profile", None) is not None:
+                raise RuntimeError("sparseattn_profile: a profile is already running on this worker")
+            self._sparseattn_profile = StepProfile().__enter__()
+            return None
+        prof = getattr(self, "_sparseattn_profile", None)
+        if prof is None:
+            raise RuntimeError("sparseattn_profile: no profile is running on this worker (start one first)")
+        prof.__exit__(None, None, None)
+        self._sparseattn_profile = None
+        rows = prof.rows(calls=1)  # totals: the caller divides by the steps
+        return {"steps": prof.steps, "calls": prof.calls, "parts": {r["part"]: {"ns": r["us"] * 1e3, "bytes": r["mb"] * 1e6} for r in rows}}
+
     def sparseattn_fallbacks(self) -> int:
         """Layer steps this worker's paged engine left to vLLM's kernel so far (its builders' :class:`~sparseattn.vllm.step.Fallbacks`).
 

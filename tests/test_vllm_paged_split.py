@@ -1,0 +1,132 @@
+"""The split step's C entry point (``sa_paged_split``) beyond its outputs (tests/test_vllm_paged_kernel.py holds those
+to the generic path): its argument struct as ctypes mirrors it, the selection it ranks with (``top_k_set``, a radix
+select) against a sort, and the profile's accounting of what a step reads.
+"""
+
+import ctypes
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseattn import registry
+from sparseattn.vllm.paged import PagedPolicy
+from sparseattn.vllm.paged_kernel import (
+    SPLIT,
+    PageStore,
+    SplitArgs,
+    _library,
+    fused_decode,
+    fused_mode,
+    kernel_refusal,
+    step_plan,
+    top_k_positions,
+)
+from sparseattn.vllm.profile import C_PHASES, StepProfile
+from tests.test_vllm_paged import paged_cache, sequences
+
+pytestmark = pytest.mark.skipif(kernel_refusal() is not None, reason=f"the fused paged kernel cannot be built here: {kernel_refusal()}")
+
+
+def test_the_argument_struct_is_laid_out_as_the_c_one():
+    """Every field of ``SplitArgs`` at the offset the C struct has it, and the same size: a field added on one side
+    only, or in another order, would hand the kernel another field's value."""
+    fields = [name for name, _ in SplitArgs._fields_]
+    offsets = (ctypes.c_int64 * len(fields))()
+    size = _library().sa_paged_split_layout(offsets)
+    assert size == ctypes.sizeof(SplitArgs)
+    assert {name: getattr(SplitArgs, name).offset for name in fields} == dict(zip(fields, offsets))
+
+
+def _sorted_reference(x: torch.Tensor, k: int) -> list[int]:
+    """The positions of the k largest (a NaN the lowest number, -0 equal to 0, ties to the earlier position)."""
+    key = torch.where(torch.isnan(x), torch.tensor(-torch.finfo(torch.float32).max), x).tolist()
+    return sorted(sorted(range(len(key)), key=lambda i: (-key[i], i))[:k])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.one_of(st.floats(width=32), st.sampled_from([0.0, -0.0, 1.0, -1.0])), min_size=1, max_size=300),
+    data=st.data(),
+)
+def test_the_kernels_top_k_is_a_sorts_top_k(values, data):
+    """Any float32 numbers (NaN, infinities, repeats, signed zeros): the k positions the kernel's radix select keeps
+    are the first k of a stable sort, largest first."""
+    x = torch.tensor(values, dtype=torch.float32)
+    k = data.draw(st.integers(1, len(values)))
+    assert sorted(top_k_positions(x, k).tolist()) == _sorted_reference(x, k)
+
+
+@pytest.mark.parametrize("n", [4095, 4096, 9000])  # both histogram widths (8 bits a pass below 4096 numbers, 11 above)
+def test_the_top_k_of_long_lists_with_ties(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-50, 50, (n,), generator=g).float() / 8  # many ties at the k-th value
+    for k in (1, n // 3, n - 1, n):
+        assert sorted(top_k_positions(x, k).tolist()) == _sorted_reference(x, k)
+
+
+def test_top_k_refuses_a_k_out_of_range():
+    with pytest.raises(ValueError, match="k=0"):
+        top_k_positions(torch.ones(3), 0)
+    with pytest.raises(ValueError, match="k=4"):
+        top_k_positions(torch.ones(3), 4)
+
+
+def _split_case(bs=32, segment=8, lengths=(1500, 1000), budget=256, **options):
+    H, G, D = 2, 3, 64
+    keys, values = sequences(lengths, H, D, torch.bfloat16, seed=3)
+    cache, table = paged_cache(keys, values, bs, seed=4)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    policy = PagedPolicy(registry.build("radar+", budget=budget, **options), "radar+", segment)
+    assert fused_mode(policy) == SPLIT
+    store = PageStore.for_policy(policy, SPLIT, cache.shape[0], H, D, bs)
+    return policy, store, cache, table, query, torch.tensor(lengths)
+
+
+def test_the_profile_counts_the_lines_each_phase_reads():
+    """One step's profile: every C phase named, the scoring pass's bytes exactly the candidates' centroid rows, the
+    rerank's whole 32-token units (a 64-byte line per channel), and the kept scores attended with no key read."""
+    policy, store, cache, table, query, lens = _split_case()
+    plan = step_plan(policy, lens, 32)
+    fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.125, plan=plan)  # summaries built
+    with StepProfile() as prof:
+        fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.125, plan=plan)
+    assert set(prof.ns) == set(C_PHASES) and prof.calls == 1
+    H, D, r = 2, 64, 4
+    candidates = int(plan.plan[:, 1].sum())  # segments over both sequences
+    assert prof.bytes["score"] == (candidates // r) * H * r * D * 4  # float32 rows, one page's r rows a chunk
+    assert prof.bytes["rerank"] > 0 and prof.bytes["rerank"] % (D * 64) == 0  # whole units: D lines of 64 bytes
+    assert prof.bytes["summarise"] == 0  # nothing new to summarise
+    rows = prof.rows(bandwidth_gbps=10.0)
+    assert {row["part"] for row in rows} >= {"score", "rerank", "attend_selected", "glue"}
+    assert all(row["us"] >= 0 for row in rows)
+
+
+def test_profiles_do_not_nest():
+    with StepProfile():
+        with pytest.raises(RuntimeError, match="do not nest"):
+            StepProfile().__enter__()
+
+
+@pytest.mark.parametrize("bs, segment", [(32, 4), (32, 8), (128, 8), (128, 16), (64, 32)])
+def test_the_rerank_reads_the_shortlists_32_token_units_not_whole_pages(bs, segment):
+    """A shortlisted segment of a few tokens costs the 64-byte lines of its 32-token unit (32 bf16 keys of a channel),
+    not its page's: the rerank's bytes are exactly the distinct units the shortlists hold, D lines each (a longer
+    segment is its own unit), and the output is the generic path's."""
+    from sparseattn.vllm.paged import paged_decode
+
+    policy, store, cache, table, query, lens = _split_case(bs=bs, segment=segment)
+    plan = step_plan(policy, lens, bs)
+    with StepProfile() as prof:
+        got, _ = fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.125, plan=plan)
+    (call,) = plan.calls.values()
+    unit = max(segment, 32)
+    units = 0
+    for b, m in enumerate(plan.plan[:, 3].tolist()):
+        for h in range(2):
+            units += len({i // (unit // segment) for i in call.short[b, h, :m].tolist()})
+    assert prof.bytes["rerank"] == units * 64 * 64 * (unit // 32)  # D = 64 channels, a line per 32 bf16 keys
+    params, gen = policy.prepare(2, 64, 0)
+    want = paged_decode(policy, params, gen, cache, query.float(), table, lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
