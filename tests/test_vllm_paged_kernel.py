@@ -139,7 +139,19 @@ def test_the_kernel_writes_into_a_given_output_what_it_returns(name, options):
     assert buffer[2:].isnan().all()  # rows past the decode tokens untouched
 
 
-@pytest.mark.parametrize("bad", [torch.empty(2, 6, 16, dtype=torch.bfloat16), torch.empty(3, 6, 16), torch.empty(2, 16, 6).transpose(1, 2)])
+@pytest.mark.parametrize("name, options", [("dense", {}), ("radar+", {"budget": 128}), ("quest", {"budget": 128})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_writes_the_models_dtype_as_torch_rounds_it(name, options, dtype):
+    """A bf16 or fp16 output buffer (vLLM's, in the model's dtype) gets each float32 result rounded to nearest, as
+    ``tensor.to(dtype)`` rounds it: the layer needs no float32 buffer and no conversion after the call."""
+    policy, cache, table, query, lens = setup(name, options, (600, 300), 16, 2, 3, 16, dtype=dtype)
+    mode = fused_mode(policy)
+    wide, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25)
+    narrow, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25, out=torch.empty(2, 6, 16, dtype=dtype))
+    assert narrow.dtype == dtype and torch.equal(narrow, wide.to(dtype))
+
+
+@pytest.mark.parametrize("bad", [torch.empty(2, 6, 16, dtype=torch.int32), torch.empty(3, 6, 16), torch.empty(2, 16, 6).transpose(1, 2)])
 def test_an_output_buffer_that_does_not_fit_is_refused_before_any_work(bad):
     policy, cache, table, query, lens = setup("radar+", {"budget": 128}, (600, 300), 16, 2, 3, 16)
     store = store_for(policy, cache)

@@ -14,6 +14,7 @@ from sparseattn import registry
 from sparseattn.vllm.paged import PagedPolicy
 from sparseattn.vllm.paged_kernel import (
     SPLIT,
+    DecodeArgs,
     PageStore,
     SplitArgs,
     _library,
@@ -29,14 +30,15 @@ from tests.test_vllm_paged import paged_cache, sequences
 pytestmark = pytest.mark.skipif(kernel_refusal() is not None, reason=f"the fused paged kernel cannot be built here: {kernel_refusal()}")
 
 
-def test_the_argument_struct_is_laid_out_as_the_c_one():
-    """Every field of ``SplitArgs`` at the offset the C struct has it, and the same size: a field added on one side
-    only, or in another order, would hand the kernel another field's value."""
-    fields = [name for name, _ in SplitArgs._fields_]
+@pytest.mark.parametrize("struct, layout", [(SplitArgs, "sa_paged_split_layout"), (DecodeArgs, "sa_paged_decode_layout")])
+def test_the_argument_structs_are_laid_out_as_the_c_ones(struct, layout):
+    """Every field of each entry point's ctypes struct at the offset the C struct has it, and the same size: a field
+    added on one side only, or in another order, would hand the kernel another field's value."""
+    fields = [name for name, _ in struct._fields_]
     offsets = (ctypes.c_int64 * len(fields))()
-    size = _library().sa_paged_split_layout(offsets)
-    assert size == ctypes.sizeof(SplitArgs)
-    assert {name: getattr(SplitArgs, name).offset for name in fields} == dict(zip(fields, offsets))
+    size = getattr(_library(), layout)(offsets)
+    assert size == ctypes.sizeof(struct)
+    assert {name: getattr(struct, name).offset for name in fields} == dict(zip(fields, offsets))
 
 
 def _sorted_reference(x: torch.Tensor, k: int) -> list[int]:

@@ -316,6 +316,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if refused:
             raise ValueError(f"sparseattn method {request.label!r} cannot run on this layer: it uses {', '.join(refused)}")
         self._heads = _rank_kv_heads(self.num_kv_heads)
+        self._layer_idx: int | None = None  # from the layer's name, at its first decode step
         self._start(None)
 
     def _start(self, method: DecodeMethod | None) -> None:
@@ -360,7 +361,9 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_block_scale) -> None:  # fmt: skip
         """The paged engine's answer to the step's decode tokens (and vLLM's kernel's to a mixed step's prefill requests)."""
         step, method = attn_metadata.decode, attn_metadata.method
-        layer_idx = _layer_index(layer.layer_name)
+        layer_idx = self._layer_idx
+        if layer_idx is None:
+            layer_idx = self._layer_idx = _layer_index(layer.layer_name)
         variant = method.variant(layer_idx)
         policy, fused = method.variants[variant]
         isa = getattr(layer, "isa", None)
@@ -397,8 +400,8 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
                     " and the merged rest's sums" if self._store.sums is not None else "",
                     "counted in the memory vLLM was given" if counted() else
                     f"NOT counted in the memory vLLM was given: start the engine with worker_cls={WORKER_CLS!r} to count it")  # fmt: skip
-            # Decode rows 0..n-1 of a float32 output: the kernel writes them in place.
-            direct = rows is None and out.dtype == torch.float32 and out.is_contiguous()
+            # Decode rows 0..n-1 of the output (the model's dtype: bf16, fp16 or float32): the kernel writes them in place.
+            direct = rows is None and out.dtype in (torch.float32, torch.bfloat16, torch.float16) and out.is_contiguous()
             result, _ = fused_decode(policy, fused, self._store, kv_cache, q, step.table, step.lens, self.scale,
                                      self.logits_soft_cap or None, plan=attn_metadata.plans[variant], out=out[:n] if direct else None)
             if not direct:

@@ -47,7 +47,7 @@ from sparseattn.vllm.profile import active, python_part
 
 __all__ = [
     "ALLOC_NONE", "ALLOC_POOLED", "ALLOC_TOPK", "BOUND", "FIXED", "SPLIT", "SPLIT_ALLOCATE", "SPLIT_ATTEND", "SPLIT_SCORE",
-    "PageStore", "SplitArgs", "SplitCall", "StepPlan", "c_allocation", "cache_share", "fused_decode", "fused_mode",
+    "DecodeArgs", "PageStore", "SplitArgs", "SplitCall", "StepPlan", "c_allocation", "cache_share", "fused_decode", "fused_mode",
     "kernel_refusal", "step_plan", "summary_dtype", "top_k_positions",
 ]
 
@@ -56,7 +56,8 @@ __all__ = [
 #: ``sa_paged_split``: one C call with the allocation in it, or two with the allocation in Python between them (:class:`SplitCall`).
 BOUND, FIXED, SPLIT = 1, 2, 3
 SYMBOLS = (
-    "sa_paged_decode", "sa_paged_invalidate", "sa_paged_float16_supported", "sa_paged_split", "sa_paged_split_layout",
+    "sa_paged_decode", "sa_paged_decode_layout", "sa_paged_invalidate", "sa_paged_float16_supported", "sa_paged_split",
+    "sa_paged_split_layout",
     "sa_paged_profile", "sa_paged_top_k",
 )  # fmt: skip
 _ERRORS = {
@@ -74,9 +75,9 @@ def _library() -> ctypes.CDLL:
     lib = build_library("sparseattn.vllm", "paged_kernels.c", SYMBOLS)
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.sa_paged_decode.restype = ctypes.c_int
-    lib.sa_paged_decode.argtypes = [
-        ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i32, i32, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, i32,
-    ]  # fmt: skip
+    lib.sa_paged_decode.argtypes = [ptr]
+    lib.sa_paged_decode_layout.restype = i64
+    lib.sa_paged_decode_layout.argtypes = [ptr]
     lib.sa_paged_split.restype = ctypes.c_int
     lib.sa_paged_split.argtypes = [ptr, i32]
     lib.sa_paged_split_layout.restype = i64
@@ -350,11 +351,13 @@ def _fused_decode(
                          f"{summary_dtype(policy)} (PageStore.for_policy)")
     G = H_q // H
     shared = policy.shared_selection
+    if query.dtype not in DTYPE_CODES:
+        raise ValueError(f"fused paged decode: query dtype {query.dtype}; allowed: float32, bfloat16, float16")
     if out is None:
         out = torch.empty(B, H_q, D, dtype=torch.float32)
-    elif out.shape != (B, H_q, D) or out.dtype != torch.float32 or not out.is_contiguous():
+    elif out.shape != (B, H_q, D) or out.dtype not in DTYPE_CODES or not out.is_contiguous():
         raise ValueError(f"fused paged decode: out {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}); "
-                         f"expected a contiguous float32 {(B, H_q, D)}")
+                         f"expected a contiguous {(B, H_q, D)} of float32, bfloat16 or float16")
     if mode == SPLIT:
         key = (id(policy), N, H, bs, D, G, kv_cache.dtype, query.dtype, float(scale), float(softcap or 0.0))
         call = plan.calls.get(key)
@@ -362,21 +365,19 @@ def _fused_decode(
             call = plan.calls[key] = SplitCall(policy, plan, kv_cache, query, scale, softcap, r)
         call(store, kv_cache, query, block_table, seq_lens, out)
         return out, call.selected(max(plan.kmax, 1)) if with_selection else None
-    q = query.to(torch.float32).contiguous()
+    q = query.contiguous()
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     kmax = max(plan.kmax, 1)
     selected = torch.empty(B, H, 1 if shared else G, kmax, dtype=torch.int32) if with_selection else None
-    status = lib.sa_paged_decode(
-        q.data_ptr(), kv_cache.data_ptr(), DTYPE_CODES[kv_cache.dtype], N, H, bs, D, r, G, B, table.data_ptr(),
-        table.shape[1], lens.data_ptr(), plan.plan.data_ptr(), mode, int(shared), float(scale), float(softcap or 0.0),
-        None if store is None else store.summary.data_ptr(),
-        None if store is None or store.summary2 is None else store.summary2.data_ptr(),
-        None if store is None else store.state.data_ptr(),
-        None if selected is None else selected.data_ptr(), kmax, out.data_ptr(), torch.get_num_threads(),
+    args = DecodeArgs(
+        q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), plan.plan.data_ptr(),
+        None if store is None else store.summary.data_ptr(), None if store is None or store.summary2 is None else store.summary2.data_ptr(),
+        None if store is None else store.state.data_ptr(), None if selected is None else selected.data_ptr(), out.data_ptr(),
+        N, H, bs, D, r, G, B, table.shape[1], kmax, float(scale), float(softcap or 0.0), DTYPE_CODES[kv_cache.dtype],
+        DTYPE_CODES[q.dtype], DTYPE_CODES[out.dtype], mode, int(shared), torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        raise ValueError(f"fused paged decode failed: {_ERRORS.get(status, f'status {status}')}")
+    _check(lib.sa_paged_decode(ctypes.byref(args)))
     return out, selected
 
 
@@ -412,7 +413,19 @@ class SplitArgs(ctypes.Structure):
         (ctypes.c_void_p, "q cache block_table seq_lens plan pool summary state sums sums_state coarse short_ix exact always kept chosen out"),
         (ctypes.c_int64, "N H bs D r G B bt_stride S_max M_max per_block"),
         (ctypes.c_float, "scale softcap root unused"),
-        (ctypes.c_int32, "dtype q_dtype shared summary_bf16 segment_rows allocation threads unused2"),
+        (ctypes.c_int32, "dtype q_dtype out_dtype shared summary_bf16 segment_rows allocation threads"),
+    )
+
+
+class DecodeArgs(ctypes.Structure):
+    """``paged_kernels.c``'s ``sa_decode_args`` field by field (held to the C offsets by a test): what
+    :func:`fused_decode` hands ``sa_paged_decode`` (quest's bound and the fixed selections)."""
+
+    _fields_ = _fields(
+        (ctypes.c_void_p, "q cache block_table seq_lens plan summary summary2 state selected out"),
+        (ctypes.c_int64, "N H bs D r G B bt_stride kmax"),
+        (ctypes.c_float, "scale softcap"),
+        (ctypes.c_int32, "dtype q_dtype out_dtype mode shared threads"),
     )
 
 
@@ -503,7 +516,7 @@ class SplitCall:
             self.coarse.data_ptr(), self.short.data_ptr(), self.exact.data_ptr(), self.always.data_ptr(), self.kept.data_ptr(),
             self.chosen.data_ptr(), None, N, H, bs, D, r, G, B, 0, S_max, M_max, 0 if rest is None else min(rest.per_block, 2**62),
             float(scale), float(softcap or 0.0), math.sqrt(scale), 0.0, DTYPE_CODES[kv_cache.dtype], DTYPE_CODES[query.dtype],
-            int(policy.shared_selection), 0, 0, self.allocation, 1, 0,
+            DTYPE_CODES[torch.float32], int(policy.shared_selection), 0, 0, self.allocation, 1,
         )  # fmt: skip
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (the step's block table, as the kernel reads it)
         self._lens: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -539,7 +552,7 @@ class SplitCall:
         table = self._int32("_table", block_table)
         a = self.args
         q = query if query.is_contiguous() else query.contiguous()
-        a.q, a.cache, a.out = q.data_ptr(), kv_cache.data_ptr(), out.data_ptr()
+        a.q, a.q_dtype, a.cache, a.out, a.out_dtype = q.data_ptr(), DTYPE_CODES[q.dtype], kv_cache.data_ptr(), out.data_ptr(), DTYPE_CODES[out.dtype]
         a.block_table, a.bt_stride, a.seq_lens = table.data_ptr(), table.shape[1], self._int32("_lens", seq_lens).data_ptr()
         a.summary, a.state = store.summary.data_ptr(), store.state.data_ptr()
         a.sums = None if store.sums is None else store.sums.data_ptr()

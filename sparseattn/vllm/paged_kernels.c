@@ -410,12 +410,23 @@ static void attend_common(const sa_pages *c, const int32_t *table, int64_t h, in
 }
 
 /* Each row's output, its accumulated values over its softmax sum: out[g, D] for g < G. */
-static void write_rows(const sa_softmax *st, int G, int64_t D, float *out) {
+static inline uint16_t sa_float_to_bf16(float x);
+/* ... in the output's dtype (float32, or bfloat16 / float16 rounded to nearest even, as torch converts): the model's
+ * own, so the layer needs no float32 buffer and no conversion after the call. out: the G rows' first element. */
+static void write_rows(const sa_softmax *st, int G, int64_t D, void *out, int out_dtype) {
     for (int64_t g = 0; g < G; ++g) {
         const float inv = st->l[g] > 0.f ? 1.f / st->l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) out[g * D + d] = st->acc[g * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) {
+            const float x = st->acc[g * D + d] * inv;
+            if (out_dtype == SA_BF16) ((uint16_t *)out)[g * D + d] = sa_float_to_bf16(x);
+#ifndef SA_NO_FLOAT16
+            else if (out_dtype == SA_F16) ((_Float16 *)out)[g * D + d] = (_Float16)x;
+#endif
+            else ((float *)out)[g * D + d] = x;
+        }
     }
 }
+static inline int64_t dtype_bytes(int dtype) { return dtype == SA_F32 ? 4 : 2; }
 
 /* Indices of the k largest of x[0..n) into out, best first (ties: the earlier index first; the order the pages are
  * then attended in, so the sums' rounding, is the insertion sort's this replaced): a min-heap of k (vals, out)
@@ -540,7 +551,8 @@ static inline float log_sum_exp(const float *x, int64_t n, int64_t stride) {
     return top + logf(sum);
 }
 
-/* float32 -> the nearest bfloat16 (ties to even), as torch's conversion rounds (finite values: a mean of keys). */
+/* float32 -> the nearest bfloat16 (ties to even), as torch's conversion rounds (finite values: a mean of keys; a NaN
+ * keeps a quiet NaN's bits). */
 static inline uint16_t sa_float_to_bf16(float x) {
     uint32_t bits;
     memcpy(&bits, &x, 4);
@@ -585,19 +597,53 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
     }
 }
 
-/*
- * One decode token per sequence. q: [B, H, G, D] float32 (unscaled); cache: [N, H, bs, 2 D] of dtype;
- * block_table: [B, bt_stride] int32 physical blocks; seq_lens: [B] int32 (the current token included);
+/* sa_paged_decode's arguments (sparseattn.vllm.paged_kernel.DecodeArgs mirrors it; sa_paged_decode_layout gives the
+ * offsets a test holds it to). One decode token per sequence. q: [B, H, G, D] of q_dtype (unscaled); cache: [N, H, bs,
+ * 2 D] of dtype; block_table: [B, bt_stride] int32 physical blocks; seq_lens: [B] int32 (the current token included);
  * plan: [B, 4] int32 (sink_pages, n_cand, k, m), n_cand in segments of bs / r tokens (r per page); shared: one
- * selection per KV group (else per query head); summary, summary2: [N, H, r, D] float32 stores (summary2 only for
- * SA_BOUND), state: [N] uint8;
- * selected: [B, H, G' = shared ? 1 : G, kmax] int32 candidate indices chosen (-1 past k), or NULL;
- * out: [B, H, G, D] float32.
- */
-int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int64_t H, int64_t bs, int64_t D, int64_t r,
-                    int64_t G, int64_t B, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                    const int32_t *plan, int mode, int shared, float scale, float softcap, float *summary, float *summary2,
-                    uint8_t *state, int32_t *selected, int64_t kmax, float *out, int threads) {
+ * selection per KV group (else per query head); summary, summary2: [N, H, r, D] float32 stores (SA_BOUND: min and
+ * max), state: [N] uint8; selected: [B, H, G' = shared ? 1 : G, kmax] int32 candidate indices chosen (-1 past k), or
+ * NULL; out: [B, H, G, D] of out_dtype. */
+typedef struct {
+    const void *q, *cache;
+    const int32_t *block_table, *seq_lens, *plan;
+    float *summary, *summary2;
+    uint8_t *state;
+    int32_t *selected;
+    void *out;
+    int64_t N, H, bs, D, r, G, B, bt_stride, kmax;
+    float scale, softcap;
+    int32_t dtype, q_dtype, out_dtype, mode, shared, threads;
+} sa_decode_args;
+
+#define SA_DECODE_FIELDS(X)                                                                                                \
+    X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(summary) X(summary2) X(state) X(selected) X(out) X(N) X(H) X(bs)   \
+    X(D) X(r) X(G) X(B) X(bt_stride) X(kmax) X(scale) X(softcap) X(dtype) X(q_dtype) X(out_dtype) X(mode) X(shared)      \
+    X(threads)
+
+int64_t sa_paged_decode_layout(int64_t *offsets) {
+    int64_t i = 0;
+#define SA_OFFSET(f) offsets[i++] = (int64_t)offsetof(sa_decode_args, f);
+    SA_DECODE_FIELDS(SA_OFFSET)
+#undef SA_OFFSET
+    return (int64_t)sizeof(sa_decode_args);
+}
+
+int sa_paged_decode(const sa_decode_args *a) {
+    const void *cache = a->cache;
+    const int dtype = a->dtype, mode = a->mode, shared = a->shared;
+    const int64_t N = a->N, H = a->H, bs = a->bs, D = a->D, r = a->r, G = a->G, B = a->B, bt_stride = a->bt_stride, kmax = a->kmax;
+    const int32_t *block_table = a->block_table, *seq_lens = a->seq_lens, *plan = a->plan;
+    const float scale = a->scale, softcap = a->softcap;
+    float *summary = a->summary, *summary2 = a->summary2;
+    uint8_t *state = a->state;
+    int32_t *selected = a->selected;
+    int threads = a->threads;
+    if (a->q_dtype != SA_F32 && a->q_dtype != SA_BF16 && a->q_dtype != SA_F16) return SA_BAD_DTYPE;
+    if (a->out_dtype != SA_F32 && a->out_dtype != SA_BF16 && a->out_dtype != SA_F16) return SA_BAD_DTYPE;
+#ifdef SA_NO_FLOAT16
+    if (a->q_dtype == SA_F16 || a->out_dtype == SA_F16) return SA_BAD_DTYPE;
+#endif
     if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
     if (mode != SA_FIXED && mode != SA_BOUND) return SA_BAD_PLAN;
     if (bs < 1 || bs > 4096 || D < 1 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r) return SA_BAD_PLAN;
@@ -686,7 +732,8 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
             const int32_t *table = block_table + b * bt_stride;
             sa_prof prof;
             prof_start(&prof);
-            for (int64_t i = 0; i < G * D; ++i) qs[i] = q[(b * H + h) * G * D + i] * scale;
+            sa_to_float((const char *)a->q + (b * H + h) * G * D * dtype_bytes(a->q_dtype), a->q_dtype, G * D, qs);
+            for (int64_t i = 0; i < G * D; ++i) qs[i] *= scale;
             sa_softmax st = {m, l, acc};
             for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
             memset(acc, 0, sizeof(float) * (size_t)(G * D));
@@ -755,7 +802,7 @@ int sa_paged_decode(const float *q, const void *cache, int dtype, int64_t N, int
                     for (int64_t t = from; t < kmax; ++t) sel[t] = (!select && t < n_cand && k > 0) ? (int32_t)t : -1;
                 }
             }
-            write_rows(&st, (int)G, D, out + (b * H + h) * G * D);
+            write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype);
             prof_mark(&prof, SA_PH_ATTEND_SELECTED, sel_bytes);
             prof_flush(&prof);
         }
@@ -941,18 +988,18 @@ typedef struct {
     float *always;              /* [B, H, G] */
     float *kept;                /* [B, H, M_max, G, bs] */
     uint8_t *chosen;            /* [B, H, G', S_max] */
-    float *out;                 /* [B, H, G, D] float32 */
+    void *out;                  /* [B, H, G, D] of out_dtype */
     int64_t N, H, bs, D, r, G, B, bt_stride, S_max, M_max;
     int64_t per_block;          /* candidates per merged block; 0: no merged rest */
     float scale, softcap, root, unused;
-    int32_t dtype, q_dtype, shared, summary_bf16, segment_rows, allocation, threads, unused2;
+    int32_t dtype, q_dtype, out_dtype, shared, summary_bf16, segment_rows, allocation, threads;
 } sa_split_args;
 
 #define SA_SPLIT_FIELDS(X)                                                                                                 \
     X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(pool) X(summary) X(state) X(sums) X(sums_state) X(coarse) X(short_ix)      \
     X(exact) X(always) X(kept) X(chosen) X(out) X(N) X(H) X(bs) X(D) X(r) X(G) X(B) X(bt_stride) X(S_max) X(M_max)         \
-    X(per_block) X(scale) X(softcap) X(root) X(unused) X(dtype) X(q_dtype) X(shared) X(summary_bf16)   \
-    X(segment_rows) X(allocation) X(threads) X(unused2)
+    X(per_block) X(scale) X(softcap) X(root) X(unused) X(dtype) X(q_dtype) X(out_dtype) X(shared) X(summary_bf16) \
+    X(segment_rows) X(allocation) X(threads)
 
 /* offsets[i] = the offset of the struct's i-th field (in SA_SPLIT_FIELDS order); returns its size. */
 int64_t sa_paged_split_layout(int64_t *offsets) {
@@ -1415,7 +1462,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
         prof_mark(&prof, SA_PH_ATTEND_ALWAYS, (double)common * (key_bytes(c, 0, bs) + value_bytes(c, 0, bs)));
     }
     if (!select) {
-        write_rows(&st, (int)G, D, a->out + (b * H + h) * G * D);
+        write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype);
         prof_flush(&prof);
         return;
     }
@@ -1677,7 +1724,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
         }
     }
     prof_mark(&prof, SA_PH_REST, 0.0);
-    write_rows(&st, (int)G, D, a->out + (b * H + h) * G * D);
+    write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype);
     prof_mark(&prof, SA_PH_SETUP, 0.0);
     prof_flush(&prof);
 }
@@ -1687,6 +1734,7 @@ int sa_paged_split(const sa_split_args *a, int phases) {
     const int64_t N = a->N, H = a->H, bs = a->bs, D = a->D, r = a->r, G = a->G, B = a->B;
     if (a->dtype != SA_F32 && a->dtype != SA_BF16 && a->dtype != SA_F16) return SA_BAD_DTYPE;
     if (a->q_dtype != SA_F32 && a->q_dtype != SA_BF16 && a->q_dtype != SA_F16) return SA_BAD_DTYPE;
+    if (a->out_dtype != SA_F32 && a->out_dtype != SA_BF16 && a->out_dtype != SA_F16) return SA_BAD_DTYPE;
     if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r || a->S_max < 1 || a->M_max < 1 ||
         a->per_block < 0 || phases < 1 || phases > 7 || a->allocation < SA_ALLOC_NONE || a->allocation > SA_ALLOC_POOLED)
         return SA_BAD_PLAN;
@@ -1694,7 +1742,7 @@ int sa_paged_split(const sa_split_args *a, int phases) {
         return SA_BAD_PLAN;
     if ((a->allocation == SA_ALLOC_POOLED && !a->pool) || !a->chosen || !a->summary || !a->state || !a->out) return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
-    if (a->dtype == SA_F16 || a->q_dtype == SA_F16) return SA_BAD_DTYPE;
+    if (a->dtype == SA_F16 || a->q_dtype == SA_F16 || a->out_dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
     const sa_pages c = {(const char *)a->cache, a->dtype, a->dtype == SA_F32 ? 4 : 2, H, bs, D, r, bs / r};
     int64_t most_cand, most_m;
