@@ -132,3 +132,54 @@ def test_the_rerank_reads_the_shortlists_32_token_units_not_whole_pages(bs, segm
     params, gen = policy.prepare(2, 64, 0)
     want = paged_decode(policy, params, gen, cache, query.float(), table, lens, 0.125)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+# --- fp8 caches in the fused step: the bytes read in place, each number times its layer's scale ---
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_byte_reads_as_its_float8_number(fmt):
+    """All 256 bytes of each format (NaN aside): the kernel's reading (a float16 reinterpretation, times 2^8 for e4m3)
+    is the float8 number torch decodes, subnormals and signed zeros included."""
+    from sparseattn.vllm.paged import KVFormat
+    from sparseattn.vllm.paged_kernel import FP8_CODES, cache_code
+
+    f8 = KVFormat(fmt).fp8
+    everything = torch.arange(256, dtype=torch.uint8)
+    want = everything.view(f8).float()
+    code, k_mul, _ = cache_code(everything, KVFormat(fmt))
+    e5m2 = code == FP8_CODES["fp8_e5m2"]
+    half = (everything.to(torch.int32) << 8) if e5m2 else (((everything.to(torch.int32) & 0x80) << 8) | ((everything.to(torch.int32) & 0x7F) << 7))
+    got = half.to(torch.int16).view(torch.float16).float() * k_mul
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+
+
+@pytest.mark.parametrize("fmt", [("fp8", 0.5, 0.25), ("fp8_e4m3", 1.0, 1.0), ("fp8_e5m2", 2.0, 0.5)], ids=lambda f: f[0])
+@pytest.mark.parametrize("name, options, segment", [
+    ("dense", {}, None), ("quest", {"budget": 160}, None), ("radar+", {"budget": 160}, None), ("radar+", {"budget": 160}, 8),
+    ("radar+adaptive", {"budget": 192}, 4), ("radar+", {"budget": 160, "bf16_centroids": True}, 8),
+], ids=["dense", "quest", "radar+", "radar+seg8", "preset-seg4", "bf16-centroids"])  # fmt: skip
+def test_the_fused_step_reads_fp8_pages_as_the_generic_path_does(fmt, name, options, segment):
+    """vLLM's fp8 KV cache (uint8 bytes of float8 numbers, a scale per layer for keys and for values) in the fused
+    step: the generic path's output (which dequantises with torch), for every fused mode, on pages and segments."""
+    from sparseattn.vllm.paged import KVFormat, paged_decode
+    from tests.test_vllm_paged import fp8_cache
+
+    kv = KVFormat(*fmt)
+    bs, H, G, D, lengths = 32, 2, 3, 64, (1500, 700)
+    keys, values = sequences(lengths, H, D, seed=7)
+    cache, table = paged_cache([k * 2 for k in keys], [v * 2 for v in values], bs, seed=8)
+    stored = fp8_cache(cache, kv)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    method = registry.build(name, **options)
+    policy = PagedPolicy(method, name, segment)
+    layer = policy.for_layer(3, 30)
+    mode = fused_mode(layer)
+    assert mode is not None
+    store = None if not PageStore.kept_in(mode) else PageStore.for_policy(layer, mode, stored.shape[0], H, D, bs)
+    lens = torch.tensor(lengths)
+    got, _ = fused_decode(layer, mode, store, stored, query, table, lens, D**-0.5, fmt=kv)
+    params, gen = layer.prepare(H, D, 3)
+    want = paged_decode(layer, params, gen, stored, query.float(), table, lens, D**-0.5, fmt=kv)
+    torch.testing.assert_close(got, want.float(), rtol=2e-3, atol=2e-3)

@@ -23,8 +23,35 @@
 
 #define SA_NO_SCORE (-1e30f) /* the running maximum before any token (finite: see above) */
 
-/* Storage dtypes, as sparseattn.backends.cpu_kernels.DTYPE_CODES numbers them. */
-enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2 };
+/* Storage dtypes, as sparseattn.backends.cpu_kernels.DTYPE_CODES numbers them; the fp8 ones (vLLM's fp8 KV caches:
+ * bytes holding float8 e4m3fn or e5m2 numbers, read by the paged kernel only, sparseattn.vllm.paged_kernel.FP8_CODES). */
+enum { SA_F32 = 0, SA_BF16 = 1, SA_F16 = 2, SA_FP8_E4M3 = 3, SA_FP8_E5M2 = 4 };
+
+/* The float16 whose bits are h, as float32 (exact: every float16 is a float32), without the compiler's _Float16. */
+static inline float sa_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (mant << 13); /* inf, NaN */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13); /* normal: rebias 15 -> 127 */
+    } else {                                          /* zero or subnormal: mant x 2^-24 */
+        float f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* An fp8 byte read as the paged kernel reads it: its bits placed in a float16 (e5m2: the top byte of the float16 it
+ * is; e4m3fn: sign, then exponent and mantissa shifted into the float16's, so the number comes out 2^-8 times its
+ * value, subnormals included). The caller multiplies by SA_FP8_E4M3's 256 with the layer's scale, once per query or
+ * output row, not per element. e4m3fn's NaN (0x7F) reads as 480 / 256: an fp8 cache holds scaled, saturated numbers. */
+static inline uint16_t sa_fp8_half_bits(uint8_t x, int dtype) {
+    return dtype == SA_FP8_E5M2 ? (uint16_t)((uint16_t)x << 8) : (uint16_t)(((x & 0x80u) << 8) | ((x & 0x7Fu) << 7));
+}
 
 /* The statuses both kernels return (each adds its own); the Python side words them (_ERRORS). */
 enum { SA_OK = 0, SA_NO_MEMORY = 2, SA_BAD_DTYPE = 4 };
@@ -47,13 +74,16 @@ static inline void sa_bf16_to_float(float *dst, uint16_t h) {
     memcpy(dst, &bits, 4);
 }
 
-/* n elements of a cache row (any storage dtype) as float32 into dst. */
+/* n elements of a cache row (any storage dtype) as float32 into dst (fp8: as sa_fp8_half_bits reads them). */
 static inline void sa_to_float(const void *src, int dtype, int64_t n, float *restrict dst) {
     if (dtype == SA_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
     } else if (dtype == SA_BF16) {
         const uint16_t *s = (const uint16_t *)src;
         for (int64_t i = 0; i < n; ++i) sa_bf16_to_float(dst + i, s[i]);
+    } else if (dtype == SA_FP8_E4M3 || dtype == SA_FP8_E5M2) {
+        const uint8_t *s = (const uint8_t *)src;
+        for (int64_t i = 0; i < n; ++i) dst[i] = sa_half_to_float(sa_fp8_half_bits(s[i], dtype));
     }
 #ifndef SA_NO_FLOAT16
     else {

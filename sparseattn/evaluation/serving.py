@@ -575,12 +575,17 @@ def run(
         if run_.engine != "plugin":
             continue
         llm = switch(run_)
-        llm.collective_rpc("sparseattn_profile", args=(True,))
-        try:
-            _, ms, _ = _measure(llm, workloads[DISTINCT], steps)
-        finally:
-            timed = llm.collective_rpc("sparseattn_profile", args=(False,))[0]
-        measured[label, DISTINCT].profile = step_profile(timed, ms)
+        # As _measure times it: the 1-token run (the prompts' uncached last pages prefilled) and the run of steps + 1
+        # tokens, each profiled; the difference is the decode steps' (a mixed step's prefill included in both).
+        timed = []
+        for tokens in (1, steps + 1):
+            llm.collective_rpc("sparseattn_profile", args=(True,))
+            try:
+                seconds, _ = generate(llm, workloads[DISTINCT], tokens)
+            finally:
+                timed.append((seconds, llm.collective_rpc("sparseattn_profile", args=(False,))[0]))
+        (t1, one), (tn, many) = timed
+        measured[label, DISTINCT].profile = step_profile(profile_difference(many, one), 1e3 * max(tn - t1, 1e-9) / steps, steps)
         say(f"profile {label}: " + ", ".join(f"{p['part']} {p['ms']:.1f}" for p in measured[label, DISTINCT].profile["parts"]) + " ms/step")
 
     for label in labels:
@@ -605,17 +610,28 @@ def run(
     return info, rows
 
 
-def step_profile(timed: Mapping[str, Any], ms_step: float) -> dict[str, Any]:
+def profile_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Worker profile ``a`` less ``b`` (steps, calls and every part's ns and bytes; a part ``b`` lacks counts 0)."""
+    parts = {}
+    for name, v in a["parts"].items():
+        w = b["parts"].get(name, {"ns": 0.0, "bytes": 0.0})
+        parts[name] = {"ns": v["ns"] - w["ns"], "bytes": v["bytes"] - w["bytes"]}
+    return {"steps": a["steps"] - b["steps"], "calls": a["calls"] - b["calls"], "parts": parts}
+
+
+def step_profile(timed: Mapping[str, Any], ms_step: float, steps: int | None = None) -> dict[str, Any]:
     """A worker's profile (:meth:`sparseattn.vllm.switch.MethodSwitch.sparseattn_profile`) per decode step, beside the
     step's measured time ``ms_step``: ``parts`` (each C phase, the plan, the glue, the layers' own Python: ``ms`` per
     step and ``mb`` read per step) and ``other``, what the step spends outside attention (the model's other work,
     vLLM's scheduling and sampling): ``ms_step`` less every part.
 
+    ``steps``: what to divide by (default: the profile's own count of decode steps).
+
     >>> p = step_profile({"steps": 2, "calls": 60, "parts": {"score": {"ns": 4e6, "bytes": 2e6}, "plan": {"ns": 2e5, "bytes": 0}}}, 10.0)
     >>> [(x["part"], x["ms"]) for x in p["parts"]], p["other_ms"]
     ([('score', 2.0), ('plan', 0.1)], 7.9)
     """
-    steps = max(int(timed.get("steps", 0)), 1)
+    steps = max(int(timed.get("steps", 0) if steps is None else steps), 1)
     parts = [{"part": name, "ms": v["ns"] / steps / 1e6, "mb": v["bytes"] / steps / 1e6} for name, v in timed["parts"].items()]
     spent = sum(p["ms"] for p in parts)
     return {"steps": timed.get("steps", 0), "layer_calls": timed.get("calls", 0), "ms_step": ms_step, "parts": parts,

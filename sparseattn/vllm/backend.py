@@ -64,7 +64,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, request_from
 from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
-from sparseattn.vllm.paged_kernel import PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
+from sparseattn.vllm.paged_kernel import FP8_CODES, PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
 from sparseattn.vllm.profile import active, python_part
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
 
@@ -373,21 +373,23 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
             heads, total = self._heads
             self._prepared = policy.prepare(total, self.head_size, layer_idx, heads=heads)
         if step.mixed:  # a mixed step: vLLM's kernel for the prefill requests only
-            if attn_metadata.prefill is None:  # not narrowed (dynamic causal mask): the batch, decode rows overwritten below
-                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-            else:
-                logger.info_once("sparseattn: a mixed step's prefill requests attended by vLLM's kernel alone")
-                narrowed, part = attn_metadata.prefill
-                prefill_out = output[part]
-                super().forward(layer, query[part], key[part], value[part], kv_cache, narrowed, prefill_out,
-                                output_scale, output_block_scale)  # fmt: skip
-                output[part] = prefill_out
+            with python_part("prefill in mixed steps"):
+                if attn_metadata.prefill is None:  # not narrowed (dynamic causal mask): the batch, decode rows overwritten below
+                    super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+                else:
+                    logger.info_once("sparseattn: a mixed step's prefill requests attended by vLLM's kernel alone")
+                    narrowed, part = attn_metadata.prefill
+                    prefill_out = output[part]
+                    super().forward(layer, query[part], key[part], value[part], kv_cache, narrowed, prefill_out,
+                                    output_scale, output_block_scale)  # fmt: skip
+                    output[part] = prefill_out
         if not self._announced:
             logger.info_once("sparseattn: first decode step answered by the paged engine (%s)", policy.name)
             self._announced = True
         n, rows = step.lens.shape[0], step.rows
         q = (query[:n] if rows is None else query[rows]).view(n, self.num_heads, self.head_size)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
+        fmt = KVFormat(self.kv_cache_dtype, layer._k_scale_float, layer._v_scale_float) if self.is_fp8_kv_cache else KVFormat()
         if fused is not None:
             if PageStore.kept_in(fused) and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
                 self._store = PageStore.for_policy(policy, fused, kv_cache.shape[0], self.num_kv_heads, self.head_size, kv_cache.shape[2])
@@ -403,14 +405,14 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
             # Decode rows 0..n-1 of the output (the model's dtype: bf16, fp16 or float32): the kernel writes them in place.
             direct = rows is None and out.dtype in (torch.float32, torch.bfloat16, torch.float16) and out.is_contiguous()
             result, _ = fused_decode(policy, fused, self._store, kv_cache, q, step.table, step.lens, self.scale,
-                                     self.logits_soft_cap or None, plan=attn_metadata.plans[variant], out=out[:n] if direct else None)
+                                     self.logits_soft_cap or None, plan=attn_metadata.plans[variant], out=out[:n] if direct else None,
+                                     fmt=fmt)  # fmt: skip
             if not direct:
                 _put_rows(out, rows, result)
             return
         params, generator = self._prepared
         if self._summaries is None or self._summaries.valid.shape[0] != kv_cache.shape[0]:
             self._summaries = PageSummaries(kv_cache.shape[0], kv_cache.shape[2])
-        fmt = KVFormat(self.kv_cache_dtype, layer._k_scale_float, layer._v_scale_float) if self.is_fp8_kv_cache else KVFormat()
         chosen = choose_pages(policy, params, generator, kv_cache, q, step.table, step.lens, self.scale, self._summaries, fmt)
         if chosen.merged is None and chosen.tokens is None:
             result = kernel_attend_pages(q, kv_cache, step.table, chosen.pages, step.lens, self.scale, self.logits_soft_cap or None, isa, fmt)
@@ -456,8 +458,9 @@ def _put_rows(out: torch.Tensor, rows: torch.Tensor | None, result: torch.Tensor
 def fused_refusal(kv_cache_dtype: str) -> str | None:
     """Why the fused C step cannot run an engine whose cache is ``kv_cache_dtype`` (vLLM's ``cache_dtype``), or None."""
     refusal = kernel_refusal()
-    if refusal is None and is_quantized_kv_cache(kv_cache_dtype):
-        refusal = f"the fused kernel reads float32, bfloat16 and float16 pages, this cache is {kv_cache_dtype}"
+    if refusal is None and is_quantized_kv_cache(kv_cache_dtype) and kv_cache_dtype not in FP8_CODES:
+        refusal = (f"the fused kernel reads float32, bfloat16, float16 and {', '.join(sorted(FP8_CODES))} pages, this cache is "
+                   f"{kv_cache_dtype}")  # fmt: skip
     return refusal
 
 

@@ -449,6 +449,8 @@ class PageKeys(SegmentKeys):
         phys = self.blocks.gather(1, page.reshape(B, H * m)).view(B, H, m)
         rows = (phys * H + torch.arange(H).view(1, H, 1)).flatten()  # whole contiguous pages of one head
         taken = self.keys_t.flatten(0, 1).index_select(0, rows).view(B, H, m, D, bs).transpose(-1, -2)
+        if taken.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            taken = taken.float()  # torch gathers no float8 numbers
         if r > 1:  # the segment's share of its page: tokens [sub c, (sub + 1) c)
             c = bs // r
             sub = (index % r).view(B, H, m, 1, 1, 1).expand(B, H, m, 1, c, D)

@@ -42,12 +42,12 @@ from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.rerank import Rerank
 from sparseattn.methods.rest import MergedRest
 from sparseattn.summaries.base import Shortlist
-from sparseattn.vllm.paged import PagedPolicy, PageStep
+from sparseattn.vllm.paged import KVFormat, PagedPolicy, PageStep
 from sparseattn.vllm.profile import active, python_part
 
 __all__ = [
     "ALLOC_NONE", "ALLOC_POOLED", "ALLOC_TOPK", "BOUND", "FIXED", "SPLIT", "SPLIT_ALLOCATE", "SPLIT_ATTEND", "SPLIT_SCORE",
-    "DecodeArgs", "PageStore", "SplitArgs", "SplitCall", "StepPlan", "c_allocation", "cache_share", "fused_decode", "fused_mode",
+    "DecodeArgs", "FP8_CODES", "PageStore", "SplitArgs", "SplitCall", "StepPlan", "c_allocation", "cache_code", "cache_share", "fused_decode", "fused_mode",
     "kernel_refusal", "step_plan", "summary_dtype", "top_k_positions",
 ]
 
@@ -300,37 +300,61 @@ def cache_share(page_bytes: Mapping[str, int], store: Mapping[str, int]) -> floa
 def fused_decode(
     policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
-    plan: StepPlan | None = None, with_selection: bool = False, out: torch.Tensor | None = None,
+    plan: StepPlan | None = None, with_selection: bool = False, out: torch.Tensor | None = None, fmt: KVFormat = KVFormat(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One decode token per sequence: ``query [B, H_q, D]`` over the paged cache -> ``([B, H_q, D] float32, selected)``.
+    """One decode token per sequence: ``query [B, H_q, D]`` over the paged cache -> ``([B, H_q, D], selected)``.
 
     Arguments as :func:`~sparseattn.vllm.paged.paged_decode`; ``mode`` from :func:`fused_mode`;
     ``store``: the layer's :class:`PageStore` (None for :data:`FIXED`); ``plan``: the step's
     :func:`step_plan` (computed here when None). ``with_selection``: also return the attended candidate
     pages ``[B, H_kv, G', kmax]`` int32 (candidate indices: logical page - sink pages; ``-1`` past a
-    list's end), else None. ``out``: a contiguous float32 ``[B, H_q, D]`` to write the result into
-    (the backend hands vLLM's float32 output rows: no copy), else a new tensor. Inside a
-    :class:`~sparseattn.vllm.profile.StepProfile` the call's phases are timed.
+    list's end), else None. ``out``: a contiguous ``[B, H_q, D]`` (float32, bfloat16 or float16) to write
+    the result into (the backend hands vLLM's output rows: no copy), else a new float32 tensor. ``fmt``: an
+    fp8 cache's format and scales (:class:`~sparseattn.vllm.paged.KVFormat`: vLLM's uint8 cache, read in place,
+    each number times its scale). Inside a :class:`~sparseattn.vllm.profile.StepProfile` the call's phases are timed.
     """
     prof = active()
     if prof is None:
-        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out)
+        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out, fmt)
     with prof.call():
-        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out)
+        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out, fmt)
+
+
+#: vLLM's fp8 KV cache dtypes as ``paged_kernels.c`` numbers them (a uint8 cache of e4m3fn or e5m2 numbers), and the
+#: factor the kernel's reading of each leaves out (it reads an e4m3fn byte as a float16 2^8 times smaller: exact).
+FP8_CODES = {"fp8": 3, "fp8_e4m3": 3, "fp8_e5m2": 4}
+_FP8_FACTOR = {3: 256.0, 4: 1.0}
+
+
+def cache_code(kv_cache: torch.Tensor, fmt: KVFormat) -> tuple[int, float, float]:
+    """``(dtype code, key multiplier, value multiplier)`` of a cache as the kernel reads it (ValueError: not readable).
+
+    >>> cache_code(torch.zeros(1, dtype=torch.uint8), KVFormat("fp8_e4m3", 0.5, 2.0))
+    (3, 128.0, 512.0)
+    """
+    if fmt.fp8 is not None:
+        if kv_cache.dtype != torch.uint8 or fmt.dtype not in FP8_CODES:
+            raise ValueError(f"fused paged decode: an {fmt.dtype!r} cache of {kv_cache.dtype}; allowed: a uint8 cache of "
+                             f"{sorted(FP8_CODES)}")  # fmt: skip
+        code = FP8_CODES[fmt.dtype]
+        return code, fmt.k_scale * _FP8_FACTOR[code], fmt.v_scale * _FP8_FACTOR[code]
+    if kv_cache.dtype not in DTYPE_CODES or (kv_cache.dtype == torch.float16 and not _library().sa_paged_float16_supported()):
+        raise ValueError(f"fused paged decode: cache dtype {kv_cache.dtype} is not supported; allowed: float32, bfloat16, "
+                         f"float16, or a uint8 fp8 cache with its KVFormat")  # fmt: skip
+    return DTYPE_CODES[kv_cache.dtype], 1.0, 1.0
 
 
 def _fused_decode(
     policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan | None,
-    with_selection: bool, out: torch.Tensor | None,
+    with_selection: bool, out: torch.Tensor | None, fmt: KVFormat,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     lib = _library()
     if mode not in (BOUND, FIXED, SPLIT):
         raise ValueError(f"fused paged decode: mode {mode!r}; allowed: BOUND ({BOUND}), FIXED ({FIXED}), SPLIT ({SPLIT}) (fused_mode)")
     N, H, bs, two_d = kv_cache.shape
     B, H_q, D = query.shape
-    if kv_cache.dtype not in DTYPE_CODES or (kv_cache.dtype == torch.float16 and not lib.sa_paged_float16_supported()):
-        raise ValueError(f"fused paged decode: cache dtype {kv_cache.dtype} is not supported; allowed: float32, bfloat16, float16")
+    code, k_mul, v_mul = cache_code(kv_cache, fmt)
     if two_d != 2 * D or H_q % H or not kv_cache.is_contiguous():
         raise ValueError(f"fused paged decode: cache {tuple(kv_cache.shape)} (contiguous: {kv_cache.is_contiguous()}) does "
                          f"not fit queries {tuple(query.shape)}; expected a contiguous [N, H_kv, bs, 2 * D] with H_q % H_kv == 0")
@@ -363,7 +387,7 @@ def _fused_decode(
         call = plan.calls.get(key)
         if call is None:
             call = plan.calls[key] = SplitCall(policy, plan, kv_cache, query, scale, softcap, r)
-        call(store, kv_cache, query, block_table, seq_lens, out)
+        call(store, kv_cache, query, block_table, seq_lens, out, code, k_mul, v_mul)
         return out, call.selected(max(plan.kmax, 1)) if with_selection else None
     q = query.contiguous()
     table = block_table.to(torch.int32).contiguous()
@@ -374,7 +398,7 @@ def _fused_decode(
         q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), plan.plan.data_ptr(),
         None if store is None else store.summary.data_ptr(), None if store is None or store.summary2 is None else store.summary2.data_ptr(),
         None if store is None else store.state.data_ptr(), None if selected is None else selected.data_ptr(), out.data_ptr(),
-        N, H, bs, D, r, G, B, table.shape[1], kmax, float(scale), float(softcap or 0.0), DTYPE_CODES[kv_cache.dtype],
+        N, H, bs, D, r, G, B, table.shape[1], kmax, float(scale), float(softcap or 0.0), k_mul, v_mul, code,
         DTYPE_CODES[q.dtype], DTYPE_CODES[out.dtype], mode, int(shared), torch.get_num_threads(),
     )  # fmt: skip
     _check(lib.sa_paged_decode(ctypes.byref(args)))
@@ -412,7 +436,7 @@ class SplitArgs(ctypes.Structure):
     _fields_ = _fields(
         (ctypes.c_void_p, "q cache block_table seq_lens plan pool summary state sums sums_state coarse short_ix exact always kept chosen out"),
         (ctypes.c_int64, "N H bs D r G B bt_stride S_max M_max per_block"),
-        (ctypes.c_float, "scale softcap root unused"),
+        (ctypes.c_float, "scale softcap root k_mul v_mul"),
         (ctypes.c_int32, "dtype q_dtype out_dtype shared summary_bf16 segment_rows allocation threads"),
     )
 
@@ -424,7 +448,7 @@ class DecodeArgs(ctypes.Structure):
     _fields_ = _fields(
         (ctypes.c_void_p, "q cache block_table seq_lens plan summary summary2 state selected out"),
         (ctypes.c_int64, "N H bs D r G B bt_stride kmax"),
-        (ctypes.c_float, "scale softcap"),
+        (ctypes.c_float, "scale softcap k_mul v_mul"),
         (ctypes.c_int32, "dtype q_dtype out_dtype mode shared threads"),
     )
 
@@ -515,7 +539,7 @@ class SplitCall:
             None, None, None, None, rows.data_ptr(), None if self.pool is None else self.pool.data_ptr(), None, None, None, None,
             self.coarse.data_ptr(), self.short.data_ptr(), self.exact.data_ptr(), self.always.data_ptr(), self.kept.data_ptr(),
             self.chosen.data_ptr(), None, N, H, bs, D, r, G, B, 0, S_max, M_max, 0 if rest is None else min(rest.per_block, 2**62),
-            float(scale), float(softcap or 0.0), math.sqrt(scale), 0.0, DTYPE_CODES[kv_cache.dtype], DTYPE_CODES[query.dtype],
+            float(scale), float(softcap or 0.0), math.sqrt(scale), 1.0, 1.0, 0, DTYPE_CODES[query.dtype],
             DTYPE_CODES[torch.float32], int(policy.shared_selection), 0, 0, self.allocation, 1,
         )  # fmt: skip
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (the step's block table, as the kernel reads it)
@@ -545,7 +569,7 @@ class SplitCall:
         return have[1]
 
     def __call__(self, store: PageStore, kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                 seq_lens: torch.Tensor, out: torch.Tensor, code: int, k_mul: float, v_mul: float) -> torch.Tensor:  # fmt: skip
         if self.merged and store.sums is None:
             raise ValueError("fused paged decode: a merged rest needs a PageStore made with sums=True")
         lib = _library()
@@ -553,6 +577,7 @@ class SplitCall:
         a = self.args
         q = query if query.is_contiguous() else query.contiguous()
         a.q, a.q_dtype, a.cache, a.out, a.out_dtype = q.data_ptr(), DTYPE_CODES[q.dtype], kv_cache.data_ptr(), out.data_ptr(), DTYPE_CODES[out.dtype]
+        a.dtype, a.k_mul, a.v_mul = code, k_mul, v_mul
         a.block_table, a.bt_stride, a.seq_lens = table.data_ptr(), table.shape[1], self._int32("_lens", seq_lens).data_ptr()
         a.summary, a.state = store.summary.data_ptr(), store.state.data_ptr()
         a.sums = None if store.sums is None else store.sums.data_ptr()

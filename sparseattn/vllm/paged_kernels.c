@@ -34,7 +34,7 @@
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime, for the profile */
 #include <float.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stddef.h>
@@ -176,6 +176,25 @@ static inline __attribute__((always_inline)) sa_v16 load16(const char *src, int 
 #endif
         memcpy(&f, &w, sizeof f);
     }
+    else if (dtype == SA_FP8_E4M3 || dtype == SA_FP8_E5M2) {
+#if defined(__AVX512F__)
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+        w = dtype == SA_FP8_E5M2 ? _mm256_slli_epi16(w, 8)
+                                 : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                                   _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+        const __m512 x = _mm512_cvtph_ps(w);
+        memcpy(&f, &x, sizeof f);
+#elif defined(__AVX2__) && defined(__F16C__)
+        __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)src));
+        w = dtype == SA_FP8_E5M2 ? _mm_slli_epi16(w, 8)
+                                 : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                                _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+        const __m256 x = _mm256_cvtph_ps(w);
+        memcpy(&f, &x, sizeof f);
+#else
+        for (int i = 0; i < SA_LANES; ++i) f[i] = sa_half_to_float(sa_fp8_half_bits((uint8_t)src[i], dtype));
+#endif
+    }
 #ifndef SA_NO_FLOAT16
     else if (dtype == SA_F16) {
 #ifdef __AVX512F__
@@ -291,6 +310,16 @@ SA_DEFINE_FAST(f32)
 SA_DEFINE_FAST(bf16)
 #undef SA_DT
 #undef SA_ELEM
+#define SA_DT SA_FP8_E4M3
+#define SA_ELEM 1
+SA_DEFINE_FAST(e4m3)
+#undef SA_DT
+#undef SA_ELEM
+#define SA_DT SA_FP8_E5M2
+#define SA_ELEM 1
+SA_DEFINE_FAST(e5m2)
+#undef SA_DT
+#undef SA_ELEM
 #ifndef SA_NO_FLOAT16
 #define SA_DT SA_F16
 #define SA_ELEM 2
@@ -314,6 +343,8 @@ static void page_logits_ahead(const sa_pages *c, const char *keys, int n, const 
      * conversion per channel (measured: 6.2 against 8.4 ms for the scores at 8k x 8 with 4-token segments). */
     if (fast_shape(c)) {
         if (c->dtype == SA_BF16) page_logits_bf16(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
+        else if (c->dtype == SA_FP8_E4M3) page_logits_e4m3(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
+        else if (c->dtype == SA_FP8_E5M2) page_logits_e5m2(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
 #ifndef SA_NO_FLOAT16
         else if (c->dtype == SA_F16) page_logits_f16(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
 #endif
@@ -368,6 +399,8 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
         for (int g = 0; g < G; ++g)
             if (!rows || rows[g]) active[na++] = g;
         if (c->dtype == SA_BF16) page_values_bf16(values, n, D, active, na, p, c->bs, st->acc, next_values);
+        else if (c->dtype == SA_FP8_E4M3) page_values_e4m3(values, n, D, active, na, p, c->bs, st->acc, next_values);
+        else if (c->dtype == SA_FP8_E5M2) page_values_e5m2(values, n, D, active, na, p, c->bs, st->acc, next_values);
 #ifndef SA_NO_FLOAT16
         else if (c->dtype == SA_F16) page_values_f16(values, n, D, active, na, p, c->bs, st->acc, next_values);
 #endif
@@ -411,11 +444,12 @@ static void attend_common(const sa_pages *c, const int32_t *table, int64_t h, in
 
 /* Each row's output, its accumulated values over its softmax sum: out[g, D] for g < G. */
 static inline uint16_t sa_float_to_bf16(float x);
-/* ... in the output's dtype (float32, or bfloat16 / float16 rounded to nearest even, as torch converts): the model's
- * own, so the layer needs no float32 buffer and no conversion after the call. out: the G rows' first element. */
-static void write_rows(const sa_softmax *st, int G, int64_t D, void *out, int out_dtype) {
+/* Each row's output, its accumulated values over its softmax sum (times v_mul, an fp8 cache's value scale), in the
+ * output's dtype (float32, or bfloat16 / float16 rounded to nearest even, as torch converts): the model's own, so the
+ * layer needs no float32 buffer and no conversion after the call. out: the G rows' first element. */
+static void write_rows(const sa_softmax *st, int G, int64_t D, void *out, int out_dtype, float v_mul) {
     for (int64_t g = 0; g < G; ++g) {
-        const float inv = st->l[g] > 0.f ? 1.f / st->l[g] : 0.f;
+        const float inv = st->l[g] > 0.f ? v_mul / st->l[g] : 0.f; /* v_mul: an fp8 cache's values are read unscaled */
         for (int64_t d = 0; d < D; ++d) {
             const float x = st->acc[g * D + d] * inv;
             if (out_dtype == SA_BF16) ((uint16_t *)out)[g * D + d] = sa_float_to_bf16(x);
@@ -426,7 +460,14 @@ static void write_rows(const sa_softmax *st, int G, int64_t D, void *out, int ou
         }
     }
 }
-static inline int64_t dtype_bytes(int dtype) { return dtype == SA_F32 ? 4 : 2; }
+static inline int64_t dtype_bytes(int dtype) { return dtype == SA_F32 ? 4 : dtype == SA_FP8_E4M3 || dtype == SA_FP8_E5M2 ? 1 : 2; }
+/* A cache dtype the paged kernel reads: float32, bfloat16, float16 (where built) and the two fp8 formats. */
+static inline int cache_dtype_ok(int dtype) {
+#ifdef SA_NO_FLOAT16
+    if (dtype == SA_F16) return 0;
+#endif
+    return dtype == SA_F32 || dtype == SA_BF16 || dtype == SA_F16 || dtype == SA_FP8_E4M3 || dtype == SA_FP8_E5M2;
+}
 
 /* Indices of the k largest of x[0..n) into out, best first (ties: the earlier index first; the order the pages are
  * then attended in, so the sums' rounding, is the insertion sort's this replaced): a min-heap of k (vals, out)
@@ -612,14 +653,14 @@ typedef struct {
     int32_t *selected;
     void *out;
     int64_t N, H, bs, D, r, G, B, bt_stride, kmax;
-    float scale, softcap;
+    float scale, softcap, k_mul, v_mul; /* k_mul, v_mul: what a stored key or value is multiplied by (fp8: scale x 2^8 for e4m3) */
     int32_t dtype, q_dtype, out_dtype, mode, shared, threads;
 } sa_decode_args;
 
 #define SA_DECODE_FIELDS(X)                                                                                                \
     X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(summary) X(summary2) X(state) X(selected) X(out) X(N) X(H) X(bs)   \
-    X(D) X(r) X(G) X(B) X(bt_stride) X(kmax) X(scale) X(softcap) X(dtype) X(q_dtype) X(out_dtype) X(mode) X(shared)      \
-    X(threads)
+    X(D) X(r) X(G) X(B) X(bt_stride) X(kmax) X(scale) X(softcap) X(k_mul) X(v_mul) X(dtype) X(q_dtype) X(out_dtype) X(mode) \
+    X(shared) X(threads)
 
 int64_t sa_paged_decode_layout(int64_t *offsets) {
     int64_t i = 0;
@@ -644,13 +685,13 @@ int sa_paged_decode(const sa_decode_args *a) {
 #ifdef SA_NO_FLOAT16
     if (a->q_dtype == SA_F16 || a->out_dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
-    if (dtype != SA_F32 && dtype != SA_BF16 && dtype != SA_F16) return SA_BAD_DTYPE;
+    if (!cache_dtype_ok(dtype)) return SA_BAD_DTYPE;
     if (mode != SA_FIXED && mode != SA_BOUND) return SA_BAD_PLAN;
     if (bs < 1 || bs > 4096 || D < 1 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r) return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
     if (dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
-    const int64_t elem = dtype == SA_F32 ? 4 : 2;
+    const int64_t elem = dtype_bytes(dtype);
     const sa_pages c = {(const char *)cache, dtype, elem, H, bs, D, r, bs / r};
     /* Check the plan and the block table before any work; collect the stale candidate pages. */
     int64_t most_cand = 0, stale_n = 0;
@@ -733,7 +774,7 @@ int sa_paged_decode(const sa_decode_args *a) {
             sa_prof prof;
             prof_start(&prof);
             sa_to_float((const char *)a->q + (b * H + h) * G * D * dtype_bytes(a->q_dtype), a->q_dtype, G * D, qs);
-            for (int64_t i = 0; i < G * D; ++i) qs[i] *= scale;
+            for (int64_t i = 0; i < G * D; ++i) qs[i] *= scale * a->k_mul;
             sa_softmax st = {m, l, acc};
             for (int64_t g = 0; g < G; ++g) m[g] = SA_NO_SCORE, l[g] = 0.f;
             memset(acc, 0, sizeof(float) * (size_t)(G * D));
@@ -802,7 +843,7 @@ int sa_paged_decode(const sa_decode_args *a) {
                     for (int64_t t = from; t < kmax; ++t) sel[t] = (!select && t < n_cand && k > 0) ? (int32_t)t : -1;
                 }
             }
-            write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype);
+            write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype, a->v_mul);
             prof_mark(&prof, SA_PH_ATTEND_SELECTED, sel_bytes);
             prof_flush(&prof);
         }
@@ -991,14 +1032,14 @@ typedef struct {
     void *out;                  /* [B, H, G, D] of out_dtype */
     int64_t N, H, bs, D, r, G, B, bt_stride, S_max, M_max;
     int64_t per_block;          /* candidates per merged block; 0: no merged rest */
-    float scale, softcap, root, unused;
+    float scale, softcap, root, k_mul, v_mul; /* k_mul, v_mul: what a stored key or value is multiplied by (fp8) */
     int32_t dtype, q_dtype, out_dtype, shared, summary_bf16, segment_rows, allocation, threads;
 } sa_split_args;
 
 #define SA_SPLIT_FIELDS(X)                                                                                                 \
     X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(pool) X(summary) X(state) X(sums) X(sums_state) X(coarse) X(short_ix)      \
     X(exact) X(always) X(kept) X(chosen) X(out) X(N) X(H) X(bs) X(D) X(r) X(G) X(B) X(bt_stride) X(S_max) X(M_max)         \
-    X(per_block) X(scale) X(softcap) X(root) X(unused) X(dtype) X(q_dtype) X(out_dtype) X(shared) X(summary_bf16) \
+    X(per_block) X(scale) X(softcap) X(root) X(k_mul) X(v_mul) X(dtype) X(q_dtype) X(out_dtype) X(shared) X(summary_bf16) \
     X(segment_rows) X(allocation) X(threads)
 
 /* offsets[i] = the offset of the struct's i-th field (in SA_SPLIT_FIELDS order); returns its size. */
@@ -1088,9 +1129,9 @@ static void split_score_item(const sa_split_args *a, const sa_pages *c, int64_t 
     prof_start(&prof);
     const int64_t pages = (L + bs - 1) / bs, n_pc = n_cand / r;
     const int32_t *table = a->block_table + b * a->bt_stride;
-    const int64_t q_elem = a->q_dtype == SA_F32 ? 4 : 2;
+    const int64_t q_elem = dtype_bytes(a->q_dtype);
     sa_to_float((const char *)a->q + (b * H + h) * G * D * q_elem, a->q_dtype, G * D, s->qr); /* qr: the raw query first */
-    for (int64_t i = 0; i < G * D; ++i) s->qs[i] = s->qr[i] * a->scale;
+    for (int64_t i = 0; i < G * D; ++i) s->qs[i] = s->qr[i] * a->scale * a->k_mul; /* keys are read as stored */
     /* bf16 centroids hold the scaled keys' means: scored against the query times root (the generic path's
      * q.root . mean(k.root)); float32 ones hold the raw means, scored against the query times scale. */
     for (int64_t i = 0; i < G * D; ++i) s->qr[i] *= a->root;
@@ -1372,6 +1413,8 @@ static inline __attribute__((always_inline)) void runs_block(const sa_run *runs,
     }
 SA_DEFINE_RUNS(f32, SA_F32, 4)
 SA_DEFINE_RUNS(bf16, SA_BF16, 2)
+SA_DEFINE_RUNS(e4m3, SA_FP8_E4M3, 1)
+SA_DEFINE_RUNS(e5m2, SA_FP8_E5M2, 1)
 #ifndef SA_NO_FLOAT16
 SA_DEFINE_RUNS(f16, SA_F16, 2)
 #endif
@@ -1417,6 +1460,8 @@ static void run_values(const sa_pages *c, const char *values, int n, const float
         if ((by >> (shared ? 0 : g)) & 1) active[na++] = g;
     if (fast_shape(c)) {
         if (c->dtype == SA_BF16) page_values_bf16(values, n, c->D, active, na, w, T, acc, NULL);
+        else if (c->dtype == SA_FP8_E4M3) page_values_e4m3(values, n, c->D, active, na, w, T, acc, NULL);
+        else if (c->dtype == SA_FP8_E5M2) page_values_e5m2(values, n, c->D, active, na, w, T, acc, NULL);
 #ifndef SA_NO_FLOAT16
         else if (c->dtype == SA_F16) page_values_f16(values, n, c->D, active, na, w, T, acc, NULL);
 #endif
@@ -1448,9 +1493,9 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
     const float log_seg = logf((float)seg);
     sa_prof prof;
     prof_start(&prof);
-    const int64_t q_elem = a->q_dtype == SA_F32 ? 4 : 2;
+    const int64_t q_elem = dtype_bytes(a->q_dtype);
     sa_to_float((const char *)a->q + (b * H + h) * G * D * q_elem, a->q_dtype, G * D, s->qs);
-    for (int64_t i = 0; i < G * D; ++i) s->qs[i] *= a->scale;
+    for (int64_t i = 0; i < G * D; ++i) s->qs[i] *= a->scale * a->k_mul;
     sa_softmax st = {s->m, s->l, s->acc};
     for (int64_t g = 0; g < G; ++g) s->m[g] = SA_NO_SCORE, s->l[g] = 0.f;
     memset(s->acc, 0, sizeof(float) * (size_t)(G * D));
@@ -1462,7 +1507,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
         prof_mark(&prof, SA_PH_ATTEND_ALWAYS, (double)common * (key_bytes(c, 0, bs) + value_bytes(c, 0, bs)));
     }
     if (!select) {
-        write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype);
+        write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype, a->v_mul);
         prof_flush(&prof);
         return;
     }
@@ -1633,6 +1678,8 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
     if (taken) memset(taken, 0, sizeof(float) * (size_t)(n_blocks * Gs * D));
     if (in_registers) {
         if (c->dtype == SA_BF16) runs_values_bf16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else if (c->dtype == SA_FP8_E4M3) runs_values_e4m3(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else if (c->dtype == SA_FP8_E5M2) runs_values_e5m2(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
 #ifndef SA_NO_FLOAT16
         else if (c->dtype == SA_F16) runs_values_f16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
 #endif
@@ -1724,7 +1771,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
         }
     }
     prof_mark(&prof, SA_PH_REST, 0.0);
-    write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype);
+    write_rows(&st, (int)G, D, (char *)a->out + (b * H + h) * G * D * dtype_bytes(a->out_dtype), a->out_dtype, a->v_mul);
     prof_mark(&prof, SA_PH_SETUP, 0.0);
     prof_flush(&prof);
 }
@@ -1732,7 +1779,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
 /* The split step's phases (see the top of this section) for the sequences of args; returns a status. */
 int sa_paged_split(const sa_split_args *a, int phases) {
     const int64_t N = a->N, H = a->H, bs = a->bs, D = a->D, r = a->r, G = a->G, B = a->B;
-    if (a->dtype != SA_F32 && a->dtype != SA_BF16 && a->dtype != SA_F16) return SA_BAD_DTYPE;
+    if (!cache_dtype_ok(a->dtype)) return SA_BAD_DTYPE;
     if (a->q_dtype != SA_F32 && a->q_dtype != SA_BF16 && a->q_dtype != SA_F16) return SA_BAD_DTYPE;
     if (a->out_dtype != SA_F32 && a->out_dtype != SA_BF16 && a->out_dtype != SA_F16) return SA_BAD_DTYPE;
     if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r || a->S_max < 1 || a->M_max < 1 ||
@@ -1744,7 +1791,7 @@ int sa_paged_split(const sa_split_args *a, int phases) {
 #ifdef SA_NO_FLOAT16
     if (a->dtype == SA_F16 || a->q_dtype == SA_F16 || a->out_dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
-    const sa_pages c = {(const char *)a->cache, a->dtype, a->dtype == SA_F32 ? 4 : 2, H, bs, D, r, bs / r};
+    const sa_pages c = {(const char *)a->cache, a->dtype, dtype_bytes(a->dtype), H, bs, D, r, bs / r};
     int64_t most_cand, most_m;
     int status = check_step(N, B, bs, r, a->block_table, a->bt_stride, a->seq_lens, a->plan, &most_cand, &most_m);
     if (status) return status;
@@ -1785,8 +1832,8 @@ int sa_paged_split(const sa_split_args *a, int phases) {
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096];
             const int64_t blk = stale[i / H], h = i % H;
-            if (summary16)
-                summarise(&c, SA_CENTROID, blk, h, NULL, NULL, summary16 + (blk * H + h) * r * D, a->root, row);
+            if (summary16) /* the means of the keys times root, dequantised (k_mul) as the generic path's are */
+                summarise(&c, SA_CENTROID, blk, h, NULL, NULL, summary16 + (blk * H + h) * r * D, a->root * a->k_mul, row);
             else
                 summarise(&c, SA_CENTROID, blk, h, summary + (blk * H + h) * r * D, NULL, NULL, 1.f, row);
         }

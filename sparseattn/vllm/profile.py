@@ -44,6 +44,7 @@ PHASE_WHAT = {
     "allocate (python)": "the allocation in Python (any other than PooledMass over a shortlist)",
     "glue": "Python and ctypes around the C calls: checks, scratch, conversions",
     "layer": "the attention layer's own Python around the fused step (vLLM's forward, the metadata, the output rows)",
+    "prefill in mixed steps": "vLLM's kernel over the prefill requests of a step that also decodes (continuous batching)",
 }
 
 _ACTIVE: StepProfile | None = None
@@ -141,10 +142,12 @@ class StepProfile:
         parts = [(name, self.ns[name], self.bytes[name]) for name in C_PHASES if self.ns[name] or self.bytes[name]]
         parts += [(name, ns, 0.0) for name, ns in self.python_ns.items()]
         if self.calls:
-            accounted = sum(ns for name, ns, _ in parts if name != "plan")  # the plan is per step, outside the calls
+            outside = ("plan", "prefill in mixed steps")  # per step, or in the layer: outside the fused calls
+            accounted = sum(ns for name, ns, _ in parts if name not in outside)
             parts.append(("glue", max(self.wall_ns - accounted, 0.0), 0.0))
-        if self.layer_ns:
-            parts.append(("layer", max(self.layer_ns - self.wall_ns, 0.0), 0.0))
+        if self.layer_ns:  # the layers' forward calls less the fused calls and a mixed step's prefill (own parts)
+            layer = self.layer_ns - self.wall_ns - self.python_ns.get("prefill in mixed steps", 0.0)
+            parts.append(("layer", max(layer, 0.0), 0.0))
         rows = []
         for name, ns, nbytes in parts:
             gbps = nbytes / ns if ns > 0 else 0.0  # bytes per ns = GB/s
