@@ -50,7 +50,7 @@ import torch
 
 from sparseattn.machine import cpu_model
 from sparseattn.cli.common import parse_method
-from sparseattn.vllm.paged import PagedPolicy, attend_pages, choose_pages, page_views
+from sparseattn.vllm.paged import KVFormat, PagedPolicy, attend_pages, choose_pages, page_views
 from sparseattn.bandwidth import read_bandwidth
 from sparseattn.vllm.paged_kernel import PageStore, fused_decode, fused_mode, step_plan, summary_dtype
 from sparseattn.vllm.profile import PHASE_WHAT, StepProfile
@@ -76,8 +76,18 @@ def make_cache(batch: int, length: int, bs: int, H: int, D: int, dtype: torch.dt
     return cache.to(dtype), table.contiguous()
 
 
-def vllm_kernel(cache, table, lens, query, scale):
-    """Stock vLLM's decode: its CPU paged kernel over each sequence's own block table."""
+def fp8_cache(cache: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """``cache`` as vLLM's fp8 cache (uint8 bytes of float8 numbers, each key / k_scale and value / v_scale)."""
+    out = torch.empty(cache.shape, dtype=torch.uint8)
+    keys_t, values = page_views(cache)
+    stored_k, stored_v = page_views(out, fmt)
+    stored_k.copy_((keys_t.float() / fmt.k_scale).to(fmt.fp8))
+    stored_v.copy_((values.float() / fmt.v_scale).to(fmt.fp8))
+    return out
+
+
+def vllm_kernel(cache, table, lens, query, scale, fmt: KVFormat = KVFormat()):
+    """Stock vLLM's decode: its CPU paged kernel over each sequence's own block table (an fp8 cache with its scales)."""
     from vllm import _custom_ops as ops
 
     N, H, bs, two_d = cache.shape
@@ -85,8 +95,8 @@ def vllm_kernel(cache, table, lens, query, scale):
     key_cache, value_cache = cache.view(N, H, 2 * bs, D).chunk(2, dim=2)
     starts = torch.arange(B + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=B, num_heads=H_q, num_kv_heads=H, head_dim=D, seq_lens=lens, dtype=cache.dtype, query_start_loc=starts,
-        causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+        num_reqs=B, num_heads=H_q, num_kv_heads=H, head_dim=D, seq_lens=lens, dtype=query.dtype, query_start_loc=starts,
+        causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False, kv_cache_dtype=fmt.dtype,
     )  # fmt: skip
     out = torch.empty_like(query)
 
@@ -94,7 +104,7 @@ def vllm_kernel(cache, table, lens, query, scale):
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts, seq_lens=lens,
             scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-            scheduler_metadata=metadata, s_aux=None,
+            scheduler_metadata=metadata, s_aux=None, k_scale=fmt.k_scale, v_scale=fmt.v_scale, kv_cache_dtype=fmt.dtype,
         )  # fmt: skip
         return out
 
@@ -107,6 +117,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--shared", action="store_true", help="every sequence on the same blocks (prefix caching)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                        help="the cache's numbers: auto (--dtype) or vLLM's fp8 formats (one byte each, scale 1; queries in --dtype)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--methods", nargs="+", default=["dense", "quest", "radar+"], help="method specs NAME[:key=value,...]")
@@ -148,6 +160,9 @@ def main() -> None:
     H, G, D, bs = 3, 3, 64, args.block_size
     dtype = DTYPES[args.dtype]
     caches = [make_cache(args.batch, args.length, bs, H, D, dtype, args.shared, seed=i) for i in range(args.caches)]
+    fmt = KVFormat(args.kv_cache_dtype)
+    if fmt.fp8 is not None:
+        caches = [(fp8_cache(cache, fmt), table) for cache, table in caches]
     query = torch.randn(args.batch, H * G, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     lens = torch.full((args.batch,), args.length, dtype=torch.int32)
     scale = D**-0.5
@@ -157,7 +172,7 @@ def main() -> None:
     store_mib: dict[str, float] = {}
     fused_runs: set[str] = set()
     if have_vllm:
-        calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, query, scale) for cache, table in caches]
+        calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, query, scale, fmt) for cache, table in caches]
     for name in args.methods:
         policy = PagedPolicy(built[name], name, segments[name]).for_layer(args.layer, 30)
         mode = fused_mode(policy)
@@ -177,7 +192,7 @@ def main() -> None:
                     else:
                         store = PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
                     runs.append(lambda p=policy, m=mode, s=store, pl=plan, c=cache, t=table: fused_decode(
-                        p, m, s, c, query, t, lens, scale, plan=pl)[0])  # fmt: skip
+                        p, m, s, c, query, t, lens, scale, plan=pl, fmt=fmt)[0])  # fmt: skip
                     store_mib[label] = 0.0 if store is None else store.nbytes / 2**20
                 calls[label] = runs
                 fused_runs.add(label)
@@ -191,10 +206,10 @@ def main() -> None:
                 summaries = PageSummaries(cache.shape[0], bs)
 
                 def generic(p=policy, pr=params, ge=gen, su=summaries, c=cache, t=table):
-                    chosen = choose_pages(p, pr, ge, c, query, t, lens, scale, su)
+                    chosen = choose_pages(p, pr, ge, c, query, t, lens, scale, su, fmt)
                     if chosen.merged is not None:
-                        return attend_pages(query, c, t, chosen.pages, lens, scale, None, merged=chosen.merged)
-                    return kernel_attend_pages(query, c, t, chosen.pages, lens, scale, None, "vec")
+                        return attend_pages(query, c, t, chosen.pages, lens, scale, None, fmt, merged=chosen.merged)
+                    return kernel_attend_pages(query, c, t, chosen.pages, lens, scale, None, "vec", fmt)
 
                 runs.append(generic)
             calls[f"generic {name}"] = runs
@@ -242,7 +257,8 @@ def main() -> None:
 
     console = Console(width=160)
     shared = "shared blocks" if args.shared else "own blocks"
-    table_out = Table(title=f"one layer's decode attention: batch {args.batch} x {args.length} tokens ({shared}), {args.dtype}, "
+    kv_label = args.dtype if fmt.fp8 is None else f"{args.kv_cache_dtype} cache, {args.dtype} queries"
+    table_out = Table(title=f"one layer's decode attention: batch {args.batch} x {args.length} tokens ({shared}), {kv_label}, "
                             f"{bs}-token pages, budget {args.budget}, {args.threads} thread(s), {args.caches} caches in turn, "
                             f"median (min-max) of {args.repeats * args.caches} calls")  # fmt: skip
     cols = ["run", "us / call", "min-max us", f"vs {reference}", "vs fused dense", "page store MiB"]
@@ -270,7 +286,8 @@ def main() -> None:
             part_table.add_row(part["part"], f"{part['us']:.0f}", f"{part['mb']:.2f}", f"{part['gbps']:.1f}" if part["mb"] else "",
                                share, PHASE_WHAT.get(part["part"], ""))  # fmt: skip
         console.print(part_table)
-    out = args.out or REPO / "benchmarks" / "results" / f"paged-kernel-{args.dtype}-b{args.batch}-L{args.length}.json"
+    kv_name = args.dtype if fmt.fp8 is None else args.kv_cache_dtype
+    out = args.out or REPO / "benchmarks" / "results" / f"paged-kernel-{kv_name}-b{args.batch}-L{args.length}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
                "cpu_capability": torch.backends.cpu.get_cpu_capability(), **cpu_model()}  # fmt: skip

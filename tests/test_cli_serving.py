@@ -78,6 +78,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "bench method twice": (bench + ["-m", "quest", "-m", "quest:budget=1024"], ["'--method'", "quest (1024), 16-token segments given twice"]),
         "bench out not json": (bench + ["--out", "table.txt"], ["'--out'", "not a .json file"]),
         "bench dtype": (bench + ["--dtype", "float16"], ["'--dtype'", "'float16' is not allowed", "bfloat16, float32"]),
+        "bench kv cache dtype": (bench + ["--kv-cache-dtype", "int8"], ["'--kv-cache-dtype'", "'int8' is not allowed", "auto, fp8, fp8_e4m3, fp8_e5m2"]),
         "bench yarn 1": (bench + ["--yarn", "1"], ["'--yarn'", "1.0 is out of range", "> 1"]),
         "bench beyond the stretched window": (bench + ["--yarn", "2", "--context", "8150", "--steps", "32"],
                                               ["'--context' / '--steps'", "8215 positions", "model's 8192"]),

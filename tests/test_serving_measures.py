@@ -102,3 +102,26 @@ def test_each_bad_size_names_its_option(args, option):
     assert [o for o, _ in serving.option_problems(*args)] == [option]
     assert serving.option_problems(8000, 8, 64, 3, 32, window=8192) == []
     assert serving.option_problems(8100, 8, 64, 3, 32, window=8192)[0][0] == "--context / --steps"
+
+
+def test_a_profile_per_step_is_the_long_run_less_the_one_token_run():
+    """``--profile`` times the 1-token run and the run of steps + 1 tokens as the measurement does: the decode steps'
+    parts are the difference, per step, and 'other' is the step's time the parts do not account for."""
+    one = {"steps": 1, "calls": 30, "parts": {"score": {"ns": 1e6, "bytes": 1e6}, "prefill in mixed steps": {"ns": 5e6, "bytes": 0}}}
+    many = {"steps": 5, "calls": 150, "parts": {"score": {"ns": 9e6, "bytes": 5e6}, "prefill in mixed steps": {"ns": 5e6, "bytes": 0},
+                                                "plan": {"ns": 4e5, "bytes": 0}}}  # fmt: skip
+    diff = serving.profile_difference(many, one)
+    assert diff["steps"] == 4 and diff["calls"] == 120
+    assert diff["parts"]["score"] == {"ns": 8e6, "bytes": 4e6} and diff["parts"]["prefill in mixed steps"]["ns"] == 0
+    assert diff["parts"]["plan"]["ns"] == 4e5  # a part the short run lacks counts 0 there
+    prof = serving.step_profile(diff, 5.0, steps=4)
+    by = {p["part"]: p for p in prof["parts"]}
+    assert by["score"]["ms"] == 2.0 and by["score"]["mb"] == 1.0 and by["plan"]["ms"] == 0.1
+    assert prof["other_ms"] == pytest.approx(5.0 - 2.0 - 0.1)
+    rows = [{"run": "radar+", "profile": prof}, {"run": "stock"}]
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(serving.profile_table(rows, 12.0))
+    text = console.export_text()
+    assert "radar+" in text and "2.00 (1 MB, 0.5 GB/s)" in text and "other" in text and "stock" not in text

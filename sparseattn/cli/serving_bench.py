@@ -43,6 +43,8 @@ def serving_bench(
     yarn: float | None = typer.Option(None, help="stretch the model's RoPE window this many times by YaRN (> 1; vLLM "
                                       "hf_overrides), for contexts beyond the trained window: untrained, every row is labelled so"),
     out: Path | None = typer.Option(None, help="the JSON, rewritten after every round (default: results/serving-c<context>-b<batch>.json)"),
+    kv_cache_dtype: str = typer.Option("auto", help="every engine's KV cache: auto (the model's dtype) or fp8, fp8_e4m3, "
+                                       "fp8_e5m2 (vLLM's one-byte memory tier; the plugin reads it in its fused step)"),
     profile: bool = typer.Option(False, "--profile", help="after the rounds, time one more measurement of each plugin run "
                                  "part by part (the fused step's phases with the bytes they read, the plan, the Python around "
                                  "them, and the rest of the step) and print where a decode step goes"),
@@ -66,6 +68,8 @@ def serving_bench(
         read_text(name, "--text")  # an unknown name refused (with close matches), a known one fetched now, not mid-run
     if dtype not in ("bfloat16", "float32"):
         raise bad("--dtype", f"{dtype!r} is not allowed; allowed: bfloat16, float32")
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise bad("--kv-cache-dtype", f"{kv_cache_dtype!r} is not allowed; allowed: auto, fp8, fp8_e4m3, fp8_e5m2")
     if block_size is not None and (block_size < 32 or block_size % 32):
         raise bad("--block-size", f"{block_size} is not allowed; allowed: a multiple of 32 (vLLM's CPU attention backend takes MultipleOf(32))")
     from sparseattn.evaluation.vllm_ppl import DEFAULT_BLOCK_SIZE
@@ -119,7 +123,8 @@ def serving_bench(
 
     args = {"model": model, "method": method, "budget": budget, "context": context, "batch": batch, "steps": steps, "runs": runs,
             "held": held, "texts": texts, "dtype": dtype, "float32": float32, "shared": shared, "kv_cache_gib": kv_cache_gib,
-            "block_size": block_size, "segment": segment, "yarn": yarn, "out": out, "profile": profile}  # fmt: skip
+            "block_size": block_size, "segment": segment, "yarn": yarn, "out": out, "profile": profile,
+            "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
 
     def checkpoint(machine, rows, complete=False):
         serving.write(out, machine, str(info.directory), args, rows, complete=complete)
@@ -127,7 +132,7 @@ def serving_bench(
     machine, rows = serving.run(
         str(info.directory), plan, context=context, batch=batch, steps=steps, rounds=runs, held=held, shared=shared, dtype=dtype,
         kv_cache_gib=kv_cache_gib, block_size=block_size, hf_overrides=overrides, say=lambda line: console.print(line, markup=False, highlight=False),
-        checkpoint=checkpoint, texts=texts, profile=profile,
+        checkpoint=checkpoint, texts=texts, profile=profile, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     checkpoint(machine, rows, complete=True)
     console.print(serving.table(rows, rounds=runs))

@@ -471,6 +471,7 @@ def run(
     checkpoint: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
     texts: Sequence[str] | None = None,
     profile: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start the engines, time every run on every workload in alternation, then measure quality: ``(machine, rows)``.
 
@@ -478,7 +479,8 @@ def run(
     with the rows so far after every round and at the end (results are written as they come). ``profile``: after
     the rounds, one more measurement of every plugin run with its decode steps timed part by part
     (:func:`step_profile`). The machine's read bandwidth is measured before any engine starts
-    (:func:`sparseattn.bandwidth.machine_bandwidth`) and recorded with the machine.
+    (:func:`sparseattn.bandwidth.machine_bandwidth`) and recorded with the machine. ``kv_cache_dtype``: every
+    engine's KV cache (vLLM's ``kv_cache_dtype``: ``"auto"``, the model's dtype, or ``"fp8"`` ... : the memory tier).
     """
     if not runs or runs[0].label != STOCK:
         raise ValueError(f"the first run must be {STOCK!r}, the reference; got {[r.label for r in runs]}")
@@ -520,6 +522,7 @@ def run(
         engines[name] = start_engine(
             model, dtype=engine_dtype, kv_cache_gib=gib, max_model_len=max_len, block_size=block_size, method=method,
             hf_overrides=hf_overrides, gpu_memory_utilization=0.2,  # host memory on the CPU platform: engines run side by side
+            **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}),
         )  # fmt: skip
         ready = time.perf_counter()
         for prompts in workloads.values():
@@ -550,7 +553,8 @@ def run(
 
     def rows_now() -> list[dict[str, Any]]:
         return _rows(runs, measured, workloads, info, hf_config, batch=batch, context=context, steps=steps, dtype=dtype,
-                     started=started, prefilled=prefilled, block_size=block_size, hf_overrides=hf_overrides, prompts=rows_in)  # fmt: skip
+                     started=started, prefilled=prefilled, block_size=block_size, hf_overrides=hf_overrides, prompts=rows_in,
+                     kv_cache_dtype=kv_cache_dtype)  # fmt: skip
 
     for r in range(rounds):
         order = labels if r % 2 == 0 else labels[::-1]
@@ -669,6 +673,7 @@ def profile_table(rows: Sequence[Mapping[str, Any]], bandwidth_gbps: float | Non
 
 
 def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, dtype, started, prefilled, block_size, hf_overrides,
+          kv_cache_dtype: str = "auto",
           prompts: Sequence[Prompt] = ()) -> list[dict[str, Any]]:  # fmt: skip
     rows = []
     stock = {w: measured[STOCK, w] for w in workloads}
@@ -686,7 +691,7 @@ def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, 
                 "batch": batch, "context": context, "steps": steps, "block_size": block_size, "hf_overrides": dict(hf_overrides) if hf_overrides else None,
                 "tok_s": tok_s, "tok_s_min": min(m.tok_s), "tok_s_max": max(m.tok_s), "tok_s_all": m.tok_s,
                 "ms_step": statistics.median(m.ms_step), "attended": attended, "engine_start_s": started.get(r.engine),
-                "prefill_s": prefilled.get(r.engine),
+                "prefill_s": prefilled.get(r.engine), "kv_cache_dtype": kv_cache_dtype,
                 "fallback_steps": m.fallback_steps, **({"profile": m.profile} if m.profile else {}),
                 **step_bytes(hf_config, batch, attended, 4 if engine_dtype == "float32" else 2),
             }  # fmt: skip
