@@ -183,3 +183,54 @@ def test_the_fused_step_reads_fp8_pages_as_the_generic_path_does(fmt, name, opti
     params, gen = layer.prepare(H, D, 3)
     want = paged_decode(layer, params, gen, stored, query.float(), table, lens, D**-0.5, fmt=kv)
     torch.testing.assert_close(got, want.float(), rtol=2e-3, atol=2e-3)
+
+
+# --- vLLM's amx layout (bfloat16 on CPUs with AMX): the fused step reads it in place ---
+
+
+@pytest.mark.parametrize("bs", [32, 128])
+@pytest.mark.parametrize("name, options, segment", [
+    ("dense", {}, None), ("streamingllm", {"budget": 300}, None), ("quest", {"budget": 320}, 16), ("radar+", {"budget": 320}, None),
+    ("radar+", {"budget": 320}, 8), ("radar+adaptive", {"budget": 320}, 4), ("radar+", {"budget": 320, "split": "topp", "p": 0.9}, 8),
+    ("radar+", {"budget": 256, "bf16_centroids": True, "rest": "merged", "merge": 3}, 8),
+], ids=["dense", "streamingllm", "quest16", "radar+", "radar+seg8", "preset-seg4", "topp-seg8", "bf16-merged3-seg8"])  # fmt: skip
+def test_the_fused_step_reads_the_amx_layout_as_the_vec_one(bs, name, options, segment):
+    """The same pages in vLLM's amx layout (amx_layout) and in the vec layout: the fused step gives the same output
+    from both, every mode (a merged rest's sums, a Python allocation, the tail's odd last page included), and the
+    selection it reports is the same."""
+    from sparseattn.vllm.paged import amx_layout
+
+    H, G, D, lengths = 2, 3, 64, (1500, 701)
+    keys, values = sequences(lengths, H, D, torch.bfloat16, seed=11)
+    cache, table = paged_cache(keys, values, bs, seed=12)
+    query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    amx = amx_layout(cache)
+    assert not torch.equal(amx, cache)
+    policy = PagedPolicy(registry.build(name, **options), name, segment).for_layer(2, 30)
+    mode = fused_mode(policy)
+    lens = torch.tensor(lengths)
+    outs = []
+    for pages, layout in ((cache, "vec"), (amx, "amx")):
+        store = PageStore.for_policy(policy, mode, pages.shape[0], H, D, bs) if PageStore.kept_in(mode) else None
+        plan = step_plan(policy, lens, bs)
+        outs.append(fused_decode(policy, mode, store, pages, query, table, lens, D**-0.5, plan=plan, layout=layout,
+                                 with_selection=mode != SPLIT or policy.method.allocation.uniform))  # fmt: skip
+    (vec_out, vec_sel), (amx_out, amx_sel) = outs
+    torch.testing.assert_close(amx_out, vec_out, rtol=1e-5, atol=1e-5)
+    if vec_sel is not None:
+        assert torch.equal(amx_sel, vec_sel)
+
+
+def test_a_policy_or_cache_the_amx_layout_does_not_hold_is_refused_before_any_work():
+    from sparseattn.vllm.paged_kernel import amx_refusal
+
+    assert amx_refusal(PagedPolicy(registry.build("radar"), "radar"), torch.bfloat16, 128, 64) is not None  # the generic path
+    assert "16-token segments" not in (amx_refusal(PagedPolicy(registry.build("quest"), "quest", 16), torch.bfloat16, 128, 64) or "")
+    assert "8-token segments" in amx_refusal(PagedPolicy(registry.build("quest"), "quest", 8), torch.bfloat16, 128, 64)
+    assert "float32" in amx_refusal(PagedPolicy(registry.build("dense"), "dense"), torch.float32, 128, 64)
+    policy, store, cache, table, query, lens = _split_case()
+    with pytest.raises(ValueError, match="layout 'avx'"):
+        fused_decode(policy, SPLIT, store, cache, query, table, lens, 0.125, layout="avx")
+    with pytest.raises(ValueError, match="amx layout holds bfloat16 pages"):
+        fused_decode(policy, SPLIT, store, cache.float(), query, table, lens, 0.125, layout="amx")
+    assert int(store.state.sum()) == 0  # nothing was summarised

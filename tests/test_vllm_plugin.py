@@ -142,13 +142,14 @@ def test_vllm_kernel_attends_the_listed_pages_as_the_torch_path_does(dtype, name
 # --- the cache layouts, checked against vLLM's own cache-update op -----------------------------------------
 
 
-def written_by_vllm(isa: str, block_size: int, dtype, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
+def written_by_vllm(isa: str, block_size: int, dtype, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
+                    seed: int | None = None):
     """Random tokens written by vLLM's ``cpu_attn_reshape_and_cache`` at random slots of a fresh cache: ``(cache, keys, values, slots)``."""
     from vllm import _custom_ops as ops
 
     H, D, T = 2, 64, 150
     N = -(-T // block_size) + 3  # more slots than tokens: some pages stay empty
-    gen = torch.Generator().manual_seed(block_size + len(isa))
+    gen = torch.Generator().manual_seed(block_size + len(isa) if seed is None else seed)
     storage = torch.uint8 if kv_cache_dtype != "auto" else dtype
     cache = torch.zeros(N, H, block_size, 2 * D, dtype=storage)
     key_cache, value_cache = cache.view(N, H, 2 * block_size, D).chunk(2, dim=2)
@@ -168,6 +169,18 @@ def test_page_views_read_back_what_vllms_cache_update_wrote(isa, block_size, dty
     keys_t, pages = page_views(cache)
     block, offset = slots // block_size, slots % block_size
     assert torch.equal(keys_t[block, :, :, offset], keys) and torch.equal(pages[block, :, offset], values)
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_the_amx_layout_is_what_vllms_amx_cache_update_writes(block_size):
+    """vLLM's cache-update op for its amx kernel (it runs on any AVX-512 CPU, AMX or not) writes exactly what
+    ``amx_layout`` makes of the vec layout of the same tokens: the layout the fused step reads in place on AMX CPUs,
+    where the engine keeps vLLM's amx kernel (and its prefill speed)."""
+    from sparseattn.vllm.paged import amx_layout, vec_layout
+
+    amx, *_ = written_by_vllm("amx", block_size, torch.bfloat16, seed=7)
+    vec, *_ = written_by_vllm("vec", block_size, torch.bfloat16, seed=7)  # the same tokens at the same slots
+    assert vec.abs().sum() > 0 and torch.equal(amx, amx_layout(vec)) and torch.equal(vec_layout(amx), vec)
 
 
 def toward_zero_fp8(x: torch.Tensor, fp8) -> torch.Tensor:

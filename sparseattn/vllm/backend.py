@@ -64,7 +64,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, request_from
 from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
-from sparseattn.vllm.paged_kernel import FP8_CODES, PageStore, StepPlan, fused_decode, fused_mode, kernel_refusal, step_plan
+from sparseattn.vllm.paged_kernel import (
+    FP8_CODES, PageStore, StepPlan, amx_refusal, fused_decode, fused_mode, kernel_refusal, step_plan,
+)  # fmt: skip
 from sparseattn.vllm.profile import active, python_part
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
 
@@ -233,22 +235,35 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        picked = self.isa
-        self.isa = readable_isa(picked, str(self.dtype).removeprefix("torch."), self.block_size)
-        if self.isa != picked:
-            logger.warning_once(
-                "sparseattn: vLLM picked its %r CPU attention kernel for %s here; the paged engine does not read that "
-                "cache layout, so this engine runs vLLM's %r kernel and layout instead (prefill included: slower than "
-                "%r; docs/serving.md)", picked, str(self.dtype).removeprefix("torch."), self.isa, picked,
-            )  # fmt: skip
-            self._set_isa_to_layers(layer_names)
         request = request_from(vllm_config.additional_config)
         if request is None:
             raise ValueError("SparseCPUAttentionMetadataBuilder built with no sparseattn method requested (see sparseattn.vllm.config)")
         self.fallbacks = Fallbacks()
         self.n_layers = vllm_config.model_config.get_total_num_hidden_layers()
         self.max_len = vllm_config.model_config.max_model_len  # the longest sequence: where segment "auto" reads the grid
-        self.use(self.policy(request))
+        policy = self.policy(request)
+        picked = self.isa
+        self.isa = readable_isa(picked, str(self.dtype).removeprefix("torch."), self.block_size, self._amx_refusal(policy))
+        if self.isa != picked:
+            logger.warning_once(
+                "sparseattn: vLLM picked its %r CPU attention kernel for %s here; the paged engine does not read that "
+                "cache layout for %r (%s), so this engine runs vLLM's %r kernel and layout instead (prefill included: "
+                "slower than %r; docs/serving.md)", picked, str(self.dtype).removeprefix("torch."), policy.name,
+                self._amx_refusal(policy), self.isa, picked,
+            )  # fmt: skip
+            self._set_isa_to_layers(layer_names)
+        elif picked == "amx":
+            logger.info_once("sparseattn: the engine keeps vLLM's amx kernel and layout (prefill at its speed); the fused "
+                             "step reads that layout")  # fmt: skip
+        self.use(policy)
+
+    def _amx_refusal(self, policy: PagedPolicy) -> str | None:
+        """Why the fused step cannot read ``policy``'s pages in vLLM's amx layout on this engine (None: it can)."""
+        if self.kv_cache_dtype != "auto":
+            return f"the {self.kv_cache_dtype} cache's amx layout is not read"
+        if kernel_refusal() is not None:
+            return kernel_refusal()
+        return amx_refusal(policy, self.dtype, self.block_size, self.head_dim)
 
     def policy(self, request: MethodRequest) -> PagedPolicy:
         """``request`` as this engine runs it: a segment of ``"auto"`` resolved for this engine's pages and longest
@@ -264,6 +279,9 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         method is resolved for each of the model's layers here, once.
         """
         policy.segments_per_page(self.block_size)  # a segment that does not divide the page: refused at start-up
+        if self.isa == "amx" and (why := self._amx_refusal(policy)) is not None:
+            raise ValueError(f"sparseattn method {policy.name!r} cannot run on this engine, which keeps vLLM's amx cache layout "
+                             f"(chosen at start-up for its method): {why}; start an engine with it instead")  # fmt: skip
         refusal = fused_refusal(self.kv_cache_dtype)
         self.method = DecodeMethod.of(policy, self.n_layers, refusal)
         grid = "whole pages" if policy.segments_per_page(self.block_size) == 1 else f"{policy.segment}-token segments"
@@ -367,7 +385,8 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         variant = method.variant(layer_idx)
         policy, fused = method.variants[variant]
         isa = getattr(layer, "isa", None)
-        if isa not in SUPPORTED_ISAS:  # the builder made sure at start-up; a layer it did not see is answered densely
+        if isa not in SUPPORTED_ISAS and not (isa == "amx" and fused is not None):  # the builder made sure at start-up; a
+            # layer it did not see is answered densely
             raise NotImplementedError(f"this layer runs vLLM's {isa!r} CPU kernel, whose cache layout the paged engine does not read")
         if self._prepared is None:
             heads, total = self._heads
@@ -406,7 +425,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
             direct = rows is None and out.dtype in (torch.float32, torch.bfloat16, torch.float16) and out.is_contiguous()
             result, _ = fused_decode(policy, fused, self._store, kv_cache, q, step.table, step.lens, self.scale,
                                      self.logits_soft_cap or None, plan=attn_metadata.plans[variant], out=out[:n] if direct else None,
-                                     fmt=fmt)  # fmt: skip
+                                     fmt=fmt, layout="amx" if isa == "amx" else "vec")  # fmt: skip
             if not direct:
                 _put_rows(out, rows, result)
             return

@@ -46,7 +46,7 @@ from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import SegmentKeys, Shortlist, TopKAwareSummary
 
 __all__ = [
-    "FP8_FORMATS", "KVFormat", "MergedPages", "PageKeys", "PageSelection", "PageStep", "PageSummaries", "PagedPolicy",
+    "FP8_FORMATS", "KVFormat", "MergedPages", "PageKeys", "amx_layout", "layer_methods", "vec_layout", "PageSelection", "PageStep", "PageSummaries", "PagedPolicy",
     "attend_pages", "choose_pages", "merged_pages_ref", "own_segment", "page_layout", "page_sums", "page_views", "paged_decode",
     "paged_decode_ref", "select_pages",
 ]
@@ -103,12 +103,46 @@ def page_views(kv_cache: torch.Tensor, fmt: KVFormat = KVFormat()) -> tuple[torc
     return pages[:, :, 0].view(n, h, d, bs), pages[:, :, 1].view(n, h, bs, d)
 
 
-def _layer_methods(method: Any) -> list[Any]:
+def amx_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A cache in the ``vec`` layout (:func:`page_views`) rewritten in the layout of vLLM's ``amx`` kernel (bfloat16, pages
+    and head dims of multiples of 32): per (block, KV head), keys ``[bs/16, D/2, 16, 2]`` (groups of 16 tokens, each
+    token's keys of a pair of channels side by side) then values ``[D/16, bs/2, 16, 2]`` (blocks of 16 channels, each
+    channel's values of a pair of tokens side by side). A copy; checked against vLLM's own cache-update op for
+    ``amx`` (tests/test_vllm_plugin.py). The paged kernel reads it in place (``fused_decode(..., layout="amx")``);
+    :func:`vec_layout` is the way back.
+
+    >>> cache = torch.randn(3, 2, 32, 2 * 64).to(torch.bfloat16)
+    >>> torch.equal(vec_layout(amx_layout(cache)), cache)
+    True
+    """
+    n, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    if bs % 32 or d % 32:
+        raise ValueError(f"amx_layout: pages of {bs} tokens, head dim {d}; allowed: multiples of 32 (vLLM's amx kernel)")
+    keys_t, values = page_views(kv_cache)
+    out = torch.empty_like(kv_cache).view(n, h, 2, bs * d)
+    out[:, :, 0] = keys_t.reshape(n, h, d // 2, 2, bs // 16, 16).permute(0, 1, 4, 2, 5, 3).reshape(n, h, bs * d)
+    out[:, :, 1] = values.reshape(n, h, bs // 2, 2, d // 16, 16).permute(0, 1, 4, 2, 5, 3).reshape(n, h, bs * d)
+    return out.view(kv_cache.shape)
+
+
+def vec_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`amx_layout`: an ``amx``-layout cache in the ``vec`` layout (a copy)."""
+    n, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    pages = kv_cache.view(n, h, 2, bs * d)
+    out = torch.empty_like(kv_cache).view(n, h, 2, bs * d)
+    out[:, :, 0] = pages[:, :, 0].reshape(n, h, bs // 16, d // 2, 16, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, h, bs * d)
+    out[:, :, 1] = pages[:, :, 1].reshape(n, h, d // 16, bs // 2, 16, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, h, bs * d)
+    return out.view(kv_cache.shape)
+
+
+def layer_methods(method: Any) -> list[Any]:
     """Every method a per-layer choice may run in some layer (its leaves)."""
     if isinstance(method, SplitLayers):
-        return _layer_methods(method.first) + _layer_methods(method.others)
+        return layer_methods(method.first) + layer_methods(method.others)
     if isinstance(method, FirstLayers):
-        return _layer_methods(method.method)
+        return layer_methods(method.method)
     return [method]
 
 
@@ -158,7 +192,7 @@ def own_segment(method: Any, length: int, block_size: int) -> int | None:
     if length < 1 or block_size < 1:
         raise ValueError(f"own_segment: length and block_size must be >= 1, got {length} and {block_size}")
     sizes = [
-        m.schedule.plan(length, None).segment_size for m in _layer_methods(method) if isinstance(m, SegmentSearch)
+        m.schedule.plan(length, None).segment_size for m in layer_methods(method) if isinstance(m, SegmentSearch)
     ]  # fmt: skip
     if not sizes:
         return None
@@ -199,7 +233,7 @@ class PagedPolicy:
             raise ValueError(f"sparseattn method {label!r}: segment must be a positive number of tokens (a divisor of vLLM's "
                              f"block size) or None (the page), got {self.segment!r}")
         if isinstance(m, (FirstLayers, SplitLayers)):
-            for leaf in _layer_methods(m):  # every layer's own method must run here
+            for leaf in layer_methods(m):  # every layer's own method must run here
                 PagedPolicy(leaf, label, self.segment)
             return
         if isinstance(m, (Dense, StreamingLLM)):

@@ -42,12 +42,12 @@ from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.rerank import Rerank
 from sparseattn.methods.rest import MergedRest
 from sparseattn.summaries.base import Shortlist
-from sparseattn.vllm.paged import KVFormat, PagedPolicy, PageStep
+from sparseattn.vllm.paged import KVFormat, PagedPolicy, PageStep, layer_methods
 from sparseattn.vllm.profile import active, python_part
 
 __all__ = [
     "ALLOC_NONE", "ALLOC_POOLED", "ALLOC_TOPK", "BOUND", "FIXED", "SPLIT", "SPLIT_ALLOCATE", "SPLIT_ATTEND", "SPLIT_SCORE",
-    "DecodeArgs", "FP8_CODES", "PageStore", "SplitArgs", "SplitCall", "StepPlan", "c_allocation", "cache_code", "cache_share", "fused_decode", "fused_mode",
+    "DecodeArgs", "FP8_CODES", "PageStore", "SplitArgs", "SplitCall", "StepPlan", "LAYOUTS", "amx_refusal", "c_allocation", "cache_code", "cache_share", "fused_decode", "fused_mode",
     "kernel_refusal", "step_plan", "summary_dtype", "top_k_positions",
 ]
 
@@ -301,6 +301,7 @@ def fused_decode(
     policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
     plan: StepPlan | None = None, with_selection: bool = False, out: torch.Tensor | None = None, fmt: KVFormat = KVFormat(),
+    layout: str = "vec",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode token per sequence: ``query [B, H_q, D]`` over the paged cache -> ``([B, H_q, D], selected)``.
 
@@ -311,19 +312,54 @@ def fused_decode(
     list's end), else None. ``out``: a contiguous ``[B, H_q, D]`` (float32, bfloat16 or float16) to write
     the result into (the backend hands vLLM's output rows: no copy), else a new float32 tensor. ``fmt``: an
     fp8 cache's format and scales (:class:`~sparseattn.vllm.paged.KVFormat`: vLLM's uint8 cache, read in place,
-    each number times its scale). Inside a :class:`~sparseattn.vllm.profile.StepProfile` the call's phases are timed.
+    each number times its scale). ``layout``: the cache's page layout, ``"vec"`` (vLLM's ``vec``/``vec16`` kernels) or
+    ``"amx"`` (its ``amx`` kernel's: :func:`~sparseattn.vllm.paged.amx_layout`; bfloat16, read in place,
+    :func:`amx_readable` says which policies). Inside a :class:`~sparseattn.vllm.profile.StepProfile` the call's
+    phases are timed.
     """
     prof = active()
+    args = (policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out, fmt, layout)
     if prof is None:
-        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out, fmt)
+        return _fused_decode(*args)
     with prof.call():
-        return _fused_decode(policy, mode, store, kv_cache, query, block_table, seq_lens, scale, softcap, plan, with_selection, out, fmt)
+        return _fused_decode(*args)
 
 
 #: vLLM's fp8 KV cache dtypes as ``paged_kernels.c`` numbers them (a uint8 cache of e4m3fn or e5m2 numbers), and the
 #: factor the kernel's reading of each leaves out (it reads an e4m3fn byte as a float16 2^8 times smaller: exact).
 FP8_CODES = {"fp8": 3, "fp8_e4m3": 3, "fp8_e5m2": 4}
 _FP8_FACTOR = {3: 256.0, 4: 1.0}
+
+
+#: The page layouts the fused step reads: vLLM's ``vec``/``vec16`` kernels' and its ``amx`` kernel's.
+LAYOUTS = ("vec", "amx")
+
+
+def amx_refusal(policy: PagedPolicy, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
+    """Why the fused step cannot read ``policy``'s pages in vLLM's ``amx`` layout (None: it can): the layout holds bfloat16
+    pages of multiples of 32 tokens with head dims of multiples of 32, and the fused step reads it for dense,
+    streamingllm, quest on segments of whole 16-token groups and radar+ in every form on segments of an even number of
+    tokens; the generic path does not read it.
+
+    >>> from sparseattn import registry
+    >>> amx_refusal(PagedPolicy(registry.build("radar+"), "radar+", 8), torch.bfloat16, 128, 64) is None
+    True
+    >>> amx_refusal(PagedPolicy(registry.build("radar"), "radar"), torch.bfloat16, 128, 64)
+    "'radar' runs the generic path, which reads the vec layout only"
+    """
+    if dtype != torch.bfloat16 or block_size % 32 or head_dim % 32:
+        return (f"the amx layout holds bfloat16 pages of multiples of 32 tokens and head dims of multiples of 32; this cache is "
+                f"{dtype} with {block_size}-token pages and head dim {head_dim}")  # fmt: skip
+    if policy.layered:  # every layer's own method
+        reasons = (amx_refusal(PagedPolicy(leaf, policy.name, policy.segment), dtype, block_size, head_dim) for leaf in layer_methods(policy.method))
+        return next((r for r in reasons if r is not None), None)
+    mode = fused_mode(policy)
+    if mode is None:
+        return f"{policy.name!r} runs the generic path, which reads the vec layout only"
+    seg = block_size // policy.segments_per_page(block_size)
+    if (mode == BOUND and seg % 16) or (mode == SPLIT and seg % 2):
+        return f"{policy.name!r} on {seg}-token segments: the amx layout is read in groups of 16 tokens (quest) or pairs (radar+)"
+    return None
 
 
 def cache_code(kv_cache: torch.Tensor, fmt: KVFormat) -> tuple[int, float, float]:
@@ -347,7 +383,7 @@ def cache_code(kv_cache: torch.Tensor, fmt: KVFormat) -> tuple[int, float, float
 def _fused_decode(
     policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan | None,
-    with_selection: bool, out: torch.Tensor | None, fmt: KVFormat,
+    with_selection: bool, out: torch.Tensor | None, fmt: KVFormat, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     lib = _library()
     if mode not in (BOUND, FIXED, SPLIT):
@@ -355,6 +391,11 @@ def _fused_decode(
     N, H, bs, two_d = kv_cache.shape
     B, H_q, D = query.shape
     code, k_mul, v_mul = cache_code(kv_cache, fmt)
+    if layout not in LAYOUTS:
+        raise ValueError(f"fused paged decode: layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    amx = layout == "amx"
+    if amx and (refusal := amx_refusal(policy, kv_cache.dtype, bs, D)) is not None:
+        raise ValueError(f"fused paged decode: {refusal}")
     if two_d != 2 * D or H_q % H or not kv_cache.is_contiguous():
         raise ValueError(f"fused paged decode: cache {tuple(kv_cache.shape)} (contiguous: {kv_cache.is_contiguous()}) does "
                          f"not fit queries {tuple(query.shape)}; expected a contiguous [N, H_kv, bs, 2 * D] with H_q % H_kv == 0")
@@ -387,7 +428,7 @@ def _fused_decode(
         call = plan.calls.get(key)
         if call is None:
             call = plan.calls[key] = SplitCall(policy, plan, kv_cache, query, scale, softcap, r)
-        call(store, kv_cache, query, block_table, seq_lens, out, code, k_mul, v_mul)
+        call(store, kv_cache, query, block_table, seq_lens, out, code, k_mul, v_mul, amx)
         return out, call.selected(max(plan.kmax, 1)) if with_selection else None
     q = query.contiguous()
     table = block_table.to(torch.int32).contiguous()
@@ -399,7 +440,7 @@ def _fused_decode(
         None if store is None else store.summary.data_ptr(), None if store is None or store.summary2 is None else store.summary2.data_ptr(),
         None if store is None else store.state.data_ptr(), None if selected is None else selected.data_ptr(), out.data_ptr(),
         N, H, bs, D, r, G, B, table.shape[1], kmax, float(scale), float(softcap or 0.0), k_mul, v_mul, code,
-        DTYPE_CODES[q.dtype], DTYPE_CODES[out.dtype], mode, int(shared), torch.get_num_threads(),
+        DTYPE_CODES[q.dtype], DTYPE_CODES[out.dtype], mode, int(shared), torch.get_num_threads(), int(amx), 0,
     )  # fmt: skip
     _check(lib.sa_paged_decode(ctypes.byref(args)))
     return out, selected
@@ -437,7 +478,7 @@ class SplitArgs(ctypes.Structure):
         (ctypes.c_void_p, "q cache block_table seq_lens plan pool summary state sums sums_state coarse short_ix exact always kept chosen out"),
         (ctypes.c_int64, "N H bs D r G B bt_stride S_max M_max per_block"),
         (ctypes.c_float, "scale softcap root k_mul v_mul"),
-        (ctypes.c_int32, "dtype q_dtype out_dtype shared summary_bf16 segment_rows allocation threads"),
+        (ctypes.c_int32, "dtype q_dtype out_dtype shared summary_bf16 segment_rows allocation threads amx unused2"),
     )
 
 
@@ -449,7 +490,7 @@ class DecodeArgs(ctypes.Structure):
         (ctypes.c_void_p, "q cache block_table seq_lens plan summary summary2 state selected out"),
         (ctypes.c_int64, "N H bs D r G B bt_stride kmax"),
         (ctypes.c_float, "scale softcap k_mul v_mul"),
-        (ctypes.c_int32, "dtype q_dtype out_dtype mode shared threads"),
+        (ctypes.c_int32, "dtype q_dtype out_dtype mode shared threads amx unused"),
     )
 
 
@@ -569,7 +610,7 @@ class SplitCall:
         return have[1]
 
     def __call__(self, store: PageStore, kv_cache: torch.Tensor, query: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, out: torch.Tensor, code: int, k_mul: float, v_mul: float) -> torch.Tensor:  # fmt: skip
+                 seq_lens: torch.Tensor, out: torch.Tensor, code: int, k_mul: float, v_mul: float, amx: bool = False) -> torch.Tensor:  # fmt: skip
         if self.merged and store.sums is None:
             raise ValueError("fused paged decode: a merged rest needs a PageStore made with sums=True")
         lib = _library()
@@ -577,7 +618,7 @@ class SplitCall:
         a = self.args
         q = query if query.is_contiguous() else query.contiguous()
         a.q, a.q_dtype, a.cache, a.out, a.out_dtype = q.data_ptr(), DTYPE_CODES[q.dtype], kv_cache.data_ptr(), out.data_ptr(), DTYPE_CODES[out.dtype]
-        a.dtype, a.k_mul, a.v_mul = code, k_mul, v_mul
+        a.dtype, a.k_mul, a.v_mul, a.amx = code, k_mul, v_mul, int(amx)
         a.block_table, a.bt_stride, a.seq_lens = table.data_ptr(), table.shape[1], self._int32("_lens", seq_lens).data_ptr()
         a.summary, a.state = store.summary.data_ptr(), store.state.data_ptr()
         a.sums = None if store.sums is None else store.sums.data_ptr()

@@ -113,6 +113,7 @@ typedef struct {
     int dtype;
     int64_t elem, H, bs, D; /* elem: bytes per element */
     int64_t r, seg;         /* segments per page, tokens per segment (r seg = bs): candidate i is segment i % r of page i / r */
+    int amx;                /* the page layout of vLLM's amx kernel (bfloat16): see "The amx layout" below */
 } sa_pages;
 
 static inline const char *page_keys(const sa_pages *c, int64_t block, int64_t h) {
@@ -129,11 +130,41 @@ static inline const char *page_values(const sa_pages *c, int64_t block, int64_t 
 static inline int64_t cand_block(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i) {
     return table[sink_pages + i / c->r];
 }
+/* The amx layout (vLLM's amx CPU kernel, bfloat16, pages of multiples of 32 tokens; checked against its cache-update op
+ * in tests/test_vllm_plugin.py): per (block, KV head) the keys are [bs/16][D/2][16][2], groups of 16 tokens, a 64-byte
+ * line per pair of channels holding each token's two keys side by side; the values [D/16][bs/2][16][2], blocks of 16
+ * channels, a line per pair of tokens holding each channel's two values side by side. So a group of 16 tokens' keys is
+ * one contiguous run of D/2 lines, and an even token's values start a pair in each channel block.
+ * key_col / value_col: where column col's keys (a multiple of 16 in amx) or values (even in amx) start, for the loops
+ * that take a pointer and a token count. */
+static inline const char *key_col(const sa_pages *c, const char *keys, int64_t col) {
+    return keys + (c->amx ? col * c->D : col) * c->elem;
+}
+static inline const char *value_col(const sa_pages *c, const char *values, int64_t col) {
+    return values + (c->amx ? (col / 2) * 32 : col * c->D) * c->elem;
+}
 static inline const char *seg_keys(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i, int64_t h) {
-    return page_keys(c, cand_block(c, table, sink_pages, i), h) + (i % c->r) * c->seg * c->elem;
+    return key_col(c, page_keys(c, cand_block(c, table, sink_pages, i), h), (i % c->r) * c->seg);
 }
 static inline const char *seg_values(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i, int64_t h) {
-    return page_values(c, cand_block(c, table, sink_pages, i), h) + (i % c->r) * c->seg * c->D * c->elem;
+    return value_col(c, page_values(c, cand_block(c, table, sink_pages, i), h), (i % c->r) * c->seg);
+}
+/* Channel d of tokens [0, n) of a page's keys, and the D channels of its token t's values, as float32 (either layout). */
+static void key_row(const sa_pages *c, const char *keys, int64_t d, int64_t n, float *restrict row) {
+    if (!c->amx) {
+        sa_to_float(keys + d * c->bs * c->elem, c->dtype, n, row);
+        return;
+    }
+    const uint16_t *k = (const uint16_t *)keys;
+    for (int64_t t = 0; t < n; ++t) sa_bf16_to_float(row + t, k[((t / 16) * (c->D / 2) + d / 2) * 32 + (t % 16) * 2 + d % 2]);
+}
+static void value_row(const sa_pages *c, const char *values, int64_t t, float *restrict row) {
+    if (!c->amx) {
+        sa_to_float(values + t * c->D * c->elem, c->dtype, c->D, row);
+        return;
+    }
+    const uint16_t *v = (const uint16_t *)values;
+    for (int64_t d = 0; d < c->D; ++d) sa_bf16_to_float(row + d, v[((d / 16) * (c->bs / 2) + t / 2) * 32 + (d % 16) * 2 + t % 2]);
 }
 static inline int64_t seg_row(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t i, int64_t h) {
     return (cand_block(c, table, sink_pages, i) * c->H + h) * c->r + i % c->r;
@@ -331,6 +362,77 @@ SA_DEFINE_FAST(f16)
 /* Whether the vector loops apply: page size and head dim multiples of twice the lane count. */
 static inline int fast_shape(const sa_pages *c) { return c->bs % (2 * SA_LANES) == 0 && c->D % (2 * SA_LANES) == 0; }
 
+/* ---- The amx layout's vector loops (bfloat16). A line of 32-bit lanes holds bf16 pairs: lane i = (x_i, y_i), x the
+ * lower half; pairs() splits SA_LANES lanes into the x's and the y's, each exact as float32 (a shift, a mask). */
+static inline __attribute__((always_inline)) void pairs(const char *src, sa_v16 *x, sa_v16 *y) {
+    sa_u32x16 w;
+    memcpy(&w, src, sizeof w);
+    const sa_u32x16 lo = w << 16, hi = w & 0xFFFF0000u;
+    memcpy(x, &lo, sizeof *x);
+    memcpy(y, &hi, sizeof *y);
+}
+
+/* Logits of tokens [j0, j0 + 2 SA_LANES) (j0 a multiple of 16, within the block at keys: whole groups) for NG rows:
+ * per pair of channels one line per 16 tokens gives both channels' keys. pf: the next block (contiguous) to ask for,
+ * a line per pair of channels and group. */
+static inline __attribute__((always_inline)) void logits_amx(const char *keys, int64_t D, const float *q, int NG, float *lg,
+                                                             int64_t ld, int64_t j0, const char *pf) {
+    sa_v16 acc[SA_HEADS][2] = {{{0}}};
+    const int64_t t1 = j0 + SA_LANES;
+    const char *g0 = keys + (((j0 / 16) * (D / 2)) * 16 + j0 % 16) * 4, *g1 = keys + (((t1 / 16) * (D / 2)) * 16 + t1 % 16) * 4;
+    for (int64_t p = 0; p < D / 2; ++p) {
+        if (pf) __builtin_prefetch(pf + ((j0 / 16) * (D / 2) + p) * 64, 0, 1);
+        sa_v16 e0, o0, e1, o1;
+        pairs(g0 + p * 64, &e0, &o0);
+        pairs(g1 + p * 64, &e1, &o1);
+        for (int g = 0; g < NG; ++g) {
+            const float qe = q[g * D + 2 * p], qo = q[g * D + 2 * p + 1];
+            acc[g][0] += qe * e0 + qo * o0;
+            acc[g][1] += qe * e1 + qo * o1;
+        }
+    }
+    for (int g = 0; g < NG; ++g) memcpy(lg + g * ld + j0, acc[g], sizeof acc[g]);
+}
+static void page_logits_amx(const char *keys, int n, int64_t D, const float *q, int G, float *lg, int64_t ld, const char *pf) {
+    for (int g0 = 0; g0 < G; g0 += SA_HEADS) {
+        const int ng = G - g0 < SA_HEADS ? G - g0 : SA_HEADS;
+        for (int64_t j0 = 0; j0 < n; j0 += 2 * SA_LANES) {
+#define SA_AMX_LOGITS(NG) logits_amx(keys, D, q + (int64_t)g0 * D, NG, lg + (int64_t)g0 * ld, ld, j0, g0 == 0 ? pf : NULL)
+            SA_DISPATCH_HEADS(ng, SA_AMX_LOGITS)
+#undef SA_AMX_LOGITS
+        }
+    }
+}
+
+/* out[rows[g], :] += sum_j p[rows[g] * pld + j] v_j over tokens [0, n) of values starting at an even token (value_col),
+ * in a page of bs tokens: per block of 16 channels, one line per pair of tokens (a token past n weighs 0). */
+static inline __attribute__((always_inline)) void values_amx_rows(const char *values, int n, int64_t bs, int64_t D, const int *rows,
+                                                                  int NG, const float *p, int64_t pld, float *out) {
+    for (int64_t d0 = 0; d0 < D; d0 += SA_LANES) {
+        sa_v16 acc[SA_HEADS];
+        for (int g = 0; g < NG; ++g) memcpy(&acc[g], out + rows[g] * D + d0, sizeof acc[g]);
+        const char *blk = values + ((d0 / 16) * (bs / 2) * 16 + d0 % 16) * 4;
+        for (int j = 0; j < n; j += 2) {
+            sa_v16 x, y;
+            pairs(blk + (j / 2) * 64, &x, &y);
+            for (int g = 0; g < NG; ++g) {
+                const float w0 = p[rows[g] * pld + j], w1 = j + 1 < n ? p[rows[g] * pld + j + 1] : 0.f;
+                acc[g] += w0 * x + w1 * y;
+            }
+        }
+        for (int g = 0; g < NG; ++g) memcpy(out + rows[g] * D + d0, &acc[g], sizeof acc[g]);
+    }
+}
+static void page_values_amx(const char *values, int n, int64_t bs, int64_t D, const int *rows, int nrows, const float *p,
+                            int64_t pld, float *out) {
+    for (int r0 = 0; r0 < nrows; r0 += SA_HEADS) {
+        const int ng = nrows - r0 < SA_HEADS ? nrows - r0 : SA_HEADS;
+#define SA_AMX_VALUES(NG) values_amx_rows(values, n, bs, D, rows + r0, NG, p, pld, out)
+        SA_DISPATCH_HEADS(ng, SA_AMX_VALUES)
+#undef SA_AMX_VALUES
+    }
+}
+
 /* Logits lg[g * ld + j] = q_g . k_j of the first n tokens of a page, for rows g < G (q is pre-scaled).
  * Keys are [D, bs]: one converted row of n tokens per channel, multiplied into every head's logits. next_keys: the
  * key block read after this one, asked for meanwhile (a whole page's, or with next_rows the same columns of its D
@@ -341,6 +443,10 @@ static void page_logits_ahead(const sa_pages *c, const char *keys, int n, const 
     /* A segment smaller than a vector chunk (pages cut in r > 1) still takes the vector loops: they compute the
      * whole chunk of 2 SA_LANES tokens (the page's next columns, unused), and that is faster than the scalar loop's
      * conversion per channel (measured: 6.2 against 8.4 ms for the scores at 8k x 8 with 4-token segments). */
+    if (c->amx) { /* a whole multiple of 16 tokens from a group's start (key_col); the next block is contiguous too */
+        page_logits_amx(keys, n, D, q, G, lg, ld, next_keys);
+        return;
+    }
     if (fast_shape(c)) {
         if (c->dtype == SA_BF16) page_logits_bf16(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
         else if (c->dtype == SA_FP8_E4M3) page_logits_e4m3(keys, n, bs, D, q, G, lg, ld, next_keys, next_rows);
@@ -353,7 +459,7 @@ static void page_logits_ahead(const sa_pages *c, const char *keys, int n, const 
     }
     for (int g = 0; g < G; ++g) memset(lg + g * ld, 0, (size_t)n * sizeof(float));
     for (int64_t d = 0; d < D; ++d) {
-        sa_to_float(keys + d * bs * c->elem, c->dtype, n, row);
+        key_row(c, keys, d, n, row);
         for (int g = 0; g < G; ++g) {
             const float qd = q[g * D + d];
             float *restrict lgg = lg + g * ld;
@@ -398,6 +504,10 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
         int active[64], na = 0; /* G <= 64: checked by the caller */
         for (int g = 0; g < G; ++g)
             if (!rows || rows[g]) active[na++] = g;
+        if (c->amx) {
+            page_values_amx(values, n, c->bs, D, active, na, p, c->bs, st->acc);
+            return;
+        }
         if (c->dtype == SA_BF16) page_values_bf16(values, n, D, active, na, p, c->bs, st->acc, next_values);
         else if (c->dtype == SA_FP8_E4M3) page_values_e4m3(values, n, D, active, na, p, c->bs, st->acc, next_values);
         else if (c->dtype == SA_FP8_E5M2) page_values_e5m2(values, n, D, active, na, p, c->bs, st->acc, next_values);
@@ -408,7 +518,7 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
         return;
     }
     for (int j = 0; j < n; ++j) {
-        sa_to_float(values + (int64_t)j * D * c->elem, c->dtype, D, row);
+        value_row(c, values, j, row);
         for (int g = 0; g < G; ++g) {
             if (rows && !rows[g]) continue;
             const float w = p[(int64_t)g * c->bs + j];
@@ -611,7 +721,7 @@ static void summarise(const sa_pages *c, int mode, int64_t block, int64_t h, flo
     const int64_t D = c->D, bs = c->bs, seg = c->seg;
     const char *keys = page_keys(c, block, h);
     for (int64_t d = 0; d < D; ++d) {
-        sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
+        key_row(c, keys, d, bs, row);
         for (int64_t u = 0; u < c->r; ++u) {
             const float *x = row + u * seg;
             if (mode == SA_CENTROID) {
@@ -654,13 +764,13 @@ typedef struct {
     void *out;
     int64_t N, H, bs, D, r, G, B, bt_stride, kmax;
     float scale, softcap, k_mul, v_mul; /* k_mul, v_mul: what a stored key or value is multiplied by (fp8: scale x 2^8 for e4m3) */
-    int32_t dtype, q_dtype, out_dtype, mode, shared, threads;
+    int32_t dtype, q_dtype, out_dtype, mode, shared, threads, amx, unused; /* amx: the cache is in the amx layout */
 } sa_decode_args;
 
 #define SA_DECODE_FIELDS(X)                                                                                                \
     X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(summary) X(summary2) X(state) X(selected) X(out) X(N) X(H) X(bs)   \
     X(D) X(r) X(G) X(B) X(bt_stride) X(kmax) X(scale) X(softcap) X(k_mul) X(v_mul) X(dtype) X(q_dtype) X(out_dtype) X(mode) \
-    X(shared) X(threads)
+    X(shared) X(threads) X(amx) X(unused)
 
 int64_t sa_paged_decode_layout(int64_t *offsets) {
     int64_t i = 0;
@@ -692,7 +802,9 @@ int sa_paged_decode(const sa_decode_args *a) {
     if (dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
     const int64_t elem = dtype_bytes(dtype);
-    const sa_pages c = {(const char *)cache, dtype, elem, H, bs, D, r, bs / r};
+    const sa_pages c = {(const char *)cache, dtype, elem, H, bs, D, r, bs / r, a->amx};
+    /* the amx layout: bfloat16, pages and head dims of multiples of 32, segments whole groups of 16 tokens */
+    if (a->amx && (dtype != SA_BF16 || bs % 32 || D % 32 || !fast_shape(&c) || (mode == SA_BOUND && (bs / r) % 16))) return SA_BAD_PLAN;
     /* Check the plan and the block table before any work; collect the stale candidate pages. */
     int64_t most_cand = 0, stale_n = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -907,7 +1019,7 @@ static void page_sums(const sa_pages *c, int64_t block, int64_t h, int segment_r
     const int64_t w = with_keys ? 2 * D : D, vo = with_keys ? D : 0; /* a row's width, its values' first column */
     const char *keys = page_keys(c, block, h), *values = page_values(c, block, h);
     for (int64_t d = 0; d < D && with_keys; ++d) {
-        sa_to_float(keys + d * bs * c->elem, c->dtype, bs, row);
+        key_row(c, keys, d, bs, row);
         double page = 0.0;
         for (int64_t u = 0; u < r; ++u) {
             double sum = 0.0;
@@ -922,7 +1034,7 @@ static void page_sums(const sa_pages *c, int64_t block, int64_t h, int segment_r
     for (int64_t u = 0; u < r; ++u) {
         for (int64_t d = 0; d < D; ++d) acc[d] = 0.0;
         for (int64_t j = u * seg; j < (u + 1) * seg; ++j) {
-            sa_to_float(values + j * D * c->elem, c->dtype, D, row);
+            value_row(c, values, j, row);
             for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
         }
         for (int64_t d = 0; d < D; ++d) {
@@ -968,7 +1080,7 @@ static int64_t shortlist_slots(const int32_t *sh, int64_t mm, int64_t cu, int64_
 /* The keys of unit u (of `unit` tokens, bs / unit per page) of a sequence's candidates, and a request for its lines. */
 static inline const char *unit_keys(const sa_pages *c, const int32_t *table, int64_t sink_pages, int64_t u, int64_t unit, int64_t h) {
     const int64_t per_page = c->bs / unit;
-    return page_keys(c, table[sink_pages + u / per_page], h) + (u % per_page) * unit * c->elem;
+    return key_col(c, page_keys(c, table[sink_pages + u / per_page], h), (u % per_page) * unit);
 }
 static inline void prefetch_unit(const sa_pages *c, const char *keys, int64_t unit) {
     if (unit == c->bs) {
@@ -1033,14 +1145,14 @@ typedef struct {
     int64_t N, H, bs, D, r, G, B, bt_stride, S_max, M_max;
     int64_t per_block;          /* candidates per merged block; 0: no merged rest */
     float scale, softcap, root, k_mul, v_mul; /* k_mul, v_mul: what a stored key or value is multiplied by (fp8) */
-    int32_t dtype, q_dtype, out_dtype, shared, summary_bf16, segment_rows, allocation, threads;
+    int32_t dtype, q_dtype, out_dtype, shared, summary_bf16, segment_rows, allocation, threads, amx, unused2;
 } sa_split_args;
 
 #define SA_SPLIT_FIELDS(X)                                                                                                 \
     X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(pool) X(summary) X(state) X(sums) X(sums_state) X(coarse) X(short_ix)      \
     X(exact) X(always) X(kept) X(chosen) X(out) X(N) X(H) X(bs) X(D) X(r) X(G) X(B) X(bt_stride) X(S_max) X(M_max)         \
     X(per_block) X(scale) X(softcap) X(root) X(k_mul) X(v_mul) X(dtype) X(q_dtype) X(out_dtype) X(shared) X(summary_bf16) \
-    X(segment_rows) X(allocation) X(threads)
+    X(segment_rows) X(allocation) X(threads) X(amx) X(unused2)
 
 /* offsets[i] = the offset of the struct's i-th field (in SA_SPLIT_FIELDS order); returns its size. */
 int64_t sa_paged_split_layout(int64_t *offsets) {
@@ -1396,6 +1508,65 @@ static inline __attribute__((always_inline)) void runs_block(const sa_run *runs,
     for (int g = 0; g < NG; ++g)
         for (int k = 0; k < 4; ++k) memcpy(acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, &a[g][k], sizeof(sa_v16));
 }
+/* runs_block in the amx layout (bfloat16; runs start at even tokens and hold whole pairs): per block of 16 channels a
+ * line per pair of tokens; run->values from value_col, the channel blocks bs / 2 lines apart. */
+static inline __attribute__((always_inline)) void runs_block_amx(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T,
+                                                                 int64_t D, int64_t bs, int g0, int NG, int64_t d0, float *acc,
+                                                                 int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {
+    sa_v16 a[4][4];
+    for (int g = 0; g < NG; ++g)
+        for (int k = 0; k < 4; ++k) memcpy(&a[g][k], acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, sizeof(sa_v16));
+    int64_t off[4]; /* each vector's channels: its block's line offset and its lanes in the line */
+    for (int k = 0; k < 4; ++k) {
+        const int64_t ch = d0 + k * SA_LANES;
+        off[k] = ((ch / 16) * (bs / 2) * 16 + ch % 16) * 4;
+    }
+    for (int64_t t = 0; t < n_runs; ++t) {
+        const sa_run *run = runs + t;
+        if (ahead && t + ahead < n_runs)
+            for (int k = 0; k < 4; k += 16 / SA_LANES) SA_PREFETCH(runs[t + ahead].values + off[k], 0, runs[t + ahead].n / 2 * 64);
+        const float *w = buf + (int64_t)g0 * T + run->off;
+        sa_v16 vs[4] = {{0}};
+        for (int j = 0; j < run->n; j += 2) {
+            sa_v16 x[4], y[4];
+            for (int k = 0; k < 4; ++k) pairs(run->values + off[k] + (j / 2) * 64, &x[k], &y[k]);
+            for (int g = 0; g < NG; ++g) {
+                const float w0 = w[g * T + j], w1 = w[g * T + j + 1];
+                for (int k = 0; k < 4; ++k) a[g][k] += w0 * x[k] + w1 * y[k];
+            }
+            if (sums)
+                for (int k = 0; k < 4; ++k) vs[k] += x[k] + y[k];
+        }
+        if (sums) {
+            float *blk = sums + (run->first / per_block) * Gs * D + d0;
+            for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+                if (!((run->by >> gs_i) & 1)) continue;
+                for (int k = 0; k < 4; ++k) {
+                    sa_v16 x;
+                    memcpy(&x, blk + gs_i * D + k * SA_LANES, sizeof x);
+                    x += vs[k];
+                    memcpy(blk + gs_i * D + k * SA_LANES, &x, sizeof x);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < NG; ++g)
+        for (int k = 0; k < 4; ++k) memcpy(acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, &a[g][k], sizeof(sa_v16));
+}
+static void runs_values_amx(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T, int64_t D, int64_t bs, int G, float *acc,
+                            int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {
+    for (int64_t d0 = 0; d0 < D; d0 += SA_RUN_CH)
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int64_t pf = d0 == 0 && g0 == 0 ? ahead : 0;
+            float *sm = g0 == 0 ? sums : NULL;
+            switch (G - g0 < 4 ? G - g0 : 4) {
+            case 1: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 1, d0, acc, pf, sm, per_block, Gs); break;
+            case 2: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 2, d0, acc, pf, sm, per_block, Gs); break;
+            case 3: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 3, d0, acc, pf, sm, per_block, Gs); break;
+            default: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 4, d0, acc, pf, sm, per_block, Gs); break;
+            }
+        }
+}
 #define SA_DEFINE_RUNS(SUFFIX, DT, ELEM)                                                                                   \
     static void runs_values_##SUFFIX(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T, int64_t D, int G,    \
                                      float *acc, int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {               \
@@ -1458,6 +1629,10 @@ static void run_values(const sa_pages *c, const char *values, int n, const float
     int na = 0;
     for (int g = 0; g < G; ++g)
         if ((by >> (shared ? 0 : g)) & 1) active[na++] = g;
+    if (c->amx) {
+        page_values_amx(values, n, c->bs, c->D, active, na, w, T, acc);
+        return;
+    }
     if (fast_shape(c)) {
         if (c->dtype == SA_BF16) page_values_bf16(values, n, c->D, active, na, w, T, acc, NULL);
         else if (c->dtype == SA_FP8_E4M3) page_values_e4m3(values, n, c->D, active, na, w, T, acc, NULL);
@@ -1470,7 +1645,7 @@ static void run_values(const sa_pages *c, const char *values, int n, const float
     }
     float row[4096];
     for (int j = 0; j < n; ++j) {
-        sa_to_float(values + (int64_t)j * c->D * c->elem, c->dtype, c->D, row);
+        value_row(c, values, j, row);
         for (int x = 0; x < na; ++x) {
             const float wt = w[active[x] * T + j];
             float *restrict ag = acc + (int64_t)active[x] * c->D;
@@ -1574,7 +1749,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
                 last->n += (int32_t)seg;
                 continue;
             }
-            runs[n_runs++] = (sa_run){i, 0, by, page_values(c, table[sink_pages + p], h) + u * seg * D * c->elem, (int32_t)seg,
+            runs[n_runs++] = (sa_run){i, 0, by, value_col(c, page_values(c, table[sink_pages + p], h), u * seg), (int32_t)seg,
                                       (int32_t)(i / cu)};
         }
     }
@@ -1616,11 +1791,13 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
             int64_t ld;
             if (s->slot[run->unit] >= 0) {
                 src = kept_bh + s->slot[run->unit] * G * unit + (run->first % cu) * seg, ld = unit;
-            } else { /* a unit the shortlist does not hold (an allocation past it): its logits computed here */
-                const char *keys = page_keys(c, table[sink_pages + run->first / r], h) + col * c->elem;
-                page_logits(c, keys, run->n, s->qs, (int)G, s->lg, bs, s->row, NULL);
-                src = s->lg, ld = bs;
-                sel_bytes += key_bytes(c, col, run->n);
+            } else { /* a unit the shortlist does not hold (an allocation past it): its logits computed here (the unit's, in amx:
+                      * its columns start at groups of 16) */
+                const char *page = page_keys(c, table[sink_pages + run->first / r], h);
+                const int64_t from = c->amx ? col - col % unit : col;
+                page_logits(c, key_col(c, page, from), (int)(c->amx ? unit : run->n), s->qs, (int)G, s->lg, bs, s->row, NULL);
+                src = s->lg + (col - from), ld = bs;
+                sel_bytes += key_bytes(c, from, c->amx ? unit : run->n);
             }
             for (int64_t g = 0; g < G; ++g) {
                 if (!((run->by >> (a->shared ? 0 : g)) & 1)) continue;
@@ -1677,7 +1854,8 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
     float *taken = sums_in_pass ? s->taken : NULL; /* [n_blocks, G', D] */
     if (taken) memset(taken, 0, sizeof(float) * (size_t)(n_blocks * Gs * D));
     if (in_registers) {
-        if (c->dtype == SA_BF16) runs_values_bf16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+        if (c->amx) runs_values_amx(runs, n_runs, s->buf, T, D, bs, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else if (c->dtype == SA_BF16) runs_values_bf16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
         else if (c->dtype == SA_FP8_E4M3) runs_values_e4m3(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
         else if (c->dtype == SA_FP8_E5M2) runs_values_e5m2(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
 #ifndef SA_NO_FLOAT16
@@ -1713,7 +1891,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
         if (!whole && r > 1 && rows_s == 1) { /* part of a page, whose total alone is kept: the run's values' sum */
             for (int64_t d = 0; d < D; ++d) s->vsum[d] = 0.f;
             for (int64_t j = 0; j < run->n; ++j) { /* rows just attended: in cache; at most a page's, summed in float32 */
-                sa_to_float(vals_c + j * D * c->elem, c->dtype, D, s->row);
+                value_row(c, vals_c, j, s->row);
                 for (int64_t d = 0; d < D; ++d) s->vsum[d] += s->row[d];
             }
             /* blocks of whole pages: the run is in one (its keys' side: the scores) */
@@ -1791,7 +1969,9 @@ int sa_paged_split(const sa_split_args *a, int phases) {
 #ifdef SA_NO_FLOAT16
     if (a->dtype == SA_F16 || a->q_dtype == SA_F16 || a->out_dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
-    const sa_pages c = {(const char *)a->cache, a->dtype, dtype_bytes(a->dtype), H, bs, D, r, bs / r};
+    const sa_pages c = {(const char *)a->cache, a->dtype, dtype_bytes(a->dtype), H, bs, D, r, bs / r, a->amx};
+    /* the amx layout: bfloat16, pages and head dims of multiples of 32, segments of an even number of tokens */
+    if (a->amx && (a->dtype != SA_BF16 || bs % 32 || D % 32 || !fast_shape(&c) || (bs / r) % 2)) return SA_BAD_PLAN;
     int64_t most_cand, most_m;
     int status = check_step(N, B, bs, r, a->block_table, a->bt_stride, a->seq_lens, a->plan, &most_cand, &most_m);
     if (status) return status;

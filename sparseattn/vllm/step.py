@@ -21,7 +21,8 @@ import torch
 
 __all__ = ["SUPPORTED_ISAS", "DecodeStep", "Fallbacks", "decode_step", "readable_isa"]
 
-#: vLLM CPU kernel ISAs whose cache layout (keys transposed per page) the paged engine reads.
+#: vLLM CPU kernel ISAs whose cache layout (keys transposed per page) every path of the paged engine reads; the
+#: fused step reads ``amx``'s too (:func:`readable_isa`).
 SUPPORTED_ISAS = ("vec", "vec16")
 
 #: What to do on a CPU whose layout the engine does not read, by the ISA vLLM picks there.
@@ -31,23 +32,28 @@ _INSTEAD = {
 }
 
 
-def readable_isa(isa: str, dtype: str, block_size: int) -> str:
+def readable_isa(isa: str, dtype: str, block_size: int, amx_refusal: str | None = "not asked") -> str:
     """The CPU attention ISA a sparse engine runs where vLLM picked ``isa`` for ``dtype`` and ``block_size``.
 
-    ``vec``/``vec16``: as picked. ``amx`` (bfloat16 on Intel CPUs with AMX): ``vec`` (``vec16`` for a block
-    size vLLM's ``vec`` kernel does not take), the AVX-512 kernel and layout vLLM runs on x86-64 CPUs
-    without AMX: the paged engine reads that layout, the amx one is not verified (its keys are stored in
-    pairs of channels, not transposed). vLLM then prefills with that kernel too (slower than AMX).
+    ``vec``/``vec16``: as picked. ``amx`` (bfloat16 on Intel CPUs with AMX): kept where the fused step reads the
+    method's pages in that layout (``amx_refusal`` None: :func:`~sparseattn.vllm.paged_kernel.amx_refusal`, the
+    method's every layer fused, a bfloat16 cache), so vLLM prefills at its AMX speed; else ``vec`` (``vec16`` for a
+    block size vLLM's ``vec`` kernel does not take), the AVX-512 kernel and layout vLLM runs on x86-64 CPUs without
+    AMX, which every path of the paged engine reads; vLLM then prefills with that kernel too (slower than AMX).
     Any other (``neon``, ``vsx``, ``vxe``, ``rvv``): NotImplementedError naming the ISA, the dtype and what
     to do, raised when the engine builds its attention metadata, at start-up.
 
     Example:
         >>> readable_isa("amx", "bfloat16", 128), readable_isa("vec16", "float32", 16)
         ('vec', 'vec16')
+        >>> readable_isa("amx", "bfloat16", 128, amx_refusal=None)
+        'amx'
     """
     if isa in SUPPORTED_ISAS:
         return isa
     if isa == "amx":
+        if amx_refusal is None:
+            return "amx"
         return "vec" if block_size % 32 == 0 else "vec16"
     instead = _INSTEAD.get(isa, "set a block size that is not a multiple of 32 (e.g. --block-size 16), for which vLLM "
                                 "picks its 'vec16' kernel, or serve this model without a sparseattn method (stock vLLM)")  # fmt: skip
