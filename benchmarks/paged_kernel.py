@@ -48,9 +48,9 @@ from pathlib import Path
 
 import torch
 
-from sparseattn.machine import cpu_model
+from sparseattn.machine import cpu_flags, cpu_model
 from sparseattn.cli.common import parse_method
-from sparseattn.vllm.paged import KVFormat, PagedPolicy, attend_pages, choose_pages, page_views
+from sparseattn.vllm.paged import KVFormat, PagedPolicy, amx_layout, attend_pages, choose_pages, page_views
 from sparseattn.bandwidth import read_bandwidth
 from sparseattn.vllm.paged_kernel import PageStore, fused_decode, fused_mode, step_plan, summary_dtype
 from sparseattn.vllm.profile import PHASE_WHAT, StepProfile
@@ -86,7 +86,7 @@ def fp8_cache(cache: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     return out
 
 
-def vllm_kernel(cache, table, lens, query, scale, fmt: KVFormat = KVFormat()):
+def vllm_kernel(cache, table, lens, query, scale, fmt: KVFormat = KVFormat(), isa: str = "vec"):
     """Stock vLLM's decode: its CPU paged kernel over each sequence's own block table (an fp8 cache with its scales)."""
     from vllm import _custom_ops as ops
 
@@ -96,7 +96,7 @@ def vllm_kernel(cache, table, lens, query, scale, fmt: KVFormat = KVFormat()):
     starts = torch.arange(B + 1, dtype=torch.int32)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=B, num_heads=H_q, num_kv_heads=H, head_dim=D, seq_lens=lens, dtype=query.dtype, query_start_loc=starts,
-        causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False, kv_cache_dtype=fmt.dtype,
+        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False, kv_cache_dtype=fmt.dtype,
     )  # fmt: skip
     out = torch.empty_like(query)
 
@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--shared", action="store_true", help="every sequence on the same blocks (prefix caching)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--layout", choices=["vec", "amx"], default="vec", help="the pages' layout: vLLM's vec kernel's, or "
+                        "its amx kernel's (bfloat16; the vLLM row runs only on a CPU with AMX)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
                         help="the cache's numbers: auto (--dtype) or vLLM's fp8 formats (one byte each, scale 1; queries in --dtype)")
     parser.add_argument("--block-size", type=int, default=128)
@@ -163,6 +165,11 @@ def main() -> None:
     fmt = KVFormat(args.kv_cache_dtype)
     if fmt.fp8 is not None:
         caches = [(fp8_cache(cache, fmt), table) for cache, table in caches]
+    if args.layout == "amx":
+        if dtype != torch.bfloat16 or fmt.fp8 is not None:
+            parser.error("--layout amx: the amx layout holds bfloat16 pages (--dtype bfloat16, --kv-cache-dtype auto)")
+        caches = [(amx_layout(cache), table) for cache, table in caches]
+        have_vllm = have_vllm and "amx_tile" in cpu_flags().split()  # vLLM's amx kernel needs AMX
     query = torch.randn(args.batch, H * G, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     lens = torch.full((args.batch,), args.length, dtype=torch.int32)
     scale = D**-0.5
@@ -172,7 +179,7 @@ def main() -> None:
     store_mib: dict[str, float] = {}
     fused_runs: set[str] = set()
     if have_vllm:
-        calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, query, scale, fmt) for cache, table in caches]
+        calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, query, scale, fmt, args.layout) for cache, table in caches]
     for name in args.methods:
         policy = PagedPolicy(built[name], name, segments[name]).for_layer(args.layer, 30)
         mode = fused_mode(policy)
@@ -192,11 +199,11 @@ def main() -> None:
                     else:
                         store = PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
                     runs.append(lambda p=policy, m=mode, s=store, pl=plan, c=cache, t=table: fused_decode(
-                        p, m, s, c, query, t, lens, scale, plan=pl, fmt=fmt)[0])  # fmt: skip
+                        p, m, s, c, query, t, lens, scale, plan=pl, fmt=fmt, layout=args.layout)[0])  # fmt: skip
                     store_mib[label] = 0.0 if store is None else store.nbytes / 2**20
                 calls[label] = runs
                 fused_runs.add(label)
-        if have_vllm and name != "dense" and not args.fused_only:
+        if have_vllm and name != "dense" and not args.fused_only and args.layout == "vec":
             from sparseattn.vllm.backend import kernel_attend_pages
             from sparseattn.vllm.paged import PageSummaries
 
@@ -257,7 +264,7 @@ def main() -> None:
 
     console = Console(width=160)
     shared = "shared blocks" if args.shared else "own blocks"
-    kv_label = args.dtype if fmt.fp8 is None else f"{args.kv_cache_dtype} cache, {args.dtype} queries"
+    kv_label = (args.dtype if fmt.fp8 is None else f"{args.kv_cache_dtype} cache, {args.dtype} queries") + f", {args.layout} layout"
     table_out = Table(title=f"one layer's decode attention: batch {args.batch} x {args.length} tokens ({shared}), {kv_label}, "
                             f"{bs}-token pages, budget {args.budget}, {args.threads} thread(s), {args.caches} caches in turn, "
                             f"median (min-max) of {args.repeats * args.caches} calls")  # fmt: skip
@@ -286,7 +293,7 @@ def main() -> None:
             part_table.add_row(part["part"], f"{part['us']:.0f}", f"{part['mb']:.2f}", f"{part['gbps']:.1f}" if part["mb"] else "",
                                share, PHASE_WHAT.get(part["part"], ""))  # fmt: skip
         console.print(part_table)
-    kv_name = args.dtype if fmt.fp8 is None else args.kv_cache_dtype
+    kv_name = (args.dtype if fmt.fp8 is None else args.kv_cache_dtype) + ("-amx" if args.layout == "amx" else "")
     out = args.out or REPO / "benchmarks" / "results" / f"paged-kernel-{kv_name}-b{args.batch}-L{args.length}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,

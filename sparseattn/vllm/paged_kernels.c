@@ -373,15 +373,18 @@ static inline __attribute__((always_inline)) void pairs(const char *src, sa_v16 
 }
 
 /* Logits of tokens [j0, j0 + 2 SA_LANES) (j0 a multiple of 16, within the block at keys: whole groups) for NG rows:
- * per pair of channels one line per 16 tokens gives both channels' keys. pf: the next block (contiguous) to ask for,
- * a line per pair of channels and group. */
+ * per pair of channels one line per 16 tokens gives both channels' keys. pf: the next block (contiguous, as large as
+ * the keys: the page's values, or the next page's keys) to ask for meanwhile, two lines per pair of channels. */
 static inline __attribute__((always_inline)) void logits_amx(const char *keys, int64_t D, const float *q, int NG, float *lg,
                                                              int64_t ld, int64_t j0, const char *pf) {
     sa_v16 acc[SA_HEADS][2] = {{{0}}};
     const int64_t t1 = j0 + SA_LANES;
     const char *g0 = keys + (((j0 / 16) * (D / 2)) * 16 + j0 % 16) * 4, *g1 = keys + (((t1 / 16) * (D / 2)) * 16 + t1 % 16) * 4;
     for (int64_t p = 0; p < D / 2; ++p) {
-        if (pf) __builtin_prefetch(pf + ((j0 / 16) * (D / 2) + p) * 64, 0, 1);
+        if (pf) { /* this chunk's share of the next block (16 KB at 128 tokens: a chunk's two groups' worth of its lines) */
+            __builtin_prefetch(pf + ((j0 / 16) * (D / 2) + p) * 64, 0, 1);
+            __builtin_prefetch(pf + ((j0 / 16 + 1) * (D / 2) + p) * 64, 0, 1);
+        }
         sa_v16 e0, o0, e1, o1;
         pairs(g0 + p * 64, &e0, &o0);
         pairs(g1 + p * 64, &e1, &o1);
@@ -405,29 +408,40 @@ static void page_logits_amx(const char *keys, int n, int64_t D, const float *q, 
 }
 
 /* out[rows[g], :] += sum_j p[rows[g] * pld + j] v_j over tokens [0, n) of values starting at an even token (value_col),
- * in a page of bs tokens: per block of 16 channels, one line per pair of tokens (a token past n weighs 0). */
+ * in a page of bs tokens: a line per pair of tokens and block of 16 channels (a token past n weighs 0). Pairs run in
+ * the outer loop and up to 4 vectors of channels in the inner one, accumulators in registers: the pair's weights are
+ * broadcast once for all its channels (with blocks outside, each block broadcast them again: measured 2x dense's time). */
 static inline __attribute__((always_inline)) void values_amx_rows(const char *values, int n, int64_t bs, int64_t D, const int *rows,
-                                                                  int NG, const float *p, int64_t pld, float *out) {
-    for (int64_t d0 = 0; d0 < D; d0 += SA_LANES) {
-        sa_v16 acc[SA_HEADS];
-        for (int g = 0; g < NG; ++g) memcpy(&acc[g], out + rows[g] * D + d0, sizeof acc[g]);
-        const char *blk = values + ((d0 / 16) * (bs / 2) * 16 + d0 % 16) * 4;
+                                                                  int NG, const float *p, int64_t pld, float *out, const char *pf) {
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * SA_LANES) {
+        const int nv = D - d0 >= 4 * SA_LANES ? 4 : (int)((D - d0) / SA_LANES);
+        sa_v16 acc[SA_HEADS][4];
+        int64_t off[4];
+        for (int k = 0; k < nv; ++k) {
+            const int64_t ch = d0 + k * SA_LANES;
+            off[k] = ((ch / 16) * (bs / 2) * 16 + ch % 16) * 4;
+            for (int g = 0; g < NG; ++g) memcpy(&acc[g][k], out + rows[g] * D + ch, sizeof acc[g][k]);
+        }
         for (int j = 0; j < n; j += 2) {
-            sa_v16 x, y;
-            pairs(blk + (j / 2) * 64, &x, &y);
-            for (int g = 0; g < NG; ++g) {
-                const float w0 = p[rows[g] * pld + j], w1 = j + 1 < n ? p[rows[g] * pld + j + 1] : 0.f;
-                acc[g] += w0 * x + w1 * y;
+            if (pf && d0 == 0) /* the next block (as large as the values), spread over the pairs: D / 16 lines each */
+                for (int64_t x = 0; x < D / 16; ++x) __builtin_prefetch(pf + ((j / 2) * (D / 16) + x) * 64, 0, 1);
+            float w0[SA_HEADS], w1[SA_HEADS];
+            for (int g = 0; g < NG; ++g) w0[g] = p[rows[g] * pld + j], w1[g] = j + 1 < n ? p[rows[g] * pld + j + 1] : 0.f;
+            for (int k = 0; k < nv; ++k) {
+                sa_v16 x, y;
+                pairs(values + off[k] + (j / 2) * 64, &x, &y);
+                for (int g = 0; g < NG; ++g) acc[g][k] += w0[g] * x + w1[g] * y;
             }
         }
-        for (int g = 0; g < NG; ++g) memcpy(out + rows[g] * D + d0, &acc[g], sizeof acc[g]);
+        for (int k = 0; k < nv; ++k)
+            for (int g = 0; g < NG; ++g) memcpy(out + rows[g] * D + d0 + k * SA_LANES, &acc[g][k], sizeof acc[g][k]);
     }
 }
 static void page_values_amx(const char *values, int n, int64_t bs, int64_t D, const int *rows, int nrows, const float *p,
-                            int64_t pld, float *out) {
+                            int64_t pld, float *out, const char *pf) {
     for (int r0 = 0; r0 < nrows; r0 += SA_HEADS) {
         const int ng = nrows - r0 < SA_HEADS ? nrows - r0 : SA_HEADS;
-#define SA_AMX_VALUES(NG) values_amx_rows(values, n, bs, D, rows + r0, NG, p, pld, out)
+#define SA_AMX_VALUES(NG) values_amx_rows(values, n, bs, D, rows + r0, NG, p, pld, out, r0 == 0 ? pf : NULL)
         SA_DISPATCH_HEADS(ng, SA_AMX_VALUES)
 #undef SA_AMX_VALUES
     }
@@ -505,7 +519,7 @@ static void attend_logits(const sa_pages *c, const char *values, int n, const fl
         for (int g = 0; g < G; ++g)
             if (!rows || rows[g]) active[na++] = g;
         if (c->amx) {
-            page_values_amx(values, n, c->bs, D, active, na, p, c->bs, st->acc);
+            page_values_amx(values, n, c->bs, D, active, na, p, c->bs, st->acc, next_values);
             return;
         }
         if (c->dtype == SA_BF16) page_values_bf16(values, n, D, active, na, p, c->bs, st->acc, next_values);
@@ -1630,7 +1644,7 @@ static void run_values(const sa_pages *c, const char *values, int n, const float
     for (int g = 0; g < G; ++g)
         if ((by >> (shared ? 0 : g)) & 1) active[na++] = g;
     if (c->amx) {
-        page_values_amx(values, n, c->bs, c->D, active, na, w, T, acc);
+        page_values_amx(values, n, c->bs, c->D, active, na, w, T, acc, NULL);
         return;
     }
     if (fast_shape(c)) {
