@@ -225,8 +225,8 @@ def test_a_policy_or_cache_the_amx_layout_does_not_hold_is_refused_before_any_wo
     from sparseattn.vllm.paged_kernel import amx_refusal
 
     assert amx_refusal(PagedPolicy(registry.build("radar"), "radar"), torch.bfloat16, 128, 64) is not None  # the generic path
-    assert "16-token segments" not in (amx_refusal(PagedPolicy(registry.build("quest"), "quest", 16), torch.bfloat16, 128, 64) or "")
-    assert "8-token segments" in amx_refusal(PagedPolicy(registry.build("quest"), "quest", 8), torch.bfloat16, 128, 64)
+    assert amx_refusal(PagedPolicy(registry.build("quest"), "quest", 8), torch.bfloat16, 128, 64) is None
+    assert "1-token segments" in amx_refusal(PagedPolicy(registry.build("quest"), "quest", 1), torch.bfloat16, 128, 64)
     assert "float32" in amx_refusal(PagedPolicy(registry.build("dense"), "dense"), torch.float32, 128, 64)
     policy, store, cache, table, query, lens = _split_case()
     with pytest.raises(ValueError, match="layout 'avx'"):

@@ -21,7 +21,8 @@ from sparseattn.cli.consoles import console
 
 def serving_bench(
     method: list[str] = typer.Option(["quest", "radar+"], "--method", "-m", help="sparse methods NAME[:key=value,...] run "
-                                     "beside stock vLLM and the plugin's dense path (repeatable)"),
+                                     "beside stock vLLM and the plugin's dense path (repeatable); a suffix @seg<N> or @page "
+                                     "sets that method's segment (else --segment's)"),
     budget: int = typer.Option(1024, help="past KV tokens a decode step may attend, for every method whose spec sets "
                                "neither budget nor top_k"),
     model: str = MODEL,
@@ -83,18 +84,30 @@ def serving_bench(
     if yarn is not None and not yarn > 1:
         raise bad("--yarn", f"{yarn} is out of range; allowed: > 1")
     methods: dict[str, dict] = {}
-    for spec in method:
+    for given_spec in method:
+        spec, at, suffix = given_spec.partition("@")
+        own_choice = chosen
+        if at:
+            if suffix == "page":
+                own_choice = None
+            elif suffix.startswith("seg") and suffix[3:].isdigit() and int(suffix[3:]) > 0 and page % int(suffix[3:]) == 0:
+                own_choice = int(suffix[3:])
+            else:
+                raise bad("--method", f"{given_spec!r}: the suffix @{suffix} is not allowed; allowed: @page, or @seg<N> with N "
+                                      f"a divisor of the block size {page}")  # fmt: skip
         label, config = vllm_method(spec, budget)
         if config["method"] == serving.DENSE:
             raise bad("--method", f"{spec!r}: the plugin's dense path is always run (the reference); give sparse methods")
         if config == {"method": config["method"], "budget": budget}:
             label = f"{config['method']} ({budget})"
-        own = chosen
+        own = own_choice
         if own == AUTO:  # resolved here, as the engine would (its page, its longest sequence), so the label can say it
             own = own_segment(request_from({CONFIG_KEY: config}, {}).build(), serving.positions_needed(context, steps, held), page)
         if own is not None:  # the paged engine's setting beside the method, as `sparseattn serve --segment`
             config["segment"] = own
             label = f"{label}, {own}-token segments"
+        elif at:  # asked for whole pages
+            label = f"{label}, {page}-token pages"
         if label in methods:
             raise bad("--method", f"{label} given twice; each method once")
         methods[label] = config

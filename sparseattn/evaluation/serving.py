@@ -623,6 +623,10 @@ def profile_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, 
     return {"steps": a["steps"] - b["steps"], "calls": a["calls"] - b["calls"], "parts": parts}
 
 
+#: Profile parts a decode step's time does not include (see :func:`step_profile`).
+NOT_IN_STEP = ("prefill in mixed steps",)
+
+
 def step_profile(timed: Mapping[str, Any], ms_step: float, steps: int | None = None) -> dict[str, Any]:
     """A worker's profile (:meth:`sparseattn.vllm.switch.MethodSwitch.sparseattn_profile`) per decode step, beside the
     step's measured time ``ms_step``: ``parts`` (each C phase, the plan, the glue, the layers' own Python: ``ms`` per
@@ -637,7 +641,10 @@ def step_profile(timed: Mapping[str, Any], ms_step: float, steps: int | None = N
     """
     steps = max(int(timed.get("steps", 0) if steps is None else steps), 1)
     parts = [{"part": name, "ms": v["ns"] / steps / 1e6, "mb": v["bytes"] / steps / 1e6} for name, v in timed["parts"].items()]
-    spent = sum(p["ms"] for p in parts)
+    # A mixed step's prefill (the long run's last pages, prefilled beside other rows' decoding) is work the 1-token run
+    # does too, as a pure prefill step the profile does not see: the step time (a difference of the two runs) has it
+    # taken out, so it is shown but not counted against the step.
+    spent = sum(p["ms"] for p in parts if p["part"] not in NOT_IN_STEP)
     return {"steps": timed.get("steps", 0), "layer_calls": timed.get("calls", 0), "ms_step": ms_step, "parts": parts,
             "other_ms": round(ms_step - spent, 6)}  # fmt: skip
 
@@ -666,7 +673,7 @@ def profile_table(rows: Sequence[Mapping[str, Any]], bandwidth_gbps: float | Non
                 cells.append(f"{part['ms']:.2f} ({part['mb']:.0f} MB, {part['mb'] / max(part['ms'], 1e-9):.1f} GB/s)")
             else:
                 cells.append(f"{part['ms']:.2f}")
-        result.add_row(name, *cells, PHASE_WHAT.get(name, ""))
+        result.add_row(name + (" (not in the step)" if name in NOT_IN_STEP else ""), *cells, PHASE_WHAT.get(name, ""))
     result.add_row("other", *[f"{r['profile']['other_ms']:.2f}" for r in profiled], "the rest of the step: the model's other layers, vLLM's scheduling and sampling")
     result.add_row("step", *[f"{r['profile']['ms_step']:.2f}" for r in profiled], "the profiled measurement's time per step")
     return result

@@ -338,8 +338,7 @@ LAYOUTS = ("vec", "amx")
 def amx_refusal(policy: PagedPolicy, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
     """Why the fused step cannot read ``policy``'s pages in vLLM's ``amx`` layout (None: it can): the layout holds bfloat16
     pages of multiples of 32 tokens with head dims of multiples of 32, and the fused step reads it for dense,
-    streamingllm, quest on segments of whole 16-token groups and radar+ in every form on segments of an even number of
-    tokens; the generic path does not read it.
+    streamingllm, quest and radar+ in every form on segments of an even number of tokens; the generic path does not read it.
 
     >>> from sparseattn import registry
     >>> amx_refusal(PagedPolicy(registry.build("radar+"), "radar+", 8), torch.bfloat16, 128, 64) is None
@@ -357,8 +356,8 @@ def amx_refusal(policy: PagedPolicy, dtype: torch.dtype, block_size: int, head_d
     if mode is None:
         return f"{policy.name!r} runs the generic path, which reads the vec layout only"
     seg = block_size // policy.segments_per_page(block_size)
-    if (mode == BOUND and seg % 16) or (mode == SPLIT and seg % 2):
-        return f"{policy.name!r} on {seg}-token segments: the amx layout is read in groups of 16 tokens (quest) or pairs (radar+)"
+    if mode != FIXED and seg % 2:
+        return f"{policy.name!r} on {seg}-token segments: the amx layout's values are read in pairs of tokens"
     return None
 
 
@@ -423,7 +422,7 @@ def _fused_decode(
     elif out.shape != (B, H_q, D) or out.dtype not in DTYPE_CODES or not out.is_contiguous():
         raise ValueError(f"fused paged decode: out {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}); "
                          f"expected a contiguous {(B, H_q, D)} of float32, bfloat16 or float16")
-    if mode == SPLIT:
+    if mode in (SPLIT, BOUND):  # quest's bound runs through the split step too (its attention over runs of segments)
         key = (id(policy), N, H, bs, D, G, kv_cache.dtype, query.dtype, float(scale), float(softcap or 0.0))
         call = plan.calls.get(key)
         if call is None:
@@ -475,10 +474,11 @@ class SplitArgs(ctypes.Structure):
     to the C struct's): what :class:`SplitCall` hands ``sa_paged_split``."""
 
     _fields_ = _fields(
-        (ctypes.c_void_p, "q cache block_table seq_lens plan pool summary state sums sums_state coarse short_ix exact always kept chosen out"),
+        (ctypes.c_void_p, "q cache block_table seq_lens plan pool summary summary2 state sums sums_state coarse short_ix exact always kept "
+                          "chosen out"),
         (ctypes.c_int64, "N H bs D r G B bt_stride S_max M_max per_block"),
         (ctypes.c_float, "scale softcap root k_mul v_mul"),
-        (ctypes.c_int32, "dtype q_dtype out_dtype shared summary_bf16 segment_rows allocation threads amx unused2"),
+        (ctypes.c_int32, "dtype q_dtype out_dtype shared summary_bf16 segment_rows allocation threads amx bound"),
     )
 
 
@@ -496,7 +496,7 @@ class DecodeArgs(ctypes.Structure):
 
 #: ``sa_paged_split``'s phases (bits) and the allocations it runs itself.
 SPLIT_SCORE, SPLIT_ALLOCATE, SPLIT_ATTEND = 1, 2, 4
-ALLOC_NONE, ALLOC_TOPK, ALLOC_POOLED = 0, 1, 2
+ALLOC_NONE, ALLOC_TOPK, ALLOC_POOLED, ALLOC_TOPK_COARSE = 0, 1, 2, 3
 
 
 def c_allocation(policy: PagedPolicy, plan: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -518,6 +518,8 @@ def c_allocation(policy: PagedPolicy, plan: torch.Tensor) -> tuple[int, torch.Te
     stage = m.select_stage
     if type(m.selector) is not TopK:
         return ALLOC_NONE, None
+    if type(m.summary) is MinMaxBound:  # quest: each selection's k best of every candidate's bound (fused_mode: uniform)
+        return ALLOC_TOPK_COARSE, None
     selecting = (plan[:, 2] > 0) & (plan[:, 2] < plan[:, 1])
     rows = plan[selecting].tolist()
     if type(stage) is Uniform and all(k <= mm for _, _, k, mm in rows):
@@ -577,11 +579,12 @@ class SplitCall:
         rest = m.rest
         self.merged = rest is not None
         self.args = SplitArgs(
-            None, None, None, None, rows.data_ptr(), None if self.pool is None else self.pool.data_ptr(), None, None, None, None,
+            None, None, None, None, rows.data_ptr(), None if self.pool is None else self.pool.data_ptr(), None, None, None, None, None,
             self.coarse.data_ptr(), self.short.data_ptr(), self.exact.data_ptr(), self.always.data_ptr(), self.kept.data_ptr(),
             self.chosen.data_ptr(), None, N, H, bs, D, r, G, B, 0, S_max, M_max, 0 if rest is None else min(rest.per_block, 2**62),
             float(scale), float(softcap or 0.0), math.sqrt(scale), 1.0, 1.0, 0, DTYPE_CODES[query.dtype],
-            DTYPE_CODES[torch.float32], int(policy.shared_selection), 0, 0, self.allocation, 1,
+            DTYPE_CODES[torch.float32], int(policy.shared_selection), 0, 0, self.allocation, 1, 0,
+            int(self.allocation == ALLOC_TOPK_COARSE),
         )  # fmt: skip
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (the step's block table, as the kernel reads it)
         self._lens: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -621,6 +624,7 @@ class SplitCall:
         a.dtype, a.k_mul, a.v_mul, a.amx = code, k_mul, v_mul, int(amx)
         a.block_table, a.bt_stride, a.seq_lens = table.data_ptr(), table.shape[1], self._int32("_lens", seq_lens).data_ptr()
         a.summary, a.state = store.summary.data_ptr(), store.state.data_ptr()
+        a.summary2 = None if store.summary2 is None else store.summary2.data_ptr()
         a.sums = None if store.sums is None else store.sums.data_ptr()
         a.sums_state = None if store.sums_state is None else store.sums_state.data_ptr()
         a.summary_bf16, a.segment_rows = int(store.summary.dtype == torch.bfloat16), int(store.segment_sums)

@@ -983,13 +983,13 @@ int sa_paged_decode(const sa_decode_args *a) {
 
 /* Check a step's plan and block table (as sa_paged_decode does); most candidates and shortlist of any row. */
 static int check_step(int64_t N, int64_t B, int64_t bs, int64_t r, const int32_t *block_table, int64_t bt_stride,
-                      const int32_t *seq_lens, const int32_t *plan, int64_t *most_cand, int64_t *most_m) {
+                      const int32_t *seq_lens, const int32_t *plan, int shortlist, int64_t *most_cand, int64_t *most_m) {
     *most_cand = 0, *most_m = 0;
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = 0; b < B; ++b) { /* shortlist: a selecting row must shortlist (1 <= m <= n_cand), else m is 0 */
         const int32_t *pl = plan + b * 4;
         const int64_t L = seq_lens[b], pages = (L + bs - 1) / bs;
         if (L < 1 || pl[0] < 0 || pl[1] < 0 || pl[1] % r || pl[0] + pl[1] / r >= pages + (pl[1] == 0) || pl[2] < 0 || pages > bt_stride ||
-            (pl[2] > 0 && pl[2] < pl[1] && (pl[3] < 1 || pl[3] > pl[1])))
+            (pl[2] > 0 && pl[2] < pl[1] && (shortlist ? pl[3] < 1 || pl[3] > pl[1] : pl[3] != 0)))
             return SA_BAD_PLAN;
         for (int64_t p = 0; p < pages; ++p)
             if (block_table[b * bt_stride + p] < 0 || block_table[b * bt_stride + p] >= N) return SA_BAD_BLOCK;
@@ -1134,7 +1134,7 @@ static inline void prefetch_unit(const sa_pages *c, const char *keys, int64_t un
  */
 
 enum { SA_SPLIT_SCORE = 1, SA_SPLIT_ALLOCATE = 2, SA_SPLIT_ATTEND = 4 };
-enum { SA_ALLOC_NONE = 0, SA_ALLOC_TOPK = 1, SA_ALLOC_POOLED = 2 };
+enum { SA_ALLOC_NONE = 0, SA_ALLOC_TOPK = 1, SA_ALLOC_POOLED = 2, SA_ALLOC_TOPK_COARSE = 3 };
 
 /* The split step's arguments (sparseattn.vllm.paged_kernel.SplitArgs mirrors it field by field; sa_paged_split_layout
  * gives the offsets a test holds it to). Pointers, then 64-bit integers, then 32-bit numbers: no padding between. */
@@ -1145,7 +1145,9 @@ typedef struct {
     const int32_t *seq_lens;    /* [B], the current token included */
     const int32_t *plan;        /* [B, 4]: sink_pages, n_cand (segments, r per page), k, m */
     const int32_t *pool;        /* [B, 2] with SA_ALLOC_POOLED: the most segments a query head takes, and its floor */
-    void *summary;              /* [N, H, r, D]: float32 raw means, or (summary_bf16) bfloat16 means of the keys times root */
+    void *summary;              /* [N, H, r, D]: float32 raw means, or (summary_bf16) bfloat16 means of the keys times root;
+                                 * with bound: each segment's per-channel key minimum */
+    float *summary2;            /* [N, H, r, D] float32 with bound: the maximum (quest's bound summary), else NULL */
     uint8_t *state;             /* [N]: 1 while a block's summaries are valid */
     float *sums;                /* [N, H, sums_rows, W] the merged rest's sums (per_block > 0), or NULL */
     uint8_t *sums_state;        /* [N] */
@@ -1159,14 +1161,15 @@ typedef struct {
     int64_t N, H, bs, D, r, G, B, bt_stride, S_max, M_max;
     int64_t per_block;          /* candidates per merged block; 0: no merged rest */
     float scale, softcap, root, k_mul, v_mul; /* k_mul, v_mul: what a stored key or value is multiplied by (fp8) */
-    int32_t dtype, q_dtype, out_dtype, shared, summary_bf16, segment_rows, allocation, threads, amx, unused2;
+    int32_t dtype, q_dtype, out_dtype, shared, summary_bf16, segment_rows, allocation, threads, amx;
+    int32_t bound; /* quest: candidates scored by the bound of their keys' minimum and maximum, no shortlist */
 } sa_split_args;
 
 #define SA_SPLIT_FIELDS(X)                                                                                                 \
-    X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(pool) X(summary) X(state) X(sums) X(sums_state) X(coarse) X(short_ix)      \
+    X(q) X(cache) X(block_table) X(seq_lens) X(plan) X(pool) X(summary) X(summary2) X(state) X(sums) X(sums_state) X(coarse) X(short_ix)      \
     X(exact) X(always) X(kept) X(chosen) X(out) X(N) X(H) X(bs) X(D) X(r) X(G) X(B) X(bt_stride) X(S_max) X(M_max)         \
     X(per_block) X(scale) X(softcap) X(root) X(k_mul) X(v_mul) X(dtype) X(q_dtype) X(out_dtype) X(shared) X(summary_bf16) \
-    X(segment_rows) X(allocation) X(threads) X(amx) X(unused2)
+    X(segment_rows) X(allocation) X(threads) X(amx) X(bound)
 
 /* offsets[i] = the offset of the struct's i-th field (in SA_SPLIT_FIELDS order); returns its size. */
 int64_t sa_paged_split_layout(int64_t *offsets) {
@@ -1258,6 +1261,46 @@ static void split_score_item(const sa_split_args *a, const sa_pages *c, int64_t 
     const int64_t q_elem = dtype_bytes(a->q_dtype);
     sa_to_float((const char *)a->q + (b * H + h) * G * D * q_elem, a->q_dtype, G * D, s->qr); /* qr: the raw query first */
     for (int64_t i = 0; i < G * D; ++i) s->qs[i] = s->qr[i] * a->scale * a->k_mul; /* keys are read as stored */
+    if (a->bound) { /* quest: the bound sum_d max(q_d min_d, q_d max_d) of every candidate, then each selection's k best */
+        float *cs = a->coarse + (b * H + h) * G * S_max;
+        const int64_t page_bytes = r * D * 4, ahead = 1 + (8192 + page_bytes - 1) / page_bytes;
+        const char *lo_store = (const char *)a->summary, *hi_store = (const char *)a->summary2;
+        for (int64_t p = 0; p < n_pc; ++p) {
+            const int64_t at = (table[sink_pages + p] * H + h) * page_bytes;
+            if (p + ahead < n_pc) {
+                const int64_t later = (table[sink_pages + p + ahead] * H + h) * page_bytes;
+                SA_PREFETCH(lo_store + later, 0, page_bytes);
+                SA_PREFETCH(hi_store + later, 0, page_bytes);
+            }
+            for (int64_t u = 0; u < r; ++u) {
+                const float *lo = (const float *)(lo_store + at) + u * D, *hi = (const float *)(hi_store + at) + u * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *qg = s->qs + g * D;
+                    float v = 0.f;
+                    for (int64_t d = 0; d < D; ++d) {
+                        const float x = qg[d] * lo[d], z = qg[d] * hi[d];
+                        v += x > z ? x : z;
+                    }
+                    cs[g * S_max + p * r + u] = v;
+                }
+            }
+        }
+        prof_mark(&prof, SA_PH_SCORE, 2.0 * (double)n_pc * lines_bytes(0, page_bytes));
+        const int64_t Gs = a->shared ? 1 : G;
+        for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+            const float *src = cs + gs_i * S_max;
+            if (a->shared) { /* the group's score: log-sum-exp over its rows */
+                for (int64_t i = 0; i < n_cand; ++i) s->gs[i] = log_sum_exp(cs + i, G, S_max);
+                src = s->gs;
+            }
+            best_positions(src, n_cand, k, s->pick, s->v, s->w);
+            uint8_t *flags = a->chosen + ((b * H + h) * Gs + gs_i) * S_max;
+            for (int64_t t = 0; t < k; ++t) flags[s->pick[t]] = 1;
+        }
+        prof_mark(&prof, SA_PH_SHORTLIST, 0.0);
+        prof_flush(&prof);
+        return;
+    }
     /* bf16 centroids hold the scaled keys' means: scored against the query times root (the generic path's
      * q.root . mean(k.root)); float32 ones hold the raw means, scored against the query times scale. */
     for (int64_t i = 0; i < G * D; ++i) s->qr[i] *= a->root;
@@ -1798,6 +1841,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
             for (int64_t g = 0; g < G; ++g) top[g] = SA_NO_SCORE;
     }
     if (!one_pass) { /* Pass 1: every run's logits (kept, or computed from the run's keys), and each row's largest. */
+        int64_t computed = -1; /* the unit whose logits s->lg holds: the runs of one unit are adjacent, computed once */
         for (int64_t t = 0; t < n_runs; ++t) {
             const sa_run *run = runs + t;
             const int64_t col = (run->first % r) * seg; /* the run's first token within its page */
@@ -1805,13 +1849,22 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
             int64_t ld;
             if (s->slot[run->unit] >= 0) {
                 src = kept_bh + s->slot[run->unit] * G * unit + (run->first % cu) * seg, ld = unit;
-            } else { /* a unit the shortlist does not hold (an allocation past it): its logits computed here (the unit's, in amx:
-                      * its columns start at groups of 16) */
-                const char *page = page_keys(c, table[sink_pages + run->first / r], h);
-                const int64_t from = c->amx ? col - col % unit : col;
-                page_logits(c, key_col(c, page, from), (int)(c->amx ? unit : run->n), s->qs, (int)G, s->lg, bs, s->row, NULL);
+            } else { /* a unit the shortlist does not hold (quest, an allocation past the shortlist): its logits computed here */
+                const int64_t from = col - col % unit; /* the unit's lines are read whatever part of it the run is */
+                if (computed != run->unit) {
+                    int64_t after = t + 1; /* the next unit computed here: its keys asked for meanwhile */
+                    while (after < n_runs && (runs[after].unit == run->unit || s->slot[runs[after].unit] >= 0)) ++after;
+                    const char *next = NULL;
+                    if (after < n_runs) {
+                        const int64_t next_col = (runs[after].first % r) * seg;
+                        next = key_col(c, page_keys(c, table[sink_pages + runs[after].first / r], h), next_col - next_col % unit);
+                    }
+                    page_logits_ahead(c, key_col(c, page_keys(c, table[sink_pages + run->first / r], h), from), (int)unit, s->qs,
+                                      (int)G, s->lg, bs, s->row, next, unit != bs);
+                    computed = run->unit;
+                    sel_bytes += key_bytes(c, from, unit);
+                }
                 src = s->lg + (col - from), ld = bs;
-                sel_bytes += key_bytes(c, from, c->amx ? unit : run->n);
             }
             for (int64_t g = 0; g < G; ++g) {
                 if (!((run->by >> (a->shared ? 0 : g)) & 1)) continue;
@@ -1975,11 +2028,14 @@ int sa_paged_split(const sa_split_args *a, int phases) {
     if (a->q_dtype != SA_F32 && a->q_dtype != SA_BF16 && a->q_dtype != SA_F16) return SA_BAD_DTYPE;
     if (a->out_dtype != SA_F32 && a->out_dtype != SA_BF16 && a->out_dtype != SA_F16) return SA_BAD_DTYPE;
     if (bs < 1 || bs > 4096 || D < 1 || D > 4096 || G < 1 || G > 64 || H < 1 || r < 1 || bs % r || a->S_max < 1 || a->M_max < 1 ||
-        a->per_block < 0 || phases < 1 || phases > 7 || a->allocation < SA_ALLOC_NONE || a->allocation > SA_ALLOC_POOLED)
+        a->per_block < 0 || phases < 1 || phases > 7 || a->allocation < SA_ALLOC_NONE || a->allocation > SA_ALLOC_TOPK_COARSE)
         return SA_BAD_PLAN;
     if (a->per_block > 0 && (!a->sums || !a->sums_state || (r > 1 && !a->segment_rows && (a->per_block % r || a->summary_bf16))))
         return SA_BAD_PLAN;
     if ((a->allocation == SA_ALLOC_POOLED && !a->pool) || !a->chosen || !a->summary || !a->state || !a->out) return SA_BAD_PLAN;
+    /* quest: its bound summary (two float32 stores), each selection's top k of every candidate, nothing merged */
+    if (a->bound && (!a->summary2 || a->summary_bf16 || a->allocation != SA_ALLOC_TOPK_COARSE || a->per_block > 0)) return SA_BAD_PLAN;
+    if (!a->bound && a->allocation == SA_ALLOC_TOPK_COARSE) return SA_BAD_PLAN;
 #ifdef SA_NO_FLOAT16
     if (a->dtype == SA_F16 || a->q_dtype == SA_F16 || a->out_dtype == SA_F16) return SA_BAD_DTYPE;
 #endif
@@ -1987,7 +2043,7 @@ int sa_paged_split(const sa_split_args *a, int phases) {
     /* the amx layout: bfloat16, pages and head dims of multiples of 32, segments of an even number of tokens */
     if (a->amx && (a->dtype != SA_BF16 || bs % 32 || D % 32 || !fast_shape(&c) || (bs / r) % 2)) return SA_BAD_PLAN;
     int64_t most_cand, most_m;
-    int status = check_step(N, B, bs, r, a->block_table, a->bt_stride, a->seq_lens, a->plan, &most_cand, &most_m);
+    int status = check_step(N, B, bs, r, a->block_table, a->bt_stride, a->seq_lens, a->plan, !a->bound, &most_cand, &most_m);
     if (status) return status;
     if (most_cand > a->S_max || most_m > a->M_max) return SA_BAD_PLAN;
     const int64_t Gs = a->shared ? 1 : G;
@@ -2026,7 +2082,9 @@ int sa_paged_split(const sa_split_args *a, int phases) {
         for (int64_t i = 0; i < stale_n * H; ++i) {
             float row[4096];
             const int64_t blk = stale[i / H], h = i % H;
-            if (summary16) /* the means of the keys times root, dequantised (k_mul) as the generic path's are */
+            if (a->bound) /* minimum and maximum as stored (k_mul > 0 scales both alike: folded into the query) */
+                summarise(&c, SA_BOUND, blk, h, summary + (blk * H + h) * r * D, a->summary2 + (blk * H + h) * r * D, NULL, 1.f, row);
+            else if (summary16) /* the means of the keys times root, dequantised (k_mul) as the generic path's are */
                 summarise(&c, SA_CENTROID, blk, h, NULL, NULL, summary16 + (blk * H + h) * r * D, a->root * a->k_mul, row);
             else
                 summarise(&c, SA_CENTROID, blk, h, summary + (blk * H + h) * r * D, NULL, NULL, 1.f, row);
@@ -2075,7 +2133,7 @@ int sa_paged_split(const sa_split_args *a, int phases) {
             const sa_score_scratch ss = ok ? score_scratch(&at, G, D, bs, most_cand, most_m, seg) : (sa_score_scratch){0};
             const sa_pool_scratch ps = ok ? pool_scratch(&at, H, G, w, most_cand, most_m) : (sa_pool_scratch){0};
             const sa_attend_scratch as = ok ? attend_scratch(&at, G, D, bs, most_cand, seg, nbc) : (sa_attend_scratch){0};
-            if (a->allocation == SA_ALLOC_TOPK) {
+            if (a->allocation == SA_ALLOC_TOPK || a->allocation == SA_ALLOC_TOPK_COARSE) {
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t item = 0; item < B * H; ++item) {
                     const int64_t h = item / B, b = item % B; /* head-major: see the top of the file */
