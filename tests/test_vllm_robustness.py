@@ -84,8 +84,11 @@ def sparse_on_amx(prompts, tmp_path_factory):
 
 def test_where_vllm_picks_amx_a_sparse_engine_runs_the_vec_layout_and_says_so(sparse_on_amx):
     result, log = sparse_on_amx
-    assert "vLLM picked its 'amx' CPU attention kernel for float32 here; the paged engine does not read that cache layout, " \
-           "so this engine runs vLLM's 'vec' kernel and layout instead" in log  # fmt: skip
+    # float32: the amx layout holds bfloat16 pages, so the engine runs vec (a bf16 engine whose method runs fused keeps
+    # amx: tests/test_vllm_paged_split.py reads that layout, tests/test_vllm_plugin.py checks it against vLLM's op)
+    assert "vLLM picked its 'amx' CPU attention kernel for float32 here; the paged engine does not read that cache layout " \
+           "for 'radar+:budget=256' (the amx layout holds bfloat16 pages" in log and "so this engine runs vLLM's 'vec' kernel " \
+           "and layout instead" in log  # fmt: skip
     assert result["answered"] > 0 and result["fallbacks"] == 0, result  # the paged engine answered the decode steps
     assert "first decode step answered by the paged engine" in log
 

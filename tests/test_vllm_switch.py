@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from vllm_engine import fd_log, skip_unless_vllm_cpu
+from vllm_engine import HOST, fd_log, skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
 
@@ -35,7 +35,7 @@ def engine(tmp_path_factory):
     rows = workload(tok, 3, 1500, NEW_TOKENS)
     log = tmp_path_factory.mktemp("switch") / "engine.log"
     with fd_log(log):
-        llm = LLM(model=str(local_model_dir()), dtype="float32", max_model_len=2048, enable_prefix_caching=True, seed=0,
+        llm = LLM(model=str(local_model_dir()), **HOST, dtype="float32", max_model_len=2048, enable_prefix_caching=True, seed=0,
                   enforce_eager=True, additional_config={"sparseattn": dict(RADAR)},
                   worker_extension_cls="sparseattn.vllm.switch.MethodSwitch", logits_processors=["sparseattn.vllm.forcing:ForcedTokens"])  # fmt: skip
     prompts = [r.ids for r in rows]

@@ -69,13 +69,18 @@ def test_each_layers_store_per_block_is_what_the_engine_allocates_per_block(meth
 
 @pytest.mark.parametrize("method, cache_dtype", [
     (None, "auto"), ({"method": "dense"}, "auto"), ({"method": "streamingllm", "budget": 512}, "auto"),
-    ({"method": "radar+", "budget": 512}, "fp8_e4m3"),
 ])  # fmt: skip
 def test_no_store_is_counted_where_the_fused_step_keeps_none(method, cache_dtype):
-    """No method: nothing to count; dense and StreamingLLM read whole pages without summaries; an fp8 cache
-    runs the generic path (the fused step reads 2- and 4-byte pages), whose summaries are not counted."""
+    """No method: nothing to count; dense and StreamingLLM read whole pages without summaries."""
     sizes = store_bytes(engine_config(method, cache_dtype), kv_spec())
     assert sizes == {} if method is None else set(sizes.values()) == {0}, sizes
+
+
+def test_an_fp8_cache_counts_the_fused_steps_store_as_any_cache():
+    """An fp8 cache is read by the fused step (its bytes in place), so its page store is counted as a bf16 cache's is."""
+    fp8 = store_bytes(engine_config({"method": "radar+", "budget": 512}, "fp8_e4m3"), kv_spec())
+    plain = store_bytes(engine_config({"method": "radar+", "budget": 512}, "auto"), kv_spec())
+    assert fp8 == plain and all(v > 0 for v in fp8.values()), (fp8, plain)
 
 
 @pytest.mark.parametrize("given_gib", [0.5, 1.0, 3.0])

@@ -8,6 +8,11 @@ from pathlib import Path
 
 from sparseattn.hf.models import local_model_dir
 
+#: Engine arguments every test engine takes. On the CPU platform ``gpu_memory_utilization`` is the share of
+#: NUMA node 0's memory the worker insists is free at start (vLLM's default 0.92 fails once the page cache
+#: holds a few GiB there); the KV cache itself is sized by ``VLLM_CPU_KVCACHE_SPACE``.
+HOST = {"gpu_memory_utilization": 0.5}
+
 
 def skip_unless_vllm_cpu() -> None:
     """Skip the calling module unless vLLM is installed and runs on its CPU platform (the one the plugin
@@ -54,7 +59,7 @@ def greedy_outputs(log: Path, prompts: list, engine: dict, new_tokens: int, *, t
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", cache_gib)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=ignore_eos, logprobs=top or None)
     with fd_log(log):
-        llm = LLM(model=str(local_model_dir()), **engine)
+        llm = LLM(model=str(local_model_dir()), **{**HOST, **engine})
         outs = llm.generate(prompts, params)
         del llm
         gc.collect()

@@ -58,7 +58,9 @@ def main(config: dict) -> dict:
     # Replaced where the backend's impl looks them up (the engine runs in this process).
     backend.fused_decode = failing_step(backend.fused_decode)
     backend.choose_pages = failing_step(backend.choose_pages)
-    llm = LLM(model=str(local_model_dir()), **config["engine"])
+    from vllm_engine import HOST  # this script's folder is on sys.path: it runs as `python tests/vllm_inprocess.py`
+
+    llm = LLM(model=str(local_model_dir()), **{**HOST, **config["engine"]})
     params = SamplingParams(temperature=0, max_tokens=config.get("new_tokens", 8), ignore_eos=True, logprobs=config.get("logprobs", 1))
     results = []
     for batch in config["batches"]:

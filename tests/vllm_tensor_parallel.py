@@ -40,7 +40,9 @@ if __name__ == "__main__":
 
     gen = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=gen).tolist()} for n in (300, 520)]
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=tp, max_model_len=1024,
+    from vllm_engine import HOST  # this script's folder is on sys.path: it runs as `python tests/vllm_tensor_parallel.py`
+
+    llm = LLM(model=path, **HOST, skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=tp, max_model_len=1024,
               enforce_eager=True, seed=0, additional_config={"sparseattn": spec})  # fmt: skip
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False))
     print("RESULT", json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)

@@ -1527,74 +1527,45 @@ typedef struct {
  * for every selection gs that chose it (the merged rest then takes them out of its blocks: no second read). */
 #define SA_RUN_CH (4 * SA_LANES)
 static inline __attribute__((always_inline)) void runs_block(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T,
-                                                             int64_t D, int64_t elem, int dtype, int g0, int NG, int64_t d0,
-                                                             float *acc, int64_t ahead, float *sums, int64_t per_block,
+                                                             int64_t D, int64_t bs, int64_t elem, int dtype, int amx, int g0, int NG,
+                                                             int64_t d0, float *acc, int64_t ahead, float *sums, int64_t per_block,
                                                              int64_t Gs) {
     sa_v16 a[4][4];
     for (int g = 0; g < NG; ++g)
         for (int k = 0; k < 4; ++k) memcpy(&a[g][k], acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, sizeof(sa_v16));
-    for (int64_t t = 0; t < n_runs; ++t) {
-        const sa_run *run = runs + t;
-        if (ahead && t + ahead < n_runs) SA_PREFETCH(runs[t + ahead].values, 0, runs[t + ahead].n * D * elem);
-        const float *w = buf + (int64_t)g0 * T + run->off;
-        const char *v = run->values + d0 * elem;
-        sa_v16 vs[4] = {{0}};
-        for (int j = 0; j < run->n; ++j) {
-            const char *row = v + (int64_t)j * D * elem;
-            const sa_v16 x0 = load16(row, dtype), x1 = load16(row + SA_LANES * elem, dtype);
-            const sa_v16 x2 = load16(row + 2 * SA_LANES * elem, dtype), x3 = load16(row + 3 * SA_LANES * elem, dtype);
-            for (int g = 0; g < NG; ++g) {
-                const float wt = w[g * T + j];
-                a[g][0] += wt * x0, a[g][1] += wt * x1, a[g][2] += wt * x2, a[g][3] += wt * x3;
-            }
-            if (sums) vs[0] += x0, vs[1] += x1, vs[2] += x2, vs[3] += x3;
-        }
-        if (sums) {
-            float *blk = sums + (run->first / per_block) * Gs * D + d0;
-            for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
-                if (!((run->by >> gs_i) & 1)) continue;
-                for (int k = 0; k < 4; ++k) {
-                    sa_v16 x;
-                    memcpy(&x, blk + gs_i * D + k * SA_LANES, sizeof x);
-                    x += vs[k];
-                    memcpy(blk + gs_i * D + k * SA_LANES, &x, sizeof x);
-                }
-            }
-        }
-    }
-    for (int g = 0; g < NG; ++g)
-        for (int k = 0; k < 4; ++k) memcpy(acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, &a[g][k], sizeof(sa_v16));
-}
-/* runs_block in the amx layout (bfloat16; runs start at even tokens and hold whole pairs): per block of 16 channels a
- * line per pair of tokens; run->values from value_col, the channel blocks bs / 2 lines apart. */
-static inline __attribute__((always_inline)) void runs_block_amx(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T,
-                                                                 int64_t D, int64_t bs, int g0, int NG, int64_t d0, float *acc,
-                                                                 int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {
-    sa_v16 a[4][4];
-    for (int g = 0; g < NG; ++g)
-        for (int k = 0; k < 4; ++k) memcpy(&a[g][k], acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, sizeof(sa_v16));
-    int64_t off[4]; /* each vector's channels: its block's line offset and its lanes in the line */
+    /* amx (bfloat16, runs of whole token pairs from value_col): each vector's channels are lanes of a line in their
+     * block of 16, the blocks bs / 2 lines apart; a line holds a pair of tokens */
+    int64_t off[4];
     for (int k = 0; k < 4; ++k) {
         const int64_t ch = d0 + k * SA_LANES;
-        off[k] = ((ch / 16) * (bs / 2) * 16 + ch % 16) * 4;
+        off[k] = amx ? ((ch / 16) * (bs / 2) * 16 + ch % 16) * 4 : ch * elem;
     }
     for (int64_t t = 0; t < n_runs; ++t) {
         const sa_run *run = runs + t;
-        if (ahead && t + ahead < n_runs)
-            for (int k = 0; k < 4; k += 16 / SA_LANES) SA_PREFETCH(runs[t + ahead].values + off[k], 0, runs[t + ahead].n / 2 * 64);
+        if (ahead && t + ahead < n_runs) {
+            if (amx)
+                for (int k = 0; k < 4; k += 16 / SA_LANES) SA_PREFETCH(runs[t + ahead].values + off[k], 0, runs[t + ahead].n / 2 * 64);
+            else
+                SA_PREFETCH(runs[t + ahead].values, 0, runs[t + ahead].n * D * elem);
+        }
         const float *w = buf + (int64_t)g0 * T + run->off;
         sa_v16 vs[4] = {{0}};
-        for (int j = 0; j < run->n; j += 2) {
+        for (int j = 0; j < run->n; j += amx ? 2 : 1) {
             sa_v16 x[4], y[4];
-            for (int k = 0; k < 4; ++k) pairs(run->values + off[k] + (j / 2) * 64, &x[k], &y[k]);
+            if (amx) {
+                for (int k = 0; k < 4; ++k) pairs(run->values + off[k] + (j / 2) * 64, &x[k], &y[k]);
+            } else {
+                const char *row = run->values + (int64_t)j * D * elem;
+                for (int k = 0; k < 4; ++k) x[k] = load16(row + off[k], dtype);
+            }
             for (int g = 0; g < NG; ++g) {
-                const float w0 = w[g * T + j], w1 = w[g * T + j + 1];
-                for (int k = 0; k < 4; ++k) a[g][k] += w0 * x[k] + w1 * y[k];
+                const float w0 = w[g * T + j], w1 = amx ? w[g * T + j + 1] : 0.f;
+                for (int k = 0; k < 4; ++k) a[g][k] += amx ? w0 * x[k] + w1 * y[k] : w0 * x[k];
             }
             if (sums)
-                for (int k = 0; k < 4; ++k) vs[k] += x[k] + y[k];
+                for (int k = 0; k < 4; ++k) vs[k] += amx ? x[k] + y[k] : x[k];
         }
-        if (sums) {
+        if (sums) { /* the run's values into its block's sums, for each selection that chose it */
             float *blk = sums + (run->first / per_block) * Gs * D + d0;
             for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
                 if (!((run->by >> gs_i) & 1)) continue;
@@ -1610,41 +1581,28 @@ static inline __attribute__((always_inline)) void runs_block_amx(const sa_run *r
     for (int g = 0; g < NG; ++g)
         for (int k = 0; k < 4; ++k) memcpy(acc + (int64_t)(g0 + g) * D + d0 + k * SA_LANES, &a[g][k], sizeof(sa_v16));
 }
-static void runs_values_amx(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T, int64_t D, int64_t bs, int G, float *acc,
-                            int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {
-    for (int64_t d0 = 0; d0 < D; d0 += SA_RUN_CH)
-        for (int g0 = 0; g0 < G; g0 += 4) {
-            const int64_t pf = d0 == 0 && g0 == 0 ? ahead : 0;
-            float *sm = g0 == 0 ? sums : NULL;
-            switch (G - g0 < 4 ? G - g0 : 4) {
-            case 1: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 1, d0, acc, pf, sm, per_block, Gs); break;
-            case 2: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 2, d0, acc, pf, sm, per_block, Gs); break;
-            case 3: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 3, d0, acc, pf, sm, per_block, Gs); break;
-            default: runs_block_amx(runs, n_runs, buf, T, D, bs, g0, 4, d0, acc, pf, sm, per_block, Gs); break;
-            }
-        }
-}
-#define SA_DEFINE_RUNS(SUFFIX, DT, ELEM)                                                                                   \
-    static void runs_values_##SUFFIX(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T, int64_t D, int G,    \
-                                     float *acc, int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {               \
+#define SA_DEFINE_RUNS(SUFFIX, DT, ELEM, AMX)                                                                              \
+    static void runs_values_##SUFFIX(const sa_run *runs, int64_t n_runs, const float *buf, int64_t T, int64_t D, int64_t bs, \
+                                     int G, float *acc, int64_t ahead, float *sums, int64_t per_block, int64_t Gs) {         \
         for (int64_t d0 = 0; d0 < D; d0 += SA_RUN_CH)                                                                        \
             for (int g0 = 0; g0 < G; g0 += 4) {                                                                              \
                 const int64_t pf = d0 == 0 && g0 == 0 ? ahead : 0;                                                         \
                 float *sm = g0 == 0 ? sums : NULL;                                                                           \
                 switch (G - g0 < 4 ? G - g0 : 4) {                                                                          \
-                case 1: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 1, d0, acc, pf, sm, per_block, Gs); break;        \
-                case 2: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 2, d0, acc, pf, sm, per_block, Gs); break;        \
-                case 3: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 3, d0, acc, pf, sm, per_block, Gs); break;        \
-                default: runs_block(runs, n_runs, buf, T, D, ELEM, DT, g0, 4, d0, acc, pf, sm, per_block, Gs); break;       \
+                case 1: runs_block(runs, n_runs, buf, T, D, bs, ELEM, DT, AMX, g0, 1, d0, acc, pf, sm, per_block, Gs); break; \
+                case 2: runs_block(runs, n_runs, buf, T, D, bs, ELEM, DT, AMX, g0, 2, d0, acc, pf, sm, per_block, Gs); break; \
+                case 3: runs_block(runs, n_runs, buf, T, D, bs, ELEM, DT, AMX, g0, 3, d0, acc, pf, sm, per_block, Gs); break; \
+                default: runs_block(runs, n_runs, buf, T, D, bs, ELEM, DT, AMX, g0, 4, d0, acc, pf, sm, per_block, Gs); break; \
                 }                                                                                                            \
             }                                                                                                                \
     }
-SA_DEFINE_RUNS(f32, SA_F32, 4)
-SA_DEFINE_RUNS(bf16, SA_BF16, 2)
-SA_DEFINE_RUNS(e4m3, SA_FP8_E4M3, 1)
-SA_DEFINE_RUNS(e5m2, SA_FP8_E5M2, 1)
+SA_DEFINE_RUNS(f32, SA_F32, 4, 0)
+SA_DEFINE_RUNS(bf16, SA_BF16, 2, 0)
+SA_DEFINE_RUNS(e4m3, SA_FP8_E4M3, 1, 0)
+SA_DEFINE_RUNS(e5m2, SA_FP8_E5M2, 1, 0)
+SA_DEFINE_RUNS(amx, SA_BF16, 2, 1)
 #ifndef SA_NO_FLOAT16
-SA_DEFINE_RUNS(f16, SA_F16, 2)
+SA_DEFINE_RUNS(f16, SA_F16, 2, 0)
 #endif
 
 typedef struct {
@@ -1922,13 +1880,13 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
     if (taken) memset(taken, 0, sizeof(float) * (size_t)(n_blocks * Gs * D));
     if (in_registers) {
         if (c->amx) runs_values_amx(runs, n_runs, s->buf, T, D, bs, (int)G, s->acc, ahead, taken, per_block, Gs);
-        else if (c->dtype == SA_BF16) runs_values_bf16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
-        else if (c->dtype == SA_FP8_E4M3) runs_values_e4m3(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
-        else if (c->dtype == SA_FP8_E5M2) runs_values_e5m2(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else if (c->dtype == SA_BF16) runs_values_bf16(runs, n_runs, s->buf, T, D, bs, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else if (c->dtype == SA_FP8_E4M3) runs_values_e4m3(runs, n_runs, s->buf, T, D, bs, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else if (c->dtype == SA_FP8_E5M2) runs_values_e5m2(runs, n_runs, s->buf, T, D, bs, (int)G, s->acc, ahead, taken, per_block, Gs);
 #ifndef SA_NO_FLOAT16
-        else if (c->dtype == SA_F16) runs_values_f16(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else if (c->dtype == SA_F16) runs_values_f16(runs, n_runs, s->buf, T, D, bs, (int)G, s->acc, ahead, taken, per_block, Gs);
 #endif
-        else runs_values_f32(runs, n_runs, s->buf, T, D, (int)G, s->acc, ahead, taken, per_block, Gs);
+        else runs_values_f32(runs, n_runs, s->buf, T, D, bs, (int)G, s->acc, ahead, taken, per_block, Gs);
     }
     if (sums_in_pass) {
         for (int64_t t = 0; t < n_runs; ++t) { /* each selection's attended segments leave its blocks' counts */

@@ -112,24 +112,23 @@ class StepProfile:
             self.bytes[name] += out[n + i]
         _ACTIVE = None
 
-    @contextmanager
-    def call(self) -> Iterator[None]:
+    def call(self):
         """Time one whole call of the fused step (its wall time, against which the parts are held)."""
-        start = time.perf_counter_ns()
-        try:
-            yield
-        finally:
-            self.wall_ns += time.perf_counter_ns() - start
-            self.calls += 1
+        return self._timed("wall_ns", "calls")
+
+    def layer(self):
+        """Time one attention layer's whole forward call on a decode step (in an engine)."""
+        return self._timed("layer_ns", None)
 
     @contextmanager
-    def layer(self) -> Iterator[None]:
-        """Time one attention layer's whole forward call on a decode step (in an engine)."""
+    def _timed(self, total: str, count: str | None) -> Iterator[None]:
         start = time.perf_counter_ns()
         try:
             yield
         finally:
-            self.layer_ns += time.perf_counter_ns() - start
+            setattr(self, total, getattr(self, total) + time.perf_counter_ns() - start)
+            if count is not None:
+                setattr(self, count, getattr(self, count) + 1)
 
     def rows(self, bandwidth_gbps: float | None = None, calls: int | None = None) -> list[dict]:
         """One row per part with time: ``part``, ``us`` per call, ``mb`` read per call, ``gbps`` and its ``of_bandwidth``.
