@@ -2,7 +2,8 @@
 
 The comparison a user would make (docs/serving.md, "Measured"): 8 distinct 8000-token prompts decoded
 together, stock vLLM in bfloat16 (its attention on the CPU's best ISA) as the reference, stock float32
-as a labelled extra, the plugin's dense path beside quest and radar+ at budget 1024, 64 timed steps,
+as a labelled extra, the plugin's dense path beside radar+adaptive (what ``sparseattn serve`` runs), radar+ and
+quest at budget 1024, 64 timed steps,
 3 alternating rounds, a shared-prefix workload as a labelled extra row, and quality at the same
 configuration. Every option of ``sparseattn serving-bench --help`` is taken, e.g.
 

@@ -1107,40 +1107,14 @@ def test_auto_skips_backends_that_do_not_declare_the_op_or_the_device():
 def test_the_interface_module_imports_no_backend_and_the_backends_form_no_cycle():
     # Static: every import of a sparseattn module in sparseattn/backends and sparseattn/ops, wherever it is
     # written (function-local imports count: they hid the old cycle), except typing-only ones.
-    import ast
-    from pathlib import Path
+    from import_graph import in_cycles, package_imports
 
-    import sparseattn
-
-    root = Path(sparseattn.__file__).parent
-
-    def imports(path):
-        tree = ast.parse(path.read_text())
-        typing_only = {
-            id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)
-        }
-        found = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparseattn"):
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name.startswith("sparseattn")}
-        return found
-
-    modules = {f"sparseattn.{p.parent.name}.{p.stem}": imports(p) for d in ("backends", "ops") for p in (root / d).glob("*.py") if p.stem != "__init__"}
+    modules = package_imports("backends", "ops")
     assert not {m for m in modules["sparseattn.backends.base"] if m.startswith("sparseattn.backends")}
     for name, found in modules.items():
         if name.startswith("sparseattn.ops"):
             assert not {m for m in found if m.startswith("sparseattn.backends")}, name
-    graph = {name: {m for m in found if m in modules} for name, found in modules.items()}
-
-    def reaches(start, target, seen=()):
-        return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in graph[start])
-
-    assert not [name for name in graph if reaches(name, name)]
+    assert in_cycles(modules) == []
 
 
 def test_the_hot_paths_name_no_backend():

@@ -17,13 +17,13 @@ from sparseattn.vllm.paged_kernel import (
     DecodeArgs,
     PageStore,
     SplitArgs,
-    _library,
     fused_decode,
     fused_mode,
     kernel_refusal,
     step_plan,
     top_k_positions,
 )
+from sparseattn.vllm.paged_library import library
 from sparseattn.vllm.profile import C_PHASES, StepProfile
 from tests.test_vllm_paged import paged_cache, sequences
 
@@ -36,7 +36,7 @@ def test_the_argument_structs_are_laid_out_as_the_c_ones(struct, layout):
     added on one side only, or in another order, would hand the kernel another field's value."""
     fields = [name for name, _ in struct._fields_]
     offsets = (ctypes.c_int64 * len(fields))()
-    size = getattr(_library(), layout)(offsets)
+    size = getattr(library(), layout)(offsets)
     assert size == ctypes.sizeof(struct)
     assert {name: getattr(struct, name).offset for name in fields} == dict(zip(fields, offsets))
 

@@ -20,9 +20,10 @@ from sparseattn.cli.consoles import console
 
 
 def serving_bench(
-    method: list[str] = typer.Option(["quest", "radar+"], "--method", "-m", help="sparse methods NAME[:key=value,...] run "
-                                     "beside stock vLLM and the plugin's dense path (repeatable); a suffix @seg<N> or @page "
-                                     "sets that method's segment (else --segment's)"),
+    method: list[str] = typer.Option(["radar+adaptive", "radar+", "quest"], "--method", "-m", help="sparse methods "
+                                     "NAME[:key=value,...] run beside stock vLLM and the plugin's dense path (repeatable; the "
+                                     "default's first is what `sparseattn serve` runs); a suffix @seg<N> or @page sets that "
+                                     "method's segment (else --segment's)"),
     budget: int = typer.Option(1024, help="past KV tokens a decode step may attend, for every method whose spec sets "
                                "neither budget nor top_k"),
     model: str = MODEL,

@@ -40,7 +40,6 @@ and the serving benchmark, inside vLLM's processes. What needs no vLLM is in :mo
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +61,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, request_from
+from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, layer_index, request_from, stores_counted
 from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
 from sparseattn.vllm.paged_kernel import (
     FP8_CODES, PageStore, StepPlan, amx_refusal, fused_decode, fused_mode, kernel_refusal, step_plan,
@@ -368,7 +367,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
             except Exception as failure:  # noqa: BLE001 (any failure: vLLM's kernel answers the step, nothing is lost)
                 error = failure
         if error is not None:
-            attn_metadata.fallbacks.failed(error, _layer_index(layer.layer_name), logger)
+            attn_metadata.fallbacks.failed(error, layer_index(layer.layer_name), logger)
             # A step that failed half-way may have left this layer's page summaries half-written: rebuilt as needed.
             self._store, self._summaries = None, None
             return super().forward(*dense)
@@ -381,7 +380,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         step, method = attn_metadata.decode, attn_metadata.method
         layer_idx = self._layer_idx
         if layer_idx is None:
-            layer_idx = self._layer_idx = _layer_index(layer.layer_name)
+            layer_idx = self._layer_idx = layer_index(layer.layer_name)
         variant = method.variant(layer_idx)
         policy, fused = method.variants[variant]
         isa = getattr(layer, "isa", None)
@@ -412,14 +411,12 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if fused is not None:
             if PageStore.kept_in(fused) and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
                 self._store = PageStore.for_policy(policy, fused, kv_cache.shape[0], self.num_kv_heads, self.head_size, kv_cache.shape[2])
-                from sparseattn.vllm.worker import counted  # imports vLLM's CPU worker: once, here
-
-                log = logger.info_once if counted() else logger.warning_once  # uncounted: memory beyond what vLLM was given
+                log = logger.info_once if stores_counted() else logger.warning_once  # uncounted: memory beyond what vLLM was given
                 log("sparseattn: the fused step's page store holds %.1f MiB per layer beside vLLM's KV cache (%.0f%% of the "
                     "layer's cache: summaries%s; %s)", self._store.nbytes / 2**20,
                     100 * self._store.nbytes / (kv_cache.numel() * kv_cache.element_size()),
                     " and the merged rest's sums" if self._store.sums is not None else "",
-                    "counted in the memory vLLM was given" if counted() else
+                    "counted in the memory vLLM was given" if stores_counted() else
                     f"NOT counted in the memory vLLM was given: start the engine with worker_cls={WORKER_CLS!r} to count it")  # fmt: skip
             # Decode rows 0..n-1 of the output (the model's dtype: bf16, fp16 or float32): the kernel writes them in place.
             direct = rows is None and out.dtype in (torch.float32, torch.bfloat16, torch.float16) and out.is_contiguous()
@@ -481,11 +478,6 @@ def fused_refusal(kv_cache_dtype: str) -> str | None:
         refusal = (f"the fused kernel reads float32, bfloat16, float16 and {', '.join(sorted(FP8_CODES))} pages, this cache is "
                    f"{kv_cache_dtype}")  # fmt: skip
     return refusal
-
-
-def _layer_index(name: str) -> int:
-    found = re.findall(r"\.(\d+)\.", f".{name}.")
-    return int(found[0]) if found else 0
 
 
 def _rank_kv_heads(local_kv_heads: int) -> tuple[list[int] | None, int]:

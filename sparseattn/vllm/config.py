@@ -21,13 +21,15 @@ True
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sparseattn import registry
 
-__all__ = ["AUTO", "CONFIG_KEY", "ENV_VAR", "PAGE", "WORKER_CLS", "MethodRequest", "current_request", "parse_spec", "request_from"]
+__all__ = ["AUTO", "CONFIG_KEY", "ENV_VAR", "PAGE", "WORKER_CLS", "MethodRequest", "count_stores", "current_request", "layer_index",
+           "parse_spec", "request_from", "stores_counted"]
 
 #: The key of vLLM's ``additional_config`` the plugin reads.
 CONFIG_KEY = "sparseattn"
@@ -38,6 +40,31 @@ AUTO, PAGE = "auto", "page"
 #: vLLM's ``worker_cls`` that sizes the KV cache with the paged engine's page stores counted in
 #: (:class:`sparseattn.vllm.worker.SparseCPUWorker`; named here, where no vLLM is imported).
 WORKER_CLS = "sparseattn.vllm.worker.SparseCPUWorker"
+
+_stores_counted = False  # set in this process once that worker sized its KV cache with the page stores
+
+
+def count_stores() -> None:
+    """Note that this process's KV cache was sized with the page stores counted in (the worker above calls it; the
+    backend reads it to say whether a store's memory is within what vLLM was given)."""
+    global _stores_counted
+    _stores_counted = True
+
+
+def stores_counted() -> bool:
+    """Whether this process's KV cache was sized with the page stores counted in (:func:`count_stores`)."""
+    return _stores_counted
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer a vLLM attention layer's name belongs to (its first dotted number; 0 if none): a
+    per-layer method (``radar+adaptive``) runs the variant of that index.
+
+    >>> layer_index("model.layers.17.self_attn.attn"), layer_index("attn")
+    (17, 0)
+    """
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(found[0]) if found else 0
 
 
 @dataclass(frozen=True)

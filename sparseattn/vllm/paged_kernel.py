@@ -25,7 +25,6 @@ float64 attention over them.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import threading
 from collections.abc import Mapping
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.backends.cpu_kernels import DTYPE_CODES, build_library, build_refusal
+from sparseattn.backends.cpu_kernels import DTYPE_CODES
 from sparseattn.allocations.pooled import PooledMass
 from sparseattn.allocations.uniform import Uniform
 from sparseattn.selectors.topk import TopK
@@ -43,6 +42,7 @@ from sparseattn.summaries.rerank import Rerank
 from sparseattn.methods.rest import MergedRest
 from sparseattn.summaries.base import Shortlist
 from sparseattn.vllm.paged import KVFormat, PagedPolicy, PageStep, layer_methods
+from sparseattn.vllm.paged_library import kernel_refusal, library
 from sparseattn.vllm.profile import active, python_part
 
 __all__ = [
@@ -55,11 +55,6 @@ __all__ = [
 #: radar+ in every form (centroid scores, the group's shortlist reranked, the policy's own allocation, a merged rest), in
 #: ``sa_paged_split``: one C call with the allocation in it, or two with the allocation in Python between them (:class:`SplitCall`).
 BOUND, FIXED, SPLIT = 1, 2, 3
-SYMBOLS = (
-    "sa_paged_decode", "sa_paged_decode_layout", "sa_paged_invalidate", "sa_paged_float16_supported", "sa_paged_split",
-    "sa_paged_split_layout",
-    "sa_paged_profile", "sa_paged_top_k",
-)  # fmt: skip
 _ERRORS = {
     1: "a block table entry is outside the cache's blocks",
     2: "the kernel could not allocate its scratch memory",
@@ -68,34 +63,6 @@ _ERRORS = {
 }
 #: The most tokens per page the kernel takes (one page's row is scratch on the stack).
 MAX_BLOCK_SIZE = 4096
-
-
-@functools.cache
-def _library() -> ctypes.CDLL:
-    lib = build_library("sparseattn.vllm", "paged_kernels.c", SYMBOLS)
-    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    lib.sa_paged_decode.restype = ctypes.c_int
-    lib.sa_paged_decode.argtypes = [ptr]
-    lib.sa_paged_decode_layout.restype = i64
-    lib.sa_paged_decode_layout.argtypes = [ptr]
-    lib.sa_paged_split.restype = ctypes.c_int
-    lib.sa_paged_split.argtypes = [ptr, i32]
-    lib.sa_paged_split_layout.restype = i64
-    lib.sa_paged_split_layout.argtypes = [ptr]
-    lib.sa_paged_invalidate.restype = None
-    lib.sa_paged_invalidate.argtypes = [ptr, i64, i64, ptr, i64]
-    lib.sa_paged_float16_supported.restype = ctypes.c_int
-    lib.sa_paged_top_k.restype = ctypes.c_int
-    lib.sa_paged_top_k.argtypes = [ptr, i64, i64, ptr]
-    lib.sa_paged_profile.restype = ctypes.c_int
-    lib.sa_paged_profile.argtypes = [ctypes.c_int, ptr]
-    return lib
-
-
-@functools.cache
-def kernel_refusal() -> str | None:
-    """Why the fused kernel cannot be built or loaded here, in words; None when it loads."""
-    return build_refusal(_library)
 
 
 def top_k_positions(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -109,7 +76,7 @@ def top_k_positions(x: torch.Tensor, k: int) -> torch.Tensor:
     if x.dim() != 1 or not 1 <= k <= x.numel():
         raise ValueError(f"top_k_positions: k={k} of a tensor of shape {tuple(x.shape)}; allowed: 1 <= k <= its length, 1-D")
     out = torch.empty(k, dtype=torch.int64)
-    _check(_library().sa_paged_top_k(x.data_ptr(), x.numel(), k, out.data_ptr()))
+    _check(library().sa_paged_top_k(x.data_ptr(), x.numel(), k, out.data_ptr()))
     return out
 
 
@@ -278,7 +245,7 @@ class PageStore:
         slots = slot_mapping.to(torch.int64).contiguous()
         for state in (self.state, self.sums_state):
             if state is not None:
-                _library().sa_paged_invalidate(slots.data_ptr(), slots.numel(), block_size, state.data_ptr(), self.num_blocks)
+                library().sa_paged_invalidate(slots.data_ptr(), slots.numel(), block_size, state.data_ptr(), self.num_blocks)
 
 
 def cache_share(page_bytes: Mapping[str, int], store: Mapping[str, int]) -> float:
@@ -373,7 +340,7 @@ def cache_code(kv_cache: torch.Tensor, fmt: KVFormat) -> tuple[int, float, float
                              f"{sorted(FP8_CODES)}")  # fmt: skip
         code = FP8_CODES[fmt.dtype]
         return code, fmt.k_scale * _FP8_FACTOR[code], fmt.v_scale * _FP8_FACTOR[code]
-    if kv_cache.dtype not in DTYPE_CODES or (kv_cache.dtype == torch.float16 and not _library().sa_paged_float16_supported()):
+    if kv_cache.dtype not in DTYPE_CODES or (kv_cache.dtype == torch.float16 and not library().sa_paged_float16_supported()):
         raise ValueError(f"fused paged decode: cache dtype {kv_cache.dtype} is not supported; allowed: float32, bfloat16, "
                          f"float16, or a uint8 fp8 cache with its KVFormat")  # fmt: skip
     return DTYPE_CODES[kv_cache.dtype], 1.0, 1.0
@@ -384,7 +351,7 @@ def _fused_decode(
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan | None,
     with_selection: bool, out: torch.Tensor | None, fmt: KVFormat, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    lib = _library()
+    lib = library()
     if mode not in (BOUND, FIXED, SPLIT):
         raise ValueError(f"fused paged decode: mode {mode!r}; allowed: BOUND ({BOUND}), FIXED ({FIXED}), SPLIT ({SPLIT}) (fused_mode)")
     N, H, bs, two_d = kv_cache.shape
@@ -616,7 +583,7 @@ class SplitCall:
                  seq_lens: torch.Tensor, out: torch.Tensor, code: int, k_mul: float, v_mul: float, amx: bool = False) -> torch.Tensor:  # fmt: skip
         if self.merged and store.sums is None:
             raise ValueError("fused paged decode: a merged rest needs a PageStore made with sums=True")
-        lib = _library()
+        lib = library()
         table = self._int32("_table", block_table)
         a = self.args
         q = query if query.is_contiguous() else query.contiguous()

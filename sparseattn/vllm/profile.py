@@ -22,6 +22,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator
 
+from sparseattn.vllm.paged_library import library
+
 __all__ = ["C_PHASES", "PHASE_WHAT", "StepProfile", "active", "python_part"]
 
 #: The C kernels' phases, in the order of ``paged_kernels.c``'s enum.
@@ -92,17 +94,13 @@ class StepProfile:
         global _ACTIVE
         if _ACTIVE is not None:
             raise RuntimeError("StepProfile: a profile is already being collected (profiles do not nest)")
-        from sparseattn.vllm.paged_kernel import _library
-
-        _library().sa_paged_profile(1, None)
+        library().sa_paged_profile(1, None)
         _ACTIVE = self
         return self
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
-        from sparseattn.vllm.paged_kernel import _library
-
-        lib = _library()
+        lib = library()
         n = len(C_PHASES)
         out = (ctypes.c_double * (2 * n))()
         if lib.sa_paged_profile(0, out) != n:

@@ -29,21 +29,13 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from sparseattn.vllm.backend import DecodeMethod, _layer_index, fused_refusal
-from sparseattn.vllm.config import WORKER_CLS, request_from
+from sparseattn.vllm.backend import DecodeMethod, fused_refusal
+from sparseattn.vllm.config import WORKER_CLS, count_stores, layer_index, request_from
 from sparseattn.vllm.paged_kernel import PageStore, cache_share
 
-__all__ = ["WORKER_CLS", "SparseCPUWorker", "counted", "store_bytes"]
+__all__ = ["WORKER_CLS", "SparseCPUWorker", "store_bytes"]
 
 logger = init_logger("vllm.sparseattn")
-
-_counted = False  # set in this process once a SparseCPUWorker sized its cache with the stores
-
-
-def counted() -> bool:
-    """Whether this process's KV cache was sized with the page stores counted (a :class:`SparseCPUWorker` sized it)."""
-    return _counted
-
 
 def store_bytes(vllm_config: Any, kv_cache_spec: Mapping[str, Any]) -> dict[str, int]:
     """Bytes per cache block of each attention layer's page store under the engine's configured method (none when it
@@ -60,7 +52,7 @@ def store_bytes(vllm_config: Any, kv_cache_spec: Mapping[str, Any]) -> dict[str,
         if block_size not in methods:
             methods[block_size] = DecodeMethod.of(request.policy(block_size, vllm_config.model_config.max_model_len), n_layers, refusal)
         method = methods[block_size]
-        leaf, fused = method.variants[method.variant(_layer_index(name))]
+        leaf, fused = method.variants[method.variant(layer_index(name))]
         sizes[name] = PageStore.bytes_per_block(leaf, fused, kv_heads, head_dim, block_size) if PageStore.kept_in(fused) else 0
     return sizes
 
@@ -69,7 +61,6 @@ class SparseCPUWorker(CPUWorker):
     """vLLM's CPU worker; the memory it reports for the KV cache leaves room for the paged engine's stores."""
 
     def determine_available_memory(self) -> int:
-        global _counted
         available = super().determine_available_memory()
         spec = self.model_runner.get_kv_cache_spec()
         store = store_bytes(self.vllm_config, spec)
@@ -83,5 +74,5 @@ class SparseCPUWorker(CPUWorker):
                 100 * (1 / share - 1), sum(1 for v in store.values() if v), len(spec),
             )  # fmt: skip
             available = kept
-        _counted = True
+        count_stores()
         return available
