@@ -78,7 +78,8 @@ def _digest(tensor: torch.Tensor) -> str:
 
 def paged_outputs() -> dict[str, str]:
     from sparseattn.vllm.paged import PagedPolicy, page_views, paged_decode
-    from sparseattn.vllm.paged_kernel import FIXED, PageStore, fused_decode, fused_mode, kernel_refusal
+    from sparseattn.vllm.paged_kernel import PageStore, fused_decode, kernel_refusal
+    from sparseattn.vllm.route import route
 
     lengths, bs, kv_heads, group, dim = (700, 1500, 2100), 32, 3, 2, 64
     g = torch.Generator().manual_seed(36)
@@ -99,10 +100,10 @@ def paged_outputs() -> dict[str, str]:
         policy = PagedPolicy(build(name), name)
         params, gen = policy.prepare(kv_heads, dim, layer_idx=0)
         out[f"{name} generic"] = _digest(paged_decode(policy, params, gen, cache, query, table, seq_lens, dim**-0.5))
-        mode = fused_mode(policy) if kernel_refusal() is None else None
-        if mode is not None:
-            store = None if mode == FIXED else PageStore(blocks, kv_heads, dim, mode)  # FIXED scores no pages
-            result, _ = fused_decode(policy, mode, store, cache, query, table, seq_lens, dim**-0.5)
+        way = route(policy, kernel_refusal())
+        if way.fused:
+            store = PageStore(blocks, kv_heads, dim, way.mode) if way.keeps_store else None
+            result, _ = fused_decode(policy, way.mode, store, cache, query, table, seq_lens, dim**-0.5)
             out[f"{name} fused"] = _digest(result)
     return out
 

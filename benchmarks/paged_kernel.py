@@ -56,7 +56,8 @@ from sparseattn.machine import cpu_flags, cpu_model
 from sparseattn.cli.common import parse_method
 from sparseattn.vllm.paged import KVFormat, PagedPolicy, amx_layout, attend_pages, choose_pages, page_views
 from sparseattn.bandwidth import read_bandwidth
-from sparseattn.vllm.paged_kernel import PageStore, fused_decode, fused_mode, step_plan, summary_dtype
+from sparseattn.vllm.paged_kernel import PageStore, fused_decode, step_plan
+from sparseattn.vllm.route import route
 from sparseattn.vllm.profile import PHASE_WHAT, StepProfile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,22 +187,23 @@ def main() -> None:
         calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, query, scale, fmt, args.layout) for cache, table in caches]
     for name in args.methods:
         policy = PagedPolicy(built[name], name, segments[name]).for_layer(args.layer, 30)
-        mode = fused_mode(policy)
-        if mode is not None:
+        way = route(policy)
+        mode = way.mode
+        if way.fused:
             plan = step_plan(policy, lens, bs)
             variants = [(f"fused {name}", None)]
-            if args.segment_rows and PageStore.kept_in(mode) and not PageStore.for_policy(policy, mode, 1, H, D, bs).segment_sums:
+            if args.segment_rows and way.keeps_store and not PageStore.for_policy(policy, 1, H, D, bs).segment_sums:
                 variants.append((f"fused {name} (segment rows)", True))
             for label, rows_layout in variants:
                 runs = []
                 for cache, table in caches:
-                    if not PageStore.kept_in(mode):
+                    if not way.keeps_store:
                         store = None
                     elif rows_layout:
                         store = PageStore(cache.shape[0], H, D, mode, sums=True, segments=policy.segments_per_page(bs),
-                                          summary_dtype=summary_dtype(policy), segment_sums=True)  # fmt: skip
+                                          summary_dtype=way.summary_dtype, segment_sums=True)  # fmt: skip
                     else:
-                        store = PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
+                        store = PageStore.for_policy(policy, cache.shape[0], H, D, bs)
                     runs.append(lambda p=policy, m=mode, s=store, pl=plan, c=cache, t=table: fused_decode(
                         p, m, s, c, query, t, lens, scale, plan=pl, fmt=fmt, layout=args.layout)[0])  # fmt: skip
                     store_mib[label] = 0.0 if store is None else store.nbytes / 2**20

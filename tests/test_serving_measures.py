@@ -92,6 +92,8 @@ def test_the_step_byte_model_counts_weights_once_and_keys_and_values_per_attende
     assert full["kv_mb"] == pytest.approx(8 * 8000 * 30 * 3 * 64 * 2 * 2 / 1e6)  # 1.47 GB: the issue's ~1.5 GB
     assert sparse["kv_mb"] == pytest.approx(full["kv_mb"] / 8)
     assert 250 < full["weights_mb"] < 280  # 135M parameters in bfloat16 (the embedding read once, for the logits)
+    fp8 = serving.step_bytes(config, 8, 8000, 2, kv_bytes=1)  # an fp8 cache: one byte a number, the weights still bf16
+    assert fp8["kv_mb"] == pytest.approx(full["kv_mb"] / 2) and fp8["weights_mb"] == full["weights_mb"]
 
 
 @pytest.mark.parametrize(("args", "option"), [

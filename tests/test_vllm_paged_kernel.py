@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from sparseattn import Quest, RadarPlus, registry
+from sparseattn.selectors.topk import TopK
+from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.testing import assert_close
 from sparseattn.vllm.paged import PagedPolicy, paged_decode_ref, select_pages
 from sparseattn.vllm.paged_kernel import (
@@ -21,10 +23,10 @@ from sparseattn.vllm.paged_kernel import (
     PageStore,
     StepPlan,
     fused_decode,
-    fused_mode,
     kernel_refusal,
     step_plan,
 )
+from sparseattn.vllm.route import route
 from tests.test_vllm_paged import paged_cache, sequences
 
 pytestmark = pytest.mark.skipif(kernel_refusal() is not None, reason=f"the fused paged kernel cannot be built here: {kernel_refusal()}")
@@ -64,8 +66,8 @@ def build(name, options):
 
 
 def store_for(policy, cache):
-    mode = fused_mode(policy)
-    return None if mode == FIXED else PageStore.for_policy(policy, mode, cache.shape[0], cache.shape[1], cache.shape[3] // 2, cache.shape[2])
+    mode = route(policy).mode
+    return None if mode == FIXED else PageStore.for_policy(policy, cache.shape[0], cache.shape[1], cache.shape[3] // 2, cache.shape[2])
 
 
 def candidate_sets(policy, cache, table, query, lens, bs):
@@ -108,7 +110,7 @@ def test_the_kernel_attends_what_the_policy_selects(name, options, shape, dtype)
     lengths, bs, H, G, D = shape
     seed = int(torch.randint(0, 2**30, ()))  # fresh inputs each run; the seed is in the failure message
     policy, cache, table, query, lens = setup(name, options, lengths, bs, H, G, D, dtype, seed)
-    mode = fused_mode(policy)
+    mode = route(policy).mode
     assert mode is not None
     plan = step_plan(policy, lens, bs)
     out, selected = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, D**-0.5, plan=plan,
@@ -131,7 +133,7 @@ def test_a_budget_covering_the_context_is_dense():
 def test_the_kernel_writes_into_a_given_output_what_it_returns(name, options):
     """The backend hands vLLM's float32 output rows as ``out``: the kernel writes there, nothing else differs."""
     policy, cache, table, query, lens = setup(name, options, (600, 300), 16, 2, 3, 16)
-    mode = fused_mode(policy)
+    mode = route(policy).mode
     expected, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25)
     buffer = torch.full((4, 6, 16), float("nan"))  # vLLM's output: more rows than decode tokens
     got, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25, out=buffer[:2])
@@ -145,7 +147,7 @@ def test_the_kernel_writes_the_models_dtype_as_torch_rounds_it(name, options, dt
     """A bf16 or fp16 output buffer (vLLM's, in the model's dtype) gets each float32 result rounded to nearest, as
     ``tensor.to(dtype)`` rounds it: the layer needs no float32 buffer and no conversion after the call."""
     policy, cache, table, query, lens = setup(name, options, (600, 300), 16, 2, 3, 16, dtype=dtype)
-    mode = fused_mode(policy)
+    mode = route(policy).mode
     wide, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25)
     narrow, _ = fused_decode(policy, mode, store_for(policy, cache), cache, query, table, lens, 0.25, out=torch.empty(2, 6, 16, dtype=dtype))
     assert narrow.dtype == dtype and torch.equal(narrow, wide.to(dtype))
@@ -222,20 +224,59 @@ def test_policies_the_kernel_does_not_know_keep_the_generic_path():
     from sparseattn.selectors.topk import TopK
     from sparseattn.summaries import Centroid, Rerank
 
-    assert fused_mode(PagedPolicy(registry.build("radar"), "radar")) is None
+    assert route(PagedPolicy(registry.build("radar"), "radar")).mode is None
     f16 = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(t.float16), per_group=True))
-    assert fused_mode(PagedPolicy(f16, "radar+f16")) is None
+    assert route(PagedPolicy(f16, "radar+f16")).mode is None
     bf16 = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(t.bfloat16), per_group=True))
-    assert fused_mode(PagedPolicy(bf16, "radar+bf16")) == SPLIT  # bf16 centroids: the split step's scoring only
+    assert route(PagedPolicy(bf16, "radar+bf16")).mode == SPLIT  # bf16 centroids: the split step's scoring only
     per_head = dataclasses.replace(registry.build("radar+"), summary=Rerank(Centroid(), per_group=False))
-    assert fused_mode(PagedPolicy(per_head, "radar+per-head")) is None
+    assert route(PagedPolicy(per_head, "radar+per-head")).mode is None
     for split in ("uniform", "pooled"):  # the page-level prefilter: the C step scores every segment's centroid
-        assert fused_mode(PagedPolicy(registry.build("radar+", split=split, prefilter=4), "radar+:prefilter=4")) is None
+        assert route(PagedPolicy(registry.build("radar+", split=split, prefilter=4), "radar+:prefilter=4")).mode is None
 
     class Shuffled(TopK):
         pass
 
-    assert fused_mode(PagedPolicy(dataclasses.replace(registry.build("quest"), selector=Shuffled()), "q")) is None
+    assert route(PagedPolicy(dataclasses.replace(registry.build("quest"), selector=Shuffled()), "q")).mode is None
+
+
+class RenamedBound(MinMaxBound):
+    """A third party's summary that computes quest's bound (here: by inheriting it) and says so: ``paged_kernel``."""
+
+    paged_kernel = "bound"
+
+
+class UndeclaredBound(MinMaxBound):
+    """The same arithmetic, not declared: a subclass may score otherwise, so it keeps the generic path."""
+
+
+class RenamedTopK(TopK):
+    paged_kernel = "top_k"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_part_declaring_a_c_implementation_runs_the_fused_step_with_no_other_file_edited(dtype):
+    """Parts declare what they are to the fused step (:data:`~sparseattn.vllm.route.KERNELS`): a summary and a selector
+    defined here, in no file of the package, route to the bound step and give the generic path's pages and output."""
+    import dataclasses
+
+    seed = int(torch.randint(0, 2**30, ()))
+    quest = registry.build("quest", budget=200)
+    declared = dataclasses.replace(quest, summary=RenamedBound(), selector=RenamedTopK())
+    assert route(PagedPolicy(dataclasses.replace(quest, summary=UndeclaredBound()), "u")).refusal == (
+        "UndeclaredBound declares no fused implementation")
+    lengths, bs, H, G, D = (1200, 77), 32, 3, 5, 64
+    _, cache, table, query, lens = setup("quest", {"budget": 200}, lengths, bs, H, G, D, dtype, seed)
+    policy = PagedPolicy(declared, "renamed quest")
+    assert route(policy).mode == BOUND
+    plan = step_plan(policy, lens, bs)
+    out, selected = fused_decode(policy, BOUND, store_for(policy, cache), cache, query, table, lens, D**-0.5, plan=plan,
+                                 with_selection=True)
+    got = {(b, h, g): {c for c in selected[b, h, g].tolist() if c >= 0}
+           for b in range(selected.shape[0]) for h in range(H) for g in range(selected.shape[2])}
+    assert got == candidate_sets(policy, cache, table, query, lens, bs), f"seed {seed}"
+    reference = paged_decode_ref(cache.double(), query.double(), table, lens, D**-0.5, mask_of(selected, plan.plan, lens, bs, G))
+    assert_close(out, reference.float(), torch.float32 if dtype == torch.float32 else dtype, what=f"seed {seed}")
 
 
 @pytest.mark.parametrize("name, options", [("radar+", {"budget": 256}), ("quest", {"budget": 200}), ("dense", {})])
@@ -248,9 +289,9 @@ def test_softcap_is_applied_to_the_attended_logits_as_the_torch_path_does(name, 
     params, gen = policy.prepare(2, 64, 0)
     pages = select_pages(policy, params, gen, cache, query, table, lens, 0.125)
     expected = attend_pages(query, cache, table, pages, lens, 0.125, softcap=5.0)
-    got, _ = fused_decode(policy, fused_mode(policy), store_for(policy, cache), cache, query, table, lens, 0.125, softcap=5.0)
+    got, _ = fused_decode(policy, route(policy).mode, store_for(policy, cache), cache, query, table, lens, 0.125, softcap=5.0)
     assert_close(got, expected, torch.float32)
-    uncapped, _ = fused_decode(policy, fused_mode(policy), store_for(policy, cache), cache, query, table, lens, 0.125)
+    uncapped, _ = fused_decode(policy, route(policy).mode, store_for(policy, cache), cache, query, table, lens, 0.125)
     assert not torch.allclose(uncapped, expected, atol=1e-3)
 
 
@@ -277,8 +318,8 @@ def test_the_split_step_gives_the_generic_paths_output(shape, name, options, dty
 
     lengths, bs, H, G, D = shape
     policy, cache, table, query, lens = setup(name, options, lengths, bs, H, G, D, dtype)
-    assert fused_mode(policy) == SPLIT
-    store = PageStore.for_policy(policy, SPLIT, cache.shape[0], H, D, bs)
+    assert route(policy).mode == SPLIT
+    store = PageStore.for_policy(policy, cache.shape[0], H, D, bs)
     params, gen = policy.prepare(H, D, 0)
     want = paged_decode(policy, params, gen, cache, query.float(), table, lens, D**-0.5)
     for _ in range(2):  # summaries and sums computed, then kept
@@ -299,7 +340,7 @@ def test_bf16_centroids_in_the_kernel_are_the_generic_paths_bit_for_bit(bs, seg,
     policy, cache, table, query, lens = setup("radar+", {"budget": 256, "bf16_centroids": True}, lengths, bs, H, G, D, dtype, seed)
     policy = PagedPolicy(policy.method, "radar+bf16", seg)
     r = policy.segments_per_page(bs)
-    store = PageStore.for_policy(policy, SPLIT, cache.shape[0], H, D, bs)
+    store = PageStore.for_policy(policy, cache.shape[0], H, D, bs)
     assert store.summary.dtype == torch.bfloat16
     fused_decode(policy, SPLIT, store, cache, query, table, lens, D**-0.5)
     plan = step_plan(policy, lens, bs).plan
@@ -372,11 +413,11 @@ def test_segments_inside_pages_in_the_fused_step_give_the_generic_paths_output(s
     query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(2)).to(dtype)
     policy = PagedPolicy(build(name, options), name, segment=seg)
     lens = torch.tensor(lengths)
-    mode = fused_mode(policy)
+    mode = route(policy).mode
     assert mode is not None and mode != FIXED
     params, gen = policy.prepare(H, D, 0)
     want = paged_decode(policy, params, gen, cache, query.float(), table, lens, D**-0.5)
-    store = PageStore.for_policy(policy, mode, cache.shape[0], H, D, bs)
+    store = PageStore.for_policy(policy, cache.shape[0], H, D, bs)
     for _ in range(2):  # summaries computed, then kept
         got, _ = fused_decode(policy, mode, store, cache, query, table, lens, D**-0.5)
         assert_close(got, want, torch.float32)
@@ -395,7 +436,7 @@ def test_the_store_keeps_page_totals_where_blocks_are_whole_pages_and_centroids_
     too; what it holds is ``nbytes``, beside vLLM's cache: for the preset on 4-token segments of 32-token pages 28%."""
     def store(spec_options, seg, bs=32):
         policy = PagedPolicy(build("radar+", {"budget": 512, **spec_options}), "radar+", seg)
-        return PageStore.for_policy(policy, fused_mode(policy), 100, 3, 64, bs)
+        return PageStore.for_policy(policy, 100, 3, 64, bs)
 
     preset = {"split": "pooled", "rest": "merged", "merge": 128}
     # float32 centroids: the values' sums alone (the merged tokens' logits come off the centroid scores)

@@ -18,11 +18,11 @@ from sparseattn.vllm.paged_kernel import (
     PageStore,
     SplitArgs,
     fused_decode,
-    fused_mode,
     kernel_refusal,
     step_plan,
     top_k_positions,
 )
+from sparseattn.vllm.route import route
 from sparseattn.vllm.paged_library import library
 from sparseattn.vllm.profile import C_PHASES, StepProfile
 from tests.test_vllm_paged import paged_cache, sequences
@@ -81,8 +81,8 @@ def _split_case(bs=32, segment=8, lengths=(1500, 1000), budget=256, **options):
     cache, table = paged_cache(keys, values, bs, seed=4)
     query = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     policy = PagedPolicy(registry.build("radar+", budget=budget, **options), "radar+", segment)
-    assert fused_mode(policy) == SPLIT
-    store = PageStore.for_policy(policy, SPLIT, cache.shape[0], H, D, bs)
+    assert route(policy).mode == SPLIT
+    store = PageStore.for_policy(policy, cache.shape[0], H, D, bs)
     return policy, store, cache, table, query, torch.tensor(lengths)
 
 
@@ -175,9 +175,9 @@ def test_the_fused_step_reads_fp8_pages_as_the_generic_path_does(fmt, name, opti
     method = registry.build(name, **options)
     policy = PagedPolicy(method, name, segment)
     layer = policy.for_layer(3, 30)
-    mode = fused_mode(layer)
+    mode = route(layer).mode
     assert mode is not None
-    store = None if not PageStore.kept_in(mode) else PageStore.for_policy(layer, mode, stored.shape[0], H, D, bs)
+    store = None if not route(layer).keeps_store else PageStore.for_policy(layer, stored.shape[0], H, D, bs)
     lens = torch.tensor(lengths)
     got, _ = fused_decode(layer, mode, store, stored, query, table, lens, D**-0.5, fmt=kv)
     params, gen = layer.prepare(H, D, 3)
@@ -207,11 +207,11 @@ def test_the_fused_step_reads_the_amx_layout_as_the_vec_one(bs, name, options, s
     amx = amx_layout(cache)
     assert not torch.equal(amx, cache)
     policy = PagedPolicy(registry.build(name, **options), name, segment).for_layer(2, 30)
-    mode = fused_mode(policy)
+    mode = route(policy).mode
     lens = torch.tensor(lengths)
     outs = []
     for pages, layout in ((cache, "vec"), (amx, "amx")):
-        store = PageStore.for_policy(policy, mode, pages.shape[0], H, D, bs) if PageStore.kept_in(mode) else None
+        store = PageStore.for_policy(policy, pages.shape[0], H, D, bs) if route(policy).keeps_store else None
         plan = step_plan(policy, lens, bs)
         outs.append(fused_decode(policy, mode, store, pages, query, table, lens, D**-0.5, plan=plan, layout=layout,
                                  with_selection=mode != SPLIT or policy.method.allocation.uniform))  # fmt: skip

@@ -15,7 +15,8 @@ from vllm_engine import skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
 
-from sparseattn.vllm.paged_kernel import FIXED, PageStore, cache_share, fused_mode, kernel_refusal  # noqa: E402
+from sparseattn.vllm.paged_kernel import FIXED, PageStore, cache_share, kernel_refusal  # noqa: E402
+from sparseattn.vllm.route import route  # noqa: E402
 from sparseattn.vllm.worker import store_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(kernel_refusal() is not None, reason=f"the fused paged kernel cannot be built here: {kernel_refusal()}")
@@ -58,10 +59,10 @@ def test_each_layers_store_per_block_is_what_the_engine_allocates_per_block(meth
     for name, counted in sizes.items():
         layer = int(name.split(".")[2])
         leaf = policy.for_layer(layer, LAYERS) if policy.layered else policy
-        mode = fused_mode(leaf)
+        mode = route(leaf).mode
         assert mode is not None and mode != FIXED
         for blocks in (1, 7, 130):
-            assert PageStore.for_policy(leaf, mode, blocks, HEADS, D, BS).nbytes == blocks * counted, (name, blocks)
+            assert PageStore.for_policy(leaf, blocks, HEADS, D, BS).nbytes == blocks * counted, (name, blocks)
     if method["method"] == "radar+adaptive":  # layer 0 drops the rest: no sums, a smaller store than layers 1..
         first, *rest = sizes.values()
         assert all(first < later for later in rest), sizes

@@ -47,6 +47,8 @@ class PooledMass:
     floor: float = 0.25
 
     uniform = False
+    #: vLLM's fused step pools so in C (:data:`sparseattn.vllm.route.KERNELS`).
+    paged_kernel = "pooled"
 
     def __post_init__(self) -> None:
         check_real("PooledMass", "cap", self.cap, at_least=1)

@@ -19,6 +19,8 @@ class Uniform:
     segments, so the step runs a backend's fused segment kernel."""
 
     uniform = True
+    #: vLLM's fused step splits so in C (:data:`sparseattn.vllm.route.KERNELS`).
+    paged_kernel = "uniform"
 
     def select_segments(self, step: SegmentStep) -> Selection:
         return Selection(step.picks(step.k))

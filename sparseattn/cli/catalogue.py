@@ -3,7 +3,9 @@
 The recommended methods come first, then the paper's, the baselines, the paper's ablations and the
 ceilings (:data:`sparseattn.registry.CATEGORIES`); experimental methods and the former names
 (aliases, with what each is now) are listed with ``--all``. Options are written as they are given
-inside a method spec (``-m radar+:split=pooled,budget=512``), with their defaults.
+inside a method spec (``-m radar+:split=pooled,budget=512``), with their defaults. A method vLLM runs says
+which step it takes there with its defaults (:func:`~sparseattn.vllm.route.route`): the fused C step, or the
+generic paged path and why.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from sparseattn import registry
 from sparseattn.cli.consoles import console
 from sparseattn.registry import MethodEntry, Option, Range
 
-__all__ = ["catalogue", "list_methods"]
+__all__ = ["catalogue", "list_methods", "vllm_step"]
 
 
 def _default(option: Option) -> str:
@@ -32,6 +34,24 @@ def _spelled(option: Option) -> str:
     words = "" if isinstance(option.allowed, Range) or option.type is bool else "{" + "|".join(map(str, option.allowed)) + "}"
     shown = _default(option)
     return f"{option.name}{'=' + words if words else ''}" + ("" if shown == "-" else f" ({shown})")
+
+
+def vllm_step(name: str) -> str | None:
+    """The decode step method ``name`` (its defaults, at every layer) takes in vLLM: ``"fused"`` (the C step),
+    ``"generic: <why>"`` (the torch paged path), or None where vLLM does not run it.
+
+    >>> vllm_step("radar+adaptive"), vllm_step("radar"), vllm_step("h2o")
+    ('fused', 'generic: PerformerFeatures declares no fused implementation', None)
+    """
+    if "vllm" not in registry.get(name).engines:
+        return None
+    from sparseattn.vllm.paged import PagedPolicy, layer_methods
+    from sparseattn.vllm.route import route
+
+    method = registry.build(name)
+    ways = [route(PagedPolicy(leaf, name)) for leaf in layer_methods(method)]
+    refused = next((way.refusal for way in ways if not way.fused), None)
+    return "fused" if refused is None else f"generic: {refused}"
 
 
 def catalogue(include_all: bool = False, engine: str | None = None) -> list[dict[str, Any]]:
@@ -50,7 +70,7 @@ def catalogue(include_all: bool = False, engine: str | None = None) -> list[dict
         if (entry.category == "experimental" and not include_all) or (engine is not None and engine not in entry.engines):
             continue
         rows.append({
-            "name": entry.name, "category": entry.category, "engines": list(entry.engines),
+            "name": entry.name, "category": entry.category, "engines": list(entry.engines), "vllm_step": vllm_step(entry.name),
             "recommended_for": [e for e in registry.ENGINES if entry.category == "recommended" and registry.recommended(e) is entry],
             "options": {o.name: {"type": o.type.__name__, "default": o.default, "help": o.help,
                                  **({"choices": list(o.allowed)} if not isinstance(o.allowed, Range) else {})} for o in entry.options},
@@ -83,7 +103,8 @@ def list_methods(
         category = row["category"] if row["category"] != shown or row["recommended_for"] else ""
         if row["recommended_for"]:
             category += f" for {', '.join(row['recommended_for'])}"
-        table.add_row(category, row["name"], ", ".join(row["engines"]), ", ".join(map(_spelled, entry.options)) or "-", row["description"])
+        engines = ", ".join(e + (" (fused)" if e == "vllm" and row["vllm_step"] == "fused" else "") for e in row["engines"])
+        table.add_row(category, row["name"], engines, ", ".join(map(_spelled, entry.options)) or "-", row["description"])
         shown = row["category"]
     console.print(table)
     if aliases:

@@ -334,17 +334,18 @@ def plan_runs(methods: Mapping[str, Mapping[str, Any]], *, float32: bool = False
     return runs
 
 
-def step_bytes(config: Any, batch: int, attended: int, dtype_bytes: int) -> dict[str, float]:
+def step_bytes(config: Any, batch: int, attended: int, dtype_bytes: int, kv_bytes: int | None = None) -> dict[str, float]:
     """What one decode step must read, in MB: the weights (once per step) and the keys and values attended.
 
     A byte model, not a measurement: the floor a memory-bound step cannot go below. ``config``: the
-    model's HF config (layers, KV heads, head size, vocabulary for the logits' weights).
+    model's HF config (layers, KV heads, head size, vocabulary for the logits' weights); ``kv_bytes``: bytes per
+    cached number (an fp8 cache's 1; None: the weights' ``dtype_bytes``).
     """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers, kv_heads, hidden, inter = config.num_hidden_layers, config.num_key_value_heads, config.hidden_size, config.intermediate_size
     per_layer = hidden * (config.num_attention_heads * head_dim) * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter
     weights = (layers * per_layer + config.vocab_size * hidden) * dtype_bytes
-    kv = batch * attended * layers * kv_heads * head_dim * 2 * dtype_bytes
+    kv = batch * attended * layers * kv_heads * head_dim * 2 * (dtype_bytes if kv_bytes is None else kv_bytes)
     return {"weights_mb": weights / 1e6, "kv_mb": kv / 1e6}
 
 
@@ -700,7 +701,8 @@ def _rows(runs, measured, workloads, info, hf_config, *, batch, context, steps, 
                 "ms_step": statistics.median(m.ms_step), "attended": attended, "engine_start_s": started.get(r.engine),
                 "prefill_s": prefilled.get(r.engine), "kv_cache_dtype": kv_cache_dtype,
                 "fallback_steps": m.fallback_steps, **({"profile": m.profile} if m.profile else {}),
-                **step_bytes(hf_config, batch, attended, 4 if engine_dtype == "float32" else 2),
+                **step_bytes(hf_config, batch, attended, 4 if engine_dtype == "float32" else 2,
+                             1 if kv_cache_dtype.startswith("fp8") else None),
             }  # fmt: skip
             if stock[w].tok_s:
                 row["vs_stock"] = tok_s / statistics.median(stock[w].tok_s)
@@ -747,7 +749,7 @@ def table(rows: Sequence[Mapping[str, Any]], *, rounds: int):
     for row in rows:
         flag = f" ({row['fallback_steps']} fallback layer-steps)" if row.get("fallback_steps") else ""
         result.add_row(
-            row["run"] + flag, row["workload"], row["dtype"], f"{row['tok_s']:.1f} ({row['tok_s_min']:.1f}-{row['tok_s_max']:.1f})",
+            row["run"] + flag, row["workload"], row["dtype"] + ("" if row.get("kv_cache_dtype", "auto") == "auto" else f", {row['kv_cache_dtype']} KV"), f"{row['tok_s']:.1f} ({row['tok_s_min']:.1f}-{row['tok_s_max']:.1f})",
             f"{row['ms_step']:.1f}", f"{row['vs_stock']:.2f}x" if "vs_stock" in row else "-",
             f"{row['kernel_gain']:.2f}x" if "kernel_gain" in row else "-", f"{row['sparsity_gain']:.2f}x" if "sparsity_gain" in row else "-",
             str(row["attended"]), f"{row['kv_mb']:.0f}", pct(row.get("greedy_prefix_vs_stock")), pct(row.get("top1_vs_stock")),

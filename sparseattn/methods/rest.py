@@ -95,6 +95,8 @@ class MergedRest:
     """
 
     segments: int | None = 16
+    #: vLLM's fused step merges the rest so (:data:`sparseattn.vllm.route.KERNELS`).
+    paged_kernel = "merged"
 
     def __post_init__(self) -> None:
         if self.segments is not None:

@@ -13,6 +13,8 @@ class TopK:
 
     uses_scores = True
     distinct_indices = True  # topk/arange indices never repeat
+    #: vLLM's fused step selects so (:data:`sparseattn.vllm.route.KERNELS`; ties to the earlier segments).
+    paged_kernel = "top_k"
 
     def select(self, scores: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
         return scores.topk(min(k, scores.shape[-1]), dim=-1, sorted=False).indices

@@ -33,6 +33,8 @@ class Centroid:
     dtype: torch.dtype | None = None
 
     reads_keys = False
+    #: vLLM's fused step stores and scores centroids so (:data:`sparseattn.vllm.route.KERNELS`; this class's own).
+    paged_kernel = "centroid"
 
     def __post_init__(self) -> None:
         if self.dtype not in _CENTROID_DTYPES:

@@ -19,6 +19,8 @@ class MinMaxBound:
     """
 
     reads_keys = False
+    #: vLLM's fused step computes this bound (:data:`sparseattn.vllm.route.KERNELS`; this class's own).
+    paged_kernel = "bound"
 
     def prepare(self, kv_heads: int, head_dim: int, *, layer_idx: int, device: torch.device, dtype: torch.dtype) -> None:
         return None

@@ -58,6 +58,8 @@ class Rerank:
     prefilter_keep: float = field(default=4.0, repr=False)
 
     reads_keys = True  # only the shortlisted segments' keys are read (a view is passed)
+    #: vLLM's fused step reranks a per-group centroid shortlist so (:data:`sparseattn.vllm.route.KERNELS`).
+    paged_kernel = "rerank"
     uses_top_k = True  # score() takes the step's top_k
 
     def __post_init__(self) -> None:

@@ -62,11 +62,15 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from sparseattn.vllm.config import WORKER_CLS, MethodRequest, current_request, layer_index, request_from, stores_counted
-from sparseattn.vllm.paged import FP8_FORMATS, KVFormat, PagedPolicy, PageSummaries, attend_pages, choose_pages
+from sparseattn.vllm.attention import attend_pages
+from sparseattn.vllm.cache_format import FP8_FORMATS, KVFormat
+from sparseattn.vllm.policy import PagedPolicy
+from sparseattn.vllm.selection import PageSummaries, choose_pages
 from sparseattn.vllm.paged_kernel import (
-    FP8_CODES, PageStore, StepPlan, amx_refusal, fused_decode, fused_mode, kernel_refusal, step_plan,
+    FP8_CODES, PageStore, StepPlan, amx_refusal, fused_decode, kernel_refusal, step_plan,
 )  # fmt: skip
 from sparseattn.vllm.profile import active, python_part
+from sparseattn.vllm.route import Route, route
 from sparseattn.vllm.step import SUPPORTED_ISAS, DecodeStep, Fallbacks, decode_step, readable_isa
 
 __all__ = [
@@ -158,30 +162,30 @@ class DecodeMethod:
     """The method an engine's decode tokens run, as its metadata builder hands it to every layer.
 
     ``policy``: the method as configured (it may run a method per layer); ``variants``: the distinct
-    per-layer policies it runs (one for a method that is the same in every layer), each with the fused
-    C step's mode (:func:`~sparseattn.vllm.paged_kernel.fused_mode`; None: the generic path);
+    per-layer policies it runs (one for a method that is the same in every layer), each with its
+    :class:`~sparseattn.vllm.route.Route` (the fused C step's mode and store, or why the generic path);
     ``layer_variant[i]``: layer ``i``'s. The builder makes a new one for each method it is told to use,
     so a layer that sees another one than the last drops what it derived from the last (its prepared
     parameters, page summaries and page store).
     """
 
     policy: PagedPolicy
-    variants: tuple[tuple[PagedPolicy, int | None], ...]
+    variants: tuple[tuple[PagedPolicy, Route], ...]
     layer_variant: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, policy: PagedPolicy, n_layers: int, refusal: str | None) -> DecodeMethod:
         """``policy`` resolved for each of ``n_layers`` layers; ``refusal``: why the fused kernel cannot run here (None: it can)."""
         if not policy.layered:
-            return cls(policy, ((policy, None if refusal is not None else fused_mode(policy)),))
-        variants: list[tuple[PagedPolicy, int | None]] = []
+            return cls(policy, ((policy, route(policy, refusal)),))
+        variants: list[tuple[PagedPolicy, Route]] = []
         index = []
         for layer in range(n_layers):
             leaf = policy.for_layer(layer, n_layers)
             at = next((j for j, (known, _) in enumerate(variants) if known == leaf), None)
             if at is None:
                 at = len(variants)
-                variants.append((leaf, None if refusal is not None else fused_mode(leaf)))
+                variants.append((leaf, route(leaf, refusal)))
             index.append(at)
         return cls(policy, tuple(variants), tuple(index))
 
@@ -195,8 +199,7 @@ class DecodeMethod:
 
     def describe(self) -> str:
         """Which path each variant runs, for the start-up log line."""
-        return "; ".join(f"{leaf.method!r}: " + ("the fused kernel" if fused is not None else "the generic path")
-                         for leaf, fused in self.variants)  # fmt: skip
+        return "; ".join(f"{leaf.method!r}: {way.describe()}" for leaf, way in self.variants)
 
 
 @dataclass
@@ -284,9 +287,8 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         refusal = fused_refusal(self.kv_cache_dtype)
         self.method = DecodeMethod.of(policy, self.n_layers, refusal)
         grid = "whole pages" if policy.segments_per_page(self.block_size) == 1 else f"{policy.segment}-token segments"
-        logger.info_once("sparseattn: decode tokens run %r in the paged engine on %s of %d-token pages: %s%s", policy.name,
-                         grid, self.block_size, self.method.describe(),
-                         f" (the fused kernel cannot run: {refusal})" if refusal else "")  # fmt: skip
+        logger.info_once("sparseattn: decode tokens run %r in the paged engine on %s of %d-token pages: %s", policy.name,
+                         grid, self.block_size, self.method.describe())  # fmt: skip
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> SparseCPUAttentionMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -302,8 +304,8 @@ class SparseCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                     if decode.mixed and base.dynamic_causal is None:
                         prefill = prefill_part(base, decode, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
                                                self.isa, self.kv_cache_dtype)  # fmt: skip
-                    plans = tuple(None if fused is None else step_plan(leaf, decode.lens, self.block_size)
-                                  for leaf, fused in self.method.variants)  # fmt: skip
+                    plans = tuple(step_plan(leaf, decode.lens, self.block_size) if way.fused else None
+                                  for leaf, way in self.method.variants)  # fmt: skip
                 except Exception as error:  # noqa: BLE001 (each layer leaves the step to vLLM's kernel and counts it)
                     plan_error = error
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
@@ -382,9 +384,9 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if layer_idx is None:
             layer_idx = self._layer_idx = layer_index(layer.layer_name)
         variant = method.variant(layer_idx)
-        policy, fused = method.variants[variant]
+        policy, way = method.variants[variant]
         isa = getattr(layer, "isa", None)
-        if isa not in SUPPORTED_ISAS and not (isa == "amx" and fused is not None):  # the builder made sure at start-up; a
+        if isa not in SUPPORTED_ISAS and not (isa == "amx" and way.fused):  # the builder made sure at start-up; a
             # layer it did not see is answered densely
             raise NotImplementedError(f"this layer runs vLLM's {isa!r} CPU kernel, whose cache layout the paged engine does not read")
         if self._prepared is None:
@@ -408,9 +410,9 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
         q = (query[:n] if rows is None else query[rows]).view(n, self.num_heads, self.head_size)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         fmt = KVFormat(self.kv_cache_dtype, layer._k_scale_float, layer._v_scale_float) if self.is_fp8_kv_cache else KVFormat()
-        if fused is not None:
-            if PageStore.kept_in(fused) and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
-                self._store = PageStore.for_policy(policy, fused, kv_cache.shape[0], self.num_kv_heads, self.head_size, kv_cache.shape[2])
+        if way.fused:
+            if way.keeps_store and (self._store is None or self._store.num_blocks != kv_cache.shape[0]):
+                self._store = PageStore.for_policy(policy, kv_cache.shape[0], self.num_kv_heads, self.head_size, kv_cache.shape[2])
                 log = logger.info_once if stores_counted() else logger.warning_once  # uncounted: memory beyond what vLLM was given
                 log("sparseattn: the fused step's page store holds %.1f MiB per layer beside vLLM's KV cache (%.0f%% of the "
                     "layer's cache: summaries%s; %s)", self._store.nbytes / 2**20,
@@ -420,7 +422,7 @@ class SparseCPUAttentionImpl(CPUAttentionBackendImpl):
                     f"NOT counted in the memory vLLM was given: start the engine with worker_cls={WORKER_CLS!r} to count it")  # fmt: skip
             # Decode rows 0..n-1 of the output (the model's dtype: bf16, fp16 or float32): the kernel writes them in place.
             direct = rows is None and out.dtype in (torch.float32, torch.bfloat16, torch.float16) and out.is_contiguous()
-            result, _ = fused_decode(policy, fused, self._store, kv_cache, q, step.table, step.lens, self.scale,
+            result, _ = fused_decode(policy, way.mode, self._store, kv_cache, q, step.table, step.lens, self.scale,
                                      self.logits_soft_cap or None, plan=attn_metadata.plans[variant], out=out[:n] if direct else None,
                                      fmt=fmt, layout="amx" if isa == "amx" else "vec")  # fmt: skip
             if not direct:

@@ -90,7 +90,7 @@ class MethodRequest:
         """The method as the paged engine runs it (:class:`~sparseattn.vllm.paged.PagedPolicy`; ValueError saying
         why when it cannot). ``block_size`` and ``length`` (the engine's page size and longest sequence) resolve
         ``segment="auto"``; they are needed only then."""
-        from sparseattn.vllm.paged import PagedPolicy, own_segment
+        from sparseattn.vllm.policy import PagedPolicy, own_segment
 
         method = self.build()
         segment = None if self.segment == PAGE else self.segment

@@ -12,8 +12,9 @@ step in ``paged_kernels.c`` (built like the cpu backend's kernel, :func:`~sparse
 * ``MinMaxBound`` + ``TopK`` (quest): the per-channel bound of every candidate page, each head's top pages;
 * dense and streamingllm (the pages attended do not depend on the query).
 
-Every other policy (radar's random features, a third party's summary or selector, a centroid
-stored in float16) keeps the generic path: :func:`fused_mode` says which. Page summaries (mean
+Every other policy (radar's random features, a third party's summary or selector that does not declare a
+C implementation, a centroid stored in float16) keeps the generic path: :func:`~sparseattn.vllm.route.route`
+decides, from what the parts declare. Page summaries (mean
 key, or min and max) are kept per physical block in a :class:`PageStore`, computed inside the call
 when a candidate page is stale, once for all sequences sharing it under prefix caching.
 
@@ -33,28 +34,25 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseattn.backends.cpu_kernels import DTYPE_CODES
-from sparseattn.allocations.pooled import PooledMass
-from sparseattn.allocations.uniform import Uniform
-from sparseattn.selectors.topk import TopK
-from sparseattn.summaries.centroid import Centroid
-from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.rerank import Rerank
-from sparseattn.methods.rest import MergedRest
 from sparseattn.summaries.base import Shortlist
-from sparseattn.vllm.paged import KVFormat, PagedPolicy, PageStep, layer_methods
+from sparseattn.vllm.cache_format import KVFormat
+from sparseattn.vllm.policy import PagedPolicy, layer_methods
+from sparseattn.vllm.selection import PageStep
 from sparseattn.vllm.paged_library import kernel_refusal, library
 from sparseattn.vllm.profile import active, python_part
+from sparseattn.vllm.route import FusedMode, declared, route
 
 __all__ = [
     "ALLOC_NONE", "ALLOC_POOLED", "ALLOC_TOPK", "BOUND", "FIXED", "SPLIT", "SPLIT_ALLOCATE", "SPLIT_ATTEND", "SPLIT_SCORE",
-    "DecodeArgs", "FP8_CODES", "PageStore", "SplitArgs", "SplitCall", "StepPlan", "LAYOUTS", "amx_refusal", "c_allocation", "cache_code", "cache_share", "fused_decode", "fused_mode",
-    "kernel_refusal", "step_plan", "summary_dtype", "top_k_positions",
+    "DecodeArgs", "FP8_CODES", "PageStore", "SplitArgs", "SplitCall", "StepPlan", "LAYOUTS", "amx_refusal", "c_allocation", "cache_code", "cache_share", "fused_decode",
+    "kernel_refusal", "step_plan", "top_k_positions",
 ]
 
-#: The kernel's modes (``paged_kernels.c``): BOUND (quest) and FIXED (dense, streamingllm) in ``sa_paged_decode``; SPLIT:
-#: radar+ in every form (centroid scores, the group's shortlist reranked, the policy's own allocation, a merged rest), in
-#: ``sa_paged_split``: one C call with the allocation in it, or two with the allocation in Python between them (:class:`SplitCall`).
-BOUND, FIXED, SPLIT = 1, 2, 3
+#: The kernel's modes (:class:`~sparseattn.vllm.route.FusedMode`, which :func:`~sparseattn.vllm.route.route` picks), short:
+#: BOUND (quest) and SPLIT (radar+ in every form) run in ``sa_paged_split``, one C call with the allocation in it or two
+#: with the allocation in Python between them (:class:`SplitCall`); FIXED (dense, streamingllm) in ``sa_paged_decode``.
+BOUND, FIXED, SPLIT = FusedMode.BOUND, FusedMode.FIXED, FusedMode.SPLIT
 _ERRORS = {
     1: "a block table entry is outside the cache's blocks",
     2: "the kernel could not allocate its scratch memory",
@@ -78,48 +76,6 @@ def top_k_positions(x: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(k, dtype=torch.int64)
     _check(library().sa_paged_top_k(x.data_ptr(), x.numel(), k, out.data_ptr()))
     return out
-
-
-def fused_mode(policy: PagedPolicy) -> int | None:
-    """The kernel mode that runs ``policy`` exactly as the generic path does, or None (generic path).
-
-    >>> from sparseattn import registry
-    >>> [fused_mode(PagedPolicy(registry.build(n), n)) for n in ("dense", "streamingllm", "radar+", "quest", "radar")]
-    [2, 2, 3, 1, None]
-    >>> fused_mode(PagedPolicy(registry.build("radar+", split="pooled", rest="merged"), "radar+:split=pooled,rest=merged"))
-    3
-    >>> fused_mode(PagedPolicy(registry.build("radar+"), "radar+", segment=8))  # segments inside pages: the split step
-    3
-    """
-    if policy.layered:
-        raise ValueError(f"fused_mode: {policy.name!r} runs a method per layer; ask for each layer's policy (PagedPolicy.for_layer)")
-    if policy.fixed:
-        return FIXED
-    m = policy.method
-    if type(m.selector) is not TopK or (m.rest is not None and type(m.rest) is not MergedRest):
-        return None  # a subclass may rank otherwise
-    summary = m.summary
-    centroids = (
-        type(summary) is Rerank and type(summary.coarse) is Centroid and summary.coarse.dtype in (None, torch.float32, torch.bfloat16)
-        and summary.per_group and summary.shortlist > 0 and not summary.prefilter
-    )  # fmt: skip
-    if not m.allocation.uniform or m.rest is not None:  # per-head counts or a merged rest: scored, split, attended
-        return SPLIT if centroids else None
-    if centroids:
-        # The split step on whole pages too: at 8k x 8 on 32-token pages, budget 1024, one thread, 1.63 against the
-        # former single-pass mode's 2.12 ms (which was then removed).
-        return SPLIT
-    if type(summary) is MinMaxBound:
-        return BOUND
-    return None
-
-
-def summary_dtype(policy: PagedPolicy) -> torch.dtype:
-    """The storage of ``policy``'s page summaries in the fused step: bfloat16 for radar+'s centroids stored so
-    (``Centroid(dtype=torch.bfloat16)``, ``bf16_centroids=true``), else float32."""
-    summary = None if policy.fixed or policy.layered else policy.method.summary
-    coarse = getattr(summary, "coarse", None) if type(summary) is Rerank else None
-    return torch.bfloat16 if type(coarse) is Centroid and coarse.dtype == torch.bfloat16 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -171,7 +127,7 @@ class PageStore:
     """
 
     def __init__(
-        self, num_blocks: int, kv_heads: int, head_dim: int, mode: int, sums: bool = False, segments: int = 1,
+        self, num_blocks: int, kv_heads: int, head_dim: int, mode: FusedMode, sums: bool = False, segments: int = 1,
         summary_dtype: torch.dtype = torch.float32, segment_sums: bool = True,
     ) -> None:  # fmt: skip
         if summary_dtype not in (torch.float32, torch.bfloat16) or (summary_dtype == torch.bfloat16 and mode != SPLIT):
@@ -199,32 +155,32 @@ class PageStore:
         self.sums_state = torch.zeros(num_blocks, dtype=torch.uint8) if sums else None
 
     @classmethod
-    def for_policy(cls, policy: PagedPolicy, mode: int, num_blocks: int, kv_heads: int, head_dim: int, block_size: int) -> PageStore:
-        """The store ``policy`` runs on in ``mode`` over a cache of ``num_blocks`` pages of ``block_size`` tokens: its
-        segments per page, the merged rest's sums when it has one, its centroids' storage dtype."""
-        r, dtype, rest = policy.segments_per_page(block_size), summary_dtype(policy), policy.merged
+    def for_policy(cls, policy: PagedPolicy, num_blocks: int, kv_heads: int, head_dim: int, block_size: int) -> PageStore:
+        """The store ``policy``'s fused step keeps (its :func:`~sparseattn.vllm.route.route`: the mode, the summaries'
+        storage dtype) over a cache of ``num_blocks`` pages of ``block_size`` tokens: its segments per page, the merged
+        rest's sums when it has one. ValueError for a policy whose route keeps none."""
+        way = route(policy)
+        if not way.keeps_store:
+            raise ValueError(f"PageStore.for_policy: {policy.name!r} keeps no page store: it runs {way.describe()}")
+        mode, dtype = way.mode, way.summary_dtype
+        r, rest = policy.segments_per_page(block_size), policy.merged
         # Page totals alone when every block of the merged rest is whole pages and the centroids are float32 (the merged
         # tokens' logits then come off their scores): the store is the centroids and one row per page, not r + 1 rows.
         whole_pages = rest is not None and min(rest.per_block, 2**62) % r == 0
         return cls(num_blocks, kv_heads, head_dim, mode, sums=rest is not None, segments=r, summary_dtype=dtype,
                    segment_sums=not (whole_pages and dtype == torch.float32))  # fmt: skip
 
-    @staticmethod
-    def kept_in(mode: int | None) -> bool:
-        """Whether the fused step in ``mode`` keeps a store (every mode but :data:`FIXED`; None, the generic path, none)."""
-        return mode is not None and mode != FIXED
-
     @classmethod
-    def bytes_per_block(cls, policy: PagedPolicy, mode: int, kv_heads: int, head_dim: int, block_size: int) -> int:
+    def bytes_per_block(cls, policy: PagedPolicy, kv_heads: int, head_dim: int, block_size: int) -> int:
         """Bytes the store of :meth:`for_policy` holds per block of vLLM's cache (what a KV cache of ``n`` blocks
         adds beside it: ``n`` times this), for sizing the cache with its stores (:mod:`sparseattn.vllm.worker`).
 
         >>> from sparseattn import registry
         >>> policy = PagedPolicy(registry.build("radar+adaptive", budget=512), "radar+adaptive", segment=4).for_layer(1, 30)
-        >>> PageStore.bytes_per_block(policy, fused_mode(policy), 3, 64, 32)  # 3 heads x (8 centroids + 1 page sum) x 64 x 4 + 2
+        >>> PageStore.bytes_per_block(policy, 3, 64, 32)  # 3 heads x (8 centroids + 1 page sum) x 64 x 4 + 2
         6914
         """
-        return cls.for_policy(policy, mode, 1, kv_heads, head_dim, block_size).nbytes
+        return cls.for_policy(policy, 1, kv_heads, head_dim, block_size).nbytes
 
     @property
     def num_blocks(self) -> int:
@@ -265,14 +221,14 @@ def cache_share(page_bytes: Mapping[str, int], store: Mapping[str, int]) -> floa
 
 
 def fused_decode(
-    policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
+    policy: PagedPolicy, mode: FusedMode, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None = None,
     plan: StepPlan | None = None, with_selection: bool = False, out: torch.Tensor | None = None, fmt: KVFormat = KVFormat(),
     layout: str = "vec",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode token per sequence: ``query [B, H_q, D]`` over the paged cache -> ``([B, H_q, D], selected)``.
 
-    Arguments as :func:`~sparseattn.vllm.paged.paged_decode`; ``mode`` from :func:`fused_mode`;
+    Arguments as :func:`~sparseattn.vllm.paged.paged_decode`; ``mode``: the policy's :func:`~sparseattn.vllm.route.route`'s;
     ``store``: the layer's :class:`PageStore` (None for :data:`FIXED`); ``plan``: the step's
     :func:`step_plan` (computed here when None). ``with_selection``: also return the attended candidate
     pages ``[B, H_kv, G', kmax]`` int32 (candidate indices: logical page - sink pages; ``-1`` past a
@@ -319,7 +275,7 @@ def amx_refusal(policy: PagedPolicy, dtype: torch.dtype, block_size: int, head_d
     if policy.layered:  # every layer's own method
         reasons = (amx_refusal(PagedPolicy(leaf, policy.name, policy.segment), dtype, block_size, head_dim) for leaf in layer_methods(policy.method))
         return next((r for r in reasons if r is not None), None)
-    mode = fused_mode(policy)
+    mode = route(policy).mode
     if mode is None:
         return f"{policy.name!r} runs the generic path, which reads the vec layout only"
     seg = block_size // policy.segments_per_page(block_size)
@@ -347,13 +303,15 @@ def cache_code(kv_cache: torch.Tensor, fmt: KVFormat) -> tuple[int, float, float
 
 
 def _fused_decode(
-    policy: PagedPolicy, mode: int, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
+    policy: PagedPolicy, mode: FusedMode, store: PageStore | None, kv_cache: torch.Tensor, query: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float | None, plan: StepPlan | None,
     with_selection: bool, out: torch.Tensor | None, fmt: KVFormat, layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     lib = library()
-    if mode not in (BOUND, FIXED, SPLIT):
-        raise ValueError(f"fused paged decode: mode {mode!r}; allowed: BOUND ({BOUND}), FIXED ({FIXED}), SPLIT ({SPLIT}) (fused_mode)")
+    way = route(policy)
+    if mode != way.mode:
+        raise ValueError(f"fused paged decode: mode {mode!r} for {policy.name!r}, whose route is {way.describe()}; allowed: "
+                         f"{way.mode!r} (route)")  # fmt: skip
     N, H, bs, two_d = kv_cache.shape
     B, H_q, D = query.shape
     code, k_mul, v_mul = cache_code(kv_cache, fmt)
@@ -368,7 +326,7 @@ def _fused_decode(
     if bs > MAX_BLOCK_SIZE:
         raise ValueError(f"fused paged decode: block size {bs} is out of range; allowed: <= {MAX_BLOCK_SIZE}")
     r = policy.segments_per_page(bs)
-    if (store is None) == PageStore.kept_in(mode):
+    if (store is None) == way.keeps_store:
         raise ValueError("fused paged decode: a PageStore is needed exactly when the mode scores pages")
     plan = plan or step_plan(policy, seq_lens, bs)
     if not (plan.plan.shape[0] == block_table.shape[0] == seq_lens.shape[0] == B):
@@ -377,9 +335,9 @@ def _fused_decode(
     if store is not None and (store.summary.shape != (N, H, r, D) or store.mode != mode):
         raise ValueError(f"fused paged decode: the page store {tuple(store.summary.shape)} (mode {store.mode}) does not fit "
                          f"the cache's {(N, H, r, D)} ({r} segment(s) per page) in mode {mode}")
-    if store is not None and store.summary.dtype != summary_dtype(policy):
+    if store is not None and store.summary.dtype != way.summary_dtype:
         raise ValueError(f"fused paged decode: the page store holds {store.summary.dtype} summaries, the policy's are "
-                         f"{summary_dtype(policy)} (PageStore.for_policy)")
+                         f"{way.summary_dtype} (PageStore.for_policy)")
     G = H_q // H
     shared = policy.shared_selection
     if query.dtype not in DTYPE_CODES:
@@ -483,15 +441,16 @@ def c_allocation(policy: PagedPolicy, plan: torch.Tensor) -> tuple[int, torch.Te
     """
     m = policy.method
     stage = m.select_stage
-    if type(m.selector) is not TopK:
+    mode = route(policy).mode
+    if mode is None or mode == FIXED:
         return ALLOC_NONE, None
-    if type(m.summary) is MinMaxBound:  # quest: each selection's k best of every candidate's bound (fused_mode: uniform)
+    if mode == BOUND:  # quest: each selection's k best of every candidate's bound (its route: a uniform allocation)
         return ALLOC_TOPK_COARSE, None
     selecting = (plan[:, 2] > 0) & (plan[:, 2] < plan[:, 1])
     rows = plan[selecting].tolist()
-    if type(stage) is Uniform and all(k <= mm for _, _, k, mm in rows):
+    if declared(stage) == "uniform" and all(k <= mm for _, _, k, mm in rows):
         return ALLOC_TOPK, None
-    if type(stage) is PooledMass and not policy.shared_selection:
+    if declared(stage) == "pooled" and not policy.shared_selection:
         pool = torch.zeros(plan.shape[0], 2, dtype=torch.int32)
         for i, (_, n_cand, k, mm) in zip(selecting.nonzero().flatten().tolist(), rows):
             w = stage.width(k, n_cand)

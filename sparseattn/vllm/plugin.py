@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from sparseattn.vllm.config import ENV_VAR, parse_spec
-from sparseattn.vllm.paged import PagedPolicy
+from sparseattn.vllm.policy import PagedPolicy
 
 __all__ = ["register"]
 

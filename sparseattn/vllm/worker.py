@@ -52,8 +52,8 @@ def store_bytes(vllm_config: Any, kv_cache_spec: Mapping[str, Any]) -> dict[str,
         if block_size not in methods:
             methods[block_size] = DecodeMethod.of(request.policy(block_size, vllm_config.model_config.max_model_len), n_layers, refusal)
         method = methods[block_size]
-        leaf, fused = method.variants[method.variant(layer_index(name))]
-        sizes[name] = PageStore.bytes_per_block(leaf, fused, kv_heads, head_dim, block_size) if PageStore.kept_in(fused) else 0
+        leaf, way = method.variants[method.variant(layer_index(name))]
+        sizes[name] = PageStore.bytes_per_block(leaf, kv_heads, head_dim, block_size) if way.keeps_store else 0
     return sizes
 
 
