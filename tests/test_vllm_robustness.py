@@ -140,6 +140,7 @@ def tensor_parallel_tokens(tmp: Path, tp: int, spec: dict) -> tuple[list[list[in
     return json.loads(line.removeprefix("RESULT ")), log
 
 
+@pytest.mark.slow  # two engines (one process, then two ranks): 72 s of CI's 20 minutes; `-m slow` runs it
 def test_tensor_parallel_2_decodes_each_ranks_heads_as_one_process_does(tmp_path):
     # Two ranks of one KV head each (vLLM's CPU workers, gloo, one core each): each rank selects pages over
     # its own head's cache with its own parameter rows; the greedy tokens are one process's, in float32.
