@@ -6,8 +6,9 @@ fit and vLLM preempts sequences and recomputes them (their pages are written aga
 those blocks must be dropped and rebuilt). All at once: 100 completions of 10 to ~6000 tokens, streams the client drops after two
 chunks, requests cancelled during their prefill, a prompt longer than the model's context, an ``n = 2``
 sampled request and a ``logprobs`` request, beside a greedy probe. Every request must end with an answer or
-a 4xx, the server must stay up, vLLM must have preempted (its ``/metrics``), and the probe's greedy tokens must
-be the same before, during and after the load.
+a 4xx, the server must stay up, vLLM must have preempted (its ``/metrics``), the probe's greedy tokens must
+be the same before, during and after the load, and the 8 long requests (the cache holds two or three of them at a time:
+those vLLM preempts and recomputes) must answer as each does alone afterwards, equal up to a near-tie.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from vllm_engine import skip_unless_vllm_cpu
+from vllm_engine import first_divergences_are_near_ties, skip_unless_vllm_cpu
 
 skip_unless_vllm_cpu()
 pytest.importorskip("openai", reason="the openai client is not installed: `bash scripts/vllm-venv.sh` installs it in .venv-vllm")
@@ -83,6 +84,12 @@ def test_the_server_answers_everything_under_load_and_stays_up(server):
 
     loads, probe, to_cancel = prompts()
     outcomes: dict[str, list] = {"answered": [], "refused": [], "dropped": [], "cancelled": [], "failed": []}
+    under_load: dict[int, tuple[list[str], list[set[str]]]] = {}
+    alone: dict[int, tuple[list[str], list[set[str]]]] = {}
+
+    def ranked(choice):
+        """A completion's tokens and, at each, the set of its 5 most likely (as the engines' comparison reads them)."""
+        return list(choice.logprobs.tokens), [set(top) for top in choice.logprobs.top_logprobs]
 
     async def run():
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", timeout=1800, max_retries=0)
@@ -91,9 +98,13 @@ def test_the_server_answers_everything_under_load_and_stays_up(server):
             return (await client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0)).choices[0].text
 
         async def completion(ids, i):
+            long = len(ids) >= 4000 and i < 1000
             try:
-                out = await client.completions.create(model=MODEL, prompt=ids, max_tokens=8 + i % 41, temperature=0)
+                out = await client.completions.create(model=MODEL, prompt=ids, max_tokens=8 + i % 41, temperature=0,
+                                                      **({"logprobs": 5} if long else {}))  # fmt: skip
                 outcomes["answered" if out.choices[0].text is not None else "failed"].append(i)
+                if long:
+                    under_load[i] = ranked(out.choices[0])
             except APIStatusError as error:
                 outcomes["refused" if 400 <= error.status_code < 500 else "failed"].append((i, error.status_code, str(error)[:200]))
             except Exception as error:  # noqa: BLE001 (a dead server shows as a connection error: a failure)
@@ -129,6 +140,10 @@ def test_the_server_answers_everything_under_load_and_stays_up(server):
             with_logprobs = client.completions.create(model=MODEL, prompt=loads[2], max_tokens=8, temperature=0, logprobs=3)
             during, two, lp, *_ = await asyncio.gather(greedy(probe), sampled, with_logprobs, *jobs)
             after = await greedy(probe)
+            for i in sorted(under_load):  # the long requests again, one at a time on the idle server
+                out = await client.completions.create(model=MODEL, prompt=loads[i], max_tokens=8 + i % 41, temperature=0,
+                                                      logprobs=5)  # fmt: skip
+                alone[i] = ranked(out.choices[0])
             return before, during, after, two, lp
 
     before, during, after, two, lp = asyncio.run(run())
@@ -145,4 +160,8 @@ def test_the_server_answers_everything_under_load_and_stays_up(server):
     print(f"load: {len(outcomes['answered'])} answered, {len(outcomes['refused'])} refused, {preempted:.0f} preemptions")
     assert preempted > 0, f"the load did not fill the KV cache (no preemption): the test did not test it\n{log}"
     assert before == during == after, (before, during, after)
+    assert len(under_load) == LONG and sorted(alone) == sorted(under_load), (sorted(under_load), sorted(alone))
+    keys = sorted(under_load)
+    problems = first_divergences_are_near_ties([under_load[i] for i in keys], [alone[i] for i in keys])
+    assert not problems, problems  # a preempted request recomputed over rebuilt page summaries answers as it does alone
     assert "first decode step answered by the paged engine" in server.log.read_text(errors="replace")
