@@ -1238,6 +1238,24 @@ static sa_score_scratch score_scratch(sa_carver *cv, int64_t G, int64_t D, int64
     return s;
 }
 
+/* Each selection's k best of n scores, flagged in chosen (G' rows of S_max): per query head a row of scores (rows
+ * stride apart), or with shared one per KV group, the group's log-sum-exp over its G rows (into lse). A position p
+ * flags map[p] (map NULL: p itself: a shortlist's rows name their candidates through it). */
+static void flag_best(const float *scores, int64_t n, int64_t stride, int64_t G, int shared, int64_t k, const int32_t *map,
+                      float *lse, sa_score_scratch *s, uint8_t *chosen, int64_t S_max) {
+    const int64_t Gs = shared ? 1 : G;
+    for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
+        const float *src = scores + gs_i * stride;
+        if (shared) {
+            for (int64_t i = 0; i < n; ++i) lse[i] = log_sum_exp(scores + i, G, stride);
+            src = lse;
+        }
+        best_positions(src, n, k, s->pick, s->v, s->w);
+        uint8_t *flags = chosen + gs_i * S_max;
+        for (int64_t t = 0; t < k; ++t) flags[map ? map[s->pick[t]] : s->pick[t]] = 1;
+    }
+}
+
 /* out[g * ld] = qc_g . s1 + add for the G rows of qc [G, D]. */
 static inline __attribute__((always_inline)) void score_row(const float *restrict qc, int64_t G, const float *restrict s1, int64_t D,
                                                             float *restrict out, int64_t ld, float add) {
@@ -1286,17 +1304,7 @@ static void split_score_item(const sa_split_args *a, const sa_pages *c, int64_t 
             }
         }
         prof_mark(&prof, SA_PH_SCORE, 2.0 * (double)n_pc * lines_bytes(0, page_bytes));
-        const int64_t Gs = a->shared ? 1 : G;
-        for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
-            const float *src = cs + gs_i * S_max;
-            if (a->shared) { /* the group's score: log-sum-exp over its rows */
-                for (int64_t i = 0; i < n_cand; ++i) s->gs[i] = log_sum_exp(cs + i, G, S_max);
-                src = s->gs;
-            }
-            best_positions(src, n_cand, k, s->pick, s->v, s->w);
-            uint8_t *flags = a->chosen + ((b * H + h) * Gs + gs_i) * S_max;
-            for (int64_t t = 0; t < k; ++t) flags[s->pick[t]] = 1;
-        }
+        flag_best(cs, n_cand, S_max, G, a->shared, k, NULL, s->gs, s, a->chosen + (b * H + h) * (a->shared ? 1 : G) * S_max, S_max);
         prof_mark(&prof, SA_PH_SHORTLIST, 0.0);
         prof_flush(&prof);
         return;
@@ -1402,17 +1410,7 @@ static void split_score_item(const sa_split_args *a, const sa_pages *c, int64_t 
     for (int64_t g = 0; g < G; ++g) a->always[(b * H + h) * G + g] = run[2 * g] + logf(run[2 * g + 1]);
     prof_mark(&prof, SA_PH_ALWAYS_MASS, (double)(pages - n_pc) * key_bytes(c, 0, bs));
     if (a->allocation == SA_ALLOC_TOPK) { /* each selection's k best of the shortlist (k <= m: checked by the caller) */
-        const int64_t Gs = a->shared ? 1 : G;
-        for (int64_t gs_i = 0; gs_i < Gs; ++gs_i) {
-            const float *src = ex + gs_i * M_max;
-            if (a->shared) { /* the group's mass: log-sum-exp over its rows */
-                for (int64_t i = 0; i < mm; ++i) s->ex_s[i] = log_sum_exp(ex + i, G, M_max);
-                src = s->ex_s;
-            }
-            best_positions(src, mm, k, s->pick, s->v, s->w);
-            uint8_t *flags = a->chosen + ((b * H + h) * Gs + gs_i) * S_max;
-            for (int64_t t = 0; t < k; ++t) flags[sh[s->pick[t]]] = 1;
-        }
+        flag_best(ex, mm, M_max, G, a->shared, k, sh, s->ex_s, s, a->chosen + (b * H + h) * (a->shared ? 1 : G) * S_max, S_max);
         prof_mark(&prof, SA_PH_ALLOCATE, 0.0);
     }
     prof_flush(&prof);
