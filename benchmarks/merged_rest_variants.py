@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from sparseattn.methods.presets import RadarPlusPooled
-from sparseattn.methods.segment_search import SegmentSearch, SegmentSearchState
+from sparseattn.methods.segment_search import SegmentSearch
+from sparseattn.methods.segment_state import SegmentSearchState
 
 RUNS = Path(__file__).parent / "results" / "quality-runs"
 ESTIMATORS = ("mean", "var", "exact", "whole")

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from sparseattn.machine import cpu_flags, cpu_model
-from sparseattn.cli.common import parse_method
+from sparseattn.cli.method_specs import parse_method
 from sparseattn.vllm.paged import KVFormat, PagedPolicy, amx_layout, attend_pages, choose_pages, page_views
 from sparseattn.bandwidth import read_bandwidth
 from sparseattn.vllm.paged_kernel import PageStore, fused_decode, step_plan

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from sparseattn import Dense, registry
-from sparseattn.cli.common import parse_method
+from sparseattn.cli.method_specs import parse_method
 from sparseattn.data.sources import get_text, load_text
 from sparseattn.evaluation.ppl import run_ppl_together, tokenize
 from sparseattn.evaluation.runs import RunDir, environment

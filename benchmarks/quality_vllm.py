@@ -80,7 +80,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from sparseattn.evaluation.serving import start_engine, stop_engine
+    from sparseattn.evaluation.vllm_engine import start_engine, stop_engine
     from sparseattn.evaluation.vllm_ppl import run_ppl_vllm
 
     model = str(local_model_dir())

@@ -10,7 +10,8 @@ configuration. Every option of ``sparseattn serving-bench --help`` is taken, e.g
     .venv-vllm/bin/python benchmarks/serving.py                       # the defaults: about 25 minutes on 2 cores
     .venv-vllm/bin/python benchmarks/serving.py --batch 4 --no-float32 --no-shared
 
-Writes ``benchmarks/results/serving-cpu-c<context>-b<batch>[-<cpu kind>].json`` unless ``--out`` is given.
+Writes ``benchmarks/results/serving-cpu-c<context>-b<batch>[-<cpu kind>].json`` unless ``--out`` is given, and
+vLLM's own output beside it (``.vllm.log``; ``--verbose`` shows it on the terminal instead).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from the repository root (it uses the engine helper of the vLLM tests, tests/vll
         --prefill-chunk 8192 --kv-cache-gib 6
 
 Beyond the model's window (``--yarn F``) every engine, stock included, runs with YaRN's RoPE stretched
-F times (:func:`sparseattn.evaluation.serving.yarn_overrides`): no training, so stock's score there is
+F times (:func:`sparseattn.evaluation.vllm_engine.yarn_overrides`): no training, so stock's score there is
 what YaRN gives this model, the reference a sparse method is compared with. Writes
 ``benchmarks/results/vllm-passkey-<k>k-block<B>[-yarn<F>].json``: per run, (depth, answer, references, score),
 rewritten after each run; a rerun skips the runs already there (delete the file to measure again).
@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from vllm_engine import greedy_tokens  # noqa: E402
 
 from sparseattn.data.needle import PasskeyTask, string_match_all  # noqa: E402
-from sparseattn.evaluation.serving import positions_needed, yarn_overrides  # noqa: E402
+from sparseattn.evaluation.serving_workload import positions_needed  # noqa: E402
+from sparseattn.evaluation.vllm_engine import yarn_overrides  # noqa: E402
 from sparseattn.hf.models import local_model_dir  # noqa: E402
 
 NEW_TOKENS = 16

@@ -6,8 +6,9 @@
 # table of speed (median and range of 3 alternating rounds) with the quality of the same configuration:
 # greedy agreement with stock, teacher-forced top-1 and perplexity of each file's true continuation, and a
 # pass key hidden in every prompt. About 10 minutes on 2 cores once installed, most of it prefilling the
-# prompts once per engine; progress lines throughout. Extra arguments go to `sparseattn serving-bench` (see
-# its --help; e.g. --batch 4 for a shorter run). The research view in transformers: `sparseattn compare`.
+# prompts once per engine; progress lines throughout, vLLM's own output in results/demo.vllm.log (--verbose
+# shows it here). Extra arguments go to `sparseattn serving-bench` (see its --help; e.g. --batch 4 for a
+# shorter run). The research view in transformers: `sparseattn compare`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --quiet torch==2.13.0  # the pinned CPU build; an unpinned torch pulls CUDA

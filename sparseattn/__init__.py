@@ -20,7 +20,8 @@ is for).
 
 from sparseattn.allocations import Allocation, PooledMass, Selection, SelectStage, TopP, Uniform
 from sparseattn.methods.rest import Rest
-from sparseattn.methods.segment_search import SegmentStep
+from sparseattn.allocations.step import DecodeStep
+from sparseattn.methods.segment_step import SegmentStep
 from sparseattn.registry import recommended
 from sparseattn.refine import TopTokens
 from sparseattn.methods import *  # noqa: F403  (the methods and their parts, listed once in sparseattn.methods)
@@ -37,6 +38,7 @@ __all__ = [
     "Allocation",
     "AspectSchedule",
     "CenteredFeatures",
+    "DecodeStep",
     "Centroid",
     "DoublingSchedule",
     "ExactScore",

@@ -7,8 +7,9 @@ the benchmarks and the contract tests all read this table, so a method is covere
 the moment it is registered, from the package, from user code, or from a third-party package
 through the ``sparseattn.methods`` entry point group (loaded on the first lookup).
 
-This module imports nothing from the rest of the package at import time (the method modules import
-it to register); the first lookup imports :mod:`sparseattn.methods`, which registers the built-ins.
+This module imports nothing from the rest of the package (the method modules import it to register:
+the registry sits below them); importing the package imports :mod:`sparseattn.methods`, which registers
+the built-ins before any lookup, and the first lookup loads the plugins.
 
 A method is built from the options given, checked first: an option it does not take, a value of
 the wrong type or out of range, or ``budget`` with ``top_k`` is refused with one line naming the
@@ -63,11 +64,12 @@ __all__ = [
 #: ``[project.entry-points."sparseattn.methods"] mine = "mypkg.methods:MINE"``.
 ENTRY_POINT_GROUP = "sparseattn.methods"
 
-#: What a method is for, in the order the catalogue lists them: the presets to use first; the paper's
-#: methods as their authors ran or wrote them; the field's methods we compare with; one part of a
-#: paper's method swapped (its ablations); exact oracles that bound what a selector can reach (O(t)
-#: per step, not fast); variants kept for research (listed only with ``sparseattn methods --all``).
-CATEGORIES = ("recommended", "paper", "baseline", "ablation", "ceiling", "experimental")
+#: What a method is for, in the order the catalogue lists them: the preset to use first (quality kept);
+#: the fastest configuration (less quality at the same budget); the paper's methods as their authors
+#: ran or wrote them; the field's methods we compare with; exact oracles that bound what a selector can
+#: reach (O(t) per step, not fast); one part of a paper's method swapped (its ablations); variants kept
+#: for research (listed only with ``sparseattn methods --all``).
+CATEGORIES = ("recommended", "fast", "paper", "baseline", "ceiling", "ablation", "experimental")
 
 #: The engines a method may run in: the transformers engine (``model.generate``, every method) and
 #: vLLM's paged cache (:mod:`sparseattn.vllm`, the methods its paged engine supports).
@@ -281,7 +283,7 @@ def alias(name: str, spec: str) -> Alias:
 
 def aliases() -> dict[str, Alias]:
     """Every alias, by its old name."""
-    _load_builtins_and_plugins()
+    _load_plugins()
     return dict(_ALIASES)
 
 
@@ -352,7 +354,7 @@ def recommended(engine: str = "transformers") -> MethodEntry:
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
-    _load_builtins_and_plugins()
+    _load_plugins()
     best = [e for e in _ENTRIES.values() if e.category == "recommended" and engine in e.engines]
     if not best:
         raise LookupError(f"no recommended method runs in {engine}")
@@ -365,10 +367,8 @@ def unregister(name: str) -> MethodEntry | Alias:
     return _ALIASES.pop(name) if name in _ALIASES else _ENTRIES.pop(name)
 
 
-def _load_builtins_and_plugins() -> None:
+def _load_plugins() -> None:
     global _plugins_loaded
-    import sparseattn.methods  # noqa: F401  (registers the built-in methods)
-
     if _plugins_loaded:
         if _plugin_errors:
             raise PluginError("; ".join(_plugin_errors))
@@ -392,13 +392,13 @@ def _load_builtins_and_plugins() -> None:
 
 def names() -> list[str]:
     """Every registered method name, in registration order (built-ins first); aliases are in :func:`aliases`."""
-    _load_builtins_and_plugins()
+    _load_plugins()
     return list(_ENTRIES)
 
 
 def get(name: str) -> MethodEntry:
     """The entry called ``name`` (an alias: the entry of the method it is now); a ValueError lists the known names otherwise."""
-    _load_builtins_and_plugins()
+    _load_plugins()
     if name in _ALIASES:
         name = _ALIASES[name].spec.partition(":")[0]
     try:

@@ -50,6 +50,7 @@ from sparseattn import (
     attention_ref,
 )
 from sparseattn.allocations import listed_estimates, pooled_counts_ref
+from sparseattn.methods.segment_step import SegmentStep
 from sparseattn.hf import apply
 from sparseattn.methods.layers import FirstLayers, SplitLayers, layer_budgets
 from sparseattn.testing import assert_close
@@ -178,7 +179,7 @@ def test_the_mass_a_split_is_measured_against_includes_the_sinks_and_tail_exactl
     state.prefill(keys, values)
     q = torch.randn(B, H, G, D, generator=gen) * 2
     lay = state.layout
-    got = state._always_log_mass(q, lay, 1 if shared else G)
+    got = SegmentStep(state, q, lay, 1, 1 if shared else G).always_log_mass()
     always = torch.cat([keys[:, :, : lay.sink_end], keys[:, :, lay.tail_start : lay.length]], dim=2).double()
     ref = torch.logsumexp(torch.einsum("bhgd,bhtd->bhgt", q.double(), always) * state.scale, dim=-1)
     if shared:

@@ -1122,21 +1122,23 @@ def test_the_hot_paths_name_no_backend():
 
     import sparseattn.methods.dense as dense
     import sparseattn.methods.segment_search as segment_search
+    import sparseattn.methods.segment_state as segment_state
     import sparseattn.summaries.base as summaries
 
-    for module in (segment_search, dense, summaries):
+    for module in (segment_search, segment_state, dense, summaries):
         source = inspect.getsource(module)
         assert ".name ==" not in source and "cpu_kernels" not in source and "CpuBackend" not in source, module.__name__
 
 
 def test_a_state_chooses_its_backends_once(monkeypatch):
-    import sparseattn.methods.segment_search as segment_search
+    import sparseattn.methods.segment_state as segment_state
+    from sparseattn.methods.segment_search import SegmentSearch
     from sparseattn.summaries import Centroid, Rerank
 
     chosen = []
-    real = segment_search.select_backend
-    monkeypatch.setattr(segment_search, "select_backend", lambda *a, **kw: chosen.append(a[1]) or real(*a, **kw))
-    method = segment_search.SegmentSearch(Rerank(Centroid(), shortlist=2), top_k=1)
+    real = segment_state.select_backend
+    monkeypatch.setattr(segment_state, "select_backend", lambda *a, **kw: chosen.append(a[1]) or real(*a, **kw))
+    method = SegmentSearch(Rerank(Centroid(), shortlist=2), top_k=1)
     state = method.new_state(1, 2, 16)
     state.prefill(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16))
     with torch.no_grad():

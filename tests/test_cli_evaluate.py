@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparseattn.cli import app
-from sparseattn.cli.common import parse_method
+from sparseattn.cli.method_specs import parse_method
 from tiny_checkpoint import save_tiny_checkpoint
 
 runner = CliRunner()

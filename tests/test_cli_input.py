@@ -93,7 +93,7 @@ def refusals(root: Path, model: str, text: str, short: str) -> dict[str, tuple[l
         "spec option out of range": (
             ppl + ["-m", "h2o:heavy_ratio=1.5"], ["'--method'", "heavy_ratio 1.5 is out of range", "(0, 1)"]
         ),
-        "negative budget": (ppl + ["-m", "snapkv+radar", "--budget", "-3"], ["'--budget'", "-3 is out of range", "[1, "]),
+        "negative budget": (ppl + ["-m", "snapkv-then-radar", "--budget", "-3"], ["'--budget'", "-3 is out of range", "[1, "]),
         "budget below the method's floor": (
             ppl + ["-m", "subgen", "--budget", "20"], ["'--method'", "--budget 20", "SubGen.budget must be an int >= 41"]
         ),
@@ -102,7 +102,7 @@ def refusals(root: Path, model: str, text: str, short: str) -> dict[str, tuple[l
         ),
         "generate top-k and budget": (gen + ["--prompt", "x", "--top-k", "8", "--budget", "64"],
                                       ["'--budget' / '--top-k'", "not both"]),
-        "generate negative budget": (["generate", "--model", model, "--method", "snapkv+radar", "--budget", "-3", "--prompt", "x"],
+        "generate negative budget": (["generate", "--model", model, "--method", "snapkv-then-radar", "--budget", "-3", "--prompt", "x"],
                                      ["'--budget'", "-3 is out of range"]),
     }
 
@@ -182,7 +182,7 @@ def test_the_global_budget_applies_to_methods_with_a_budget_only(results):
 
 
 def test_parse_method_gives_the_spec_priority_over_the_global_budget():
-    from sparseattn.cli.common import parse_method
+    from sparseattn.cli.method_specs import parse_method
 
     assert parse_method("dense", budget=512)[2] == {}  # dense has no budget
     assert parse_method("radar", budget=512)[2] == {"budget": 512}

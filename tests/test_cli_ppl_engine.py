@@ -37,7 +37,7 @@ def refusals(model: str, text: str) -> dict[str, tuple[list[str], list[str]]]:
                                ["'--prefill'", "0 is out of range with --engine vllm", ">= 1", "--engine transformers"]),
         "eviction method in vllm": (ppl + ["--engine", "vllm", "-m", "dense", "-m", "h2o", "--budget", "64"],
                                     ["'--method'", "'h2o:budget=64' (H2O) cannot run in vLLM", "eviction"]),
-        "always-kept part in vllm": (ppl + ["--engine", "vllm", "-m", "radar+h2o", "--budget", "512"],
+        "always-kept part in vllm": (ppl + ["--engine", "vllm", "-m", "radar-with-h2o", "--budget", "512"],
                                      ["'--method'", "always-kept", "not supported in vLLM"]),
     }
     if not VLLM_INSTALLED:

@@ -48,7 +48,7 @@ def refusals(model: str) -> dict[str, tuple[list[str], list[str]]]:
         "spec budget not a number": (serve + ["-m", "radar+:budget=x"], ["'--method'", "budget", "must be a int", "'x'"]),
         "spec option the method does not take": (serve + ["-m", "quest:heavy_ratio=0.5"], ["'--method'", "heavy_ratio"]),
         "eviction method": (serve + ["-m", "h2o", "--budget", "64"], ["'--method'", "cannot run in vLLM", "eviction"]),
-        "always-kept part": (serve + ["-m", "radar+h2o", "--budget", "512"], ["'--method'", "always-kept", "not supported in vLLM"]),
+        "always-kept part": (serve + ["-m", "radar-with-h2o", "--budget", "512"], ["'--method'", "always-kept", "not supported in vLLM"]),
         "bad dtype": (serve + ["--dtype", "float8"], ["'--dtype'", "'float8'", "bfloat16, float16, float32"]),
         "segment 0": (serve + ["--segment", "0"], ["'--segment'", "0 is out of range", ">= 1"]),
         "segment a word": (serve + ["--segment", "pages"], ["'--segment'", "'pages' is not allowed", "auto, page or a number"]),
@@ -202,7 +202,7 @@ def test_the_benchmark_script_refuses_bad_sizes_before_importing_vllm():
 
 
 def test_the_runs_are_stock_first_then_the_plugins_dense_path_then_each_method():
-    from sparseattn.evaluation.serving import plan_runs
+    from sparseattn.evaluation.serving_runs import plan_runs
 
     runs = plan_runs({"quest (1024)": {"method": "quest", "budget": 1024}, "radar+ (512)": {"method": "radar+", "budget": 512}})
     assert [(r.label, r.engine, r.attended) for r in runs] == [
@@ -224,7 +224,7 @@ def test_the_benchmarks_segment_goes_to_every_methods_plugin_config(workspace, m
     from typer.testing import CliRunner
 
     from sparseattn.cli import app
-    from sparseattn.evaluation import serving
+    from sparseattn.evaluation import serving, vllm_engine
 
     _, model = workspace
     seen = {}
@@ -233,7 +233,7 @@ def test_the_benchmarks_segment_goes_to_every_methods_plugin_config(workspace, m
         seen["plan"], seen["block_size"] = plan, kwargs["block_size"]
         raise SystemExit(0)
 
-    monkeypatch.setattr(serving, "vllm_unavailable_reason", lambda import_it=False: None)
+    monkeypatch.setattr(vllm_engine, "vllm_unavailable_reason", lambda import_it=False: None)
     monkeypatch.setattr(serving, "run", fake_run)
     args = ["serving-bench", "--model", model, "-m", "radar+adaptive", "-m", "quest", "--budget", "512", "--block-size", "32",
             *segment, "--context", "256", "--steps", "4", "--out", str(tmp_path / "bench.json")]  # fmt: skip
@@ -244,3 +244,55 @@ def test_the_benchmarks_segment_goes_to_every_methods_plugin_config(workspace, m
     assert [(r.label, r.method) for r in sparse] == [
         (label, method if own is None else {**method, "segment": own}) for (label, own), method in zip(expected, methods)]
     assert seen["block_size"] == 32
+
+
+#: ``sparseattn serving-bench`` with its engines' run replaced by one that writes as vLLM does: a line from the
+#: ``vllm`` logger (a handler on sys.stdout, as vLLM configures it at import), a line on stdout and one on stderr
+#: from a process it starts (the engine core's), and a Python warning; between them, the run's own progress lines.
+FAKE_VLLM_DRIVER = r"""
+import logging, subprocess, sys, warnings
+from sparseattn.cli import app
+from sparseattn.evaluation import serving, vllm_engine
+
+logging.getLogger("vllm").addHandler(logging.StreamHandler(sys.stdout))
+logging.getLogger("vllm").setLevel(logging.INFO)
+
+def run(model, plan, *, say, **options):
+    say("progress: the engines start")
+    logging.getLogger("vllm").info("vLLM banner from its logger")
+    subprocess.run([sys.executable, "-c", "import sys; print('vLLM banner from the engine process'); "
+                    "print('vLLM warning from the engine process', file=sys.stderr)"], check=True)
+    warnings.warn("vLLM warning in this process")
+    say("progress: the engines stopped")
+    return {}, []
+
+vllm_engine.vllm_unavailable_reason = lambda import_it=False: None
+serving.run = run
+app(sys.argv[1:], prog_name="sparseattn")
+"""
+VLLM_OUTPUT = ("vLLM banner from its logger", "vLLM banner from the engine process", "vLLM warning from the engine process",
+               "vLLM warning in this process")  # fmt: skip
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_the_terminal_shows_progress_and_the_table_and_vllms_output_goes_to_the_printed_log(workspace, tmp_path, verbose):
+    """What ``scripts/demo.sh`` shows: the benchmark's own lines on the terminal, vLLM's (its logger, its engine
+    process, warnings) in ``<out>.vllm.log``, whose path is printed first; ``--verbose`` shows vLLM's output instead."""
+    _, model = workspace
+    out = tmp_path / "bench.json"
+    args = ["serving-bench", "--model", model, "-m", "quest", "--budget", "512", "--context", "256", "--steps", "4",
+            "--runs", "1", "--out", str(out), *(["--verbose"] if verbose else [])]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", FAKE_VLLM_DRIVER, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    terminal = done.stdout + done.stderr
+    assert "progress: the engines start" in done.stdout and "progress: the engines stopped" in done.stdout
+    assert "vLLM decode: batch" in done.stdout  # the table's title
+    log = tmp_path / "bench.vllm.log"
+    if verbose:
+        assert all(line in terminal for line in VLLM_OUTPUT), terminal
+        assert not log.exists()
+        return
+    assert not any(line in terminal for line in VLLM_OUTPUT), terminal
+    assert done.stdout.splitlines()[0] == f"vLLM's own output (engine start-up, compilation, warnings) goes to {log}; --verbose shows it here"
+    assert all(line in log.read_text() for line in VLLM_OUTPUT), log.read_text()
+    assert done.stdout.splitlines()[-1] == f"wrote {out}, {log}"

@@ -23,7 +23,7 @@ NO_GPU = (
 
 # One method per engine that draws or builds on its own: a seeded selector (CPU generator), SubGen's
 # sketch (CPU generator, multinomial), and a prefill eviction handing over to a segment search.
-@pytest.mark.parametrize("name", ["radar-random", "subgen", "snapkv+radar"])
+@pytest.mark.parametrize("name", ["radar-random", "subgen", "snapkv-then-radar"])
 def test_the_contract_runs_on_a_device_given_as_a_torch_device(name):
     check_method(name, device=torch.device("cpu"))
 

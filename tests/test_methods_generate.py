@@ -59,7 +59,7 @@ def test_every_method_generates_within_its_budget(name):
     assert cache.mean_attended() <= SMALL < 70  # over the layers: the budget
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "subgen", "snapkv+radar"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "subgen", "snapkv-then-radar"])
 def test_beam_search_with_an_evicting_method(name):
     model = tiny_model("llama")
     ids = prompts(1, [40])[0]

@@ -173,7 +173,7 @@ def test_prefill_eviction_accepts_only_methods_that_hand_over_tokens():
 NAMES = [
     "dense", "radar", "streamingllm", "h2o", "snapkv", "subgen", "subgen-guarded", "radar-alg1", "quest",
     "radar-exact", "radar-random", "radar-lowest", "radar-recent", "radar+", "radar-centered", "radar-rerank",
-    "snapkv+radar",
+    "snapkv-then-radar",
 ]  # fmt: skip
 
 
@@ -193,7 +193,7 @@ def test_without_a_budget_each_method_runs_at_its_paper_default():
     assert defaults["quest"] == Quest(top_k=64, page_size=16)
     assert defaults["radar"] == Radar()  # as the authors ran it: k = 64, 1 sink, window 1024, aspect 4
     assert defaults["radar-alg1"] == RadarAlg1()  # the paper's Algorithm 1
-    assert defaults["snapkv+radar"] == PrefillEviction(prefill=SnapKV(), decode=Radar())
+    assert defaults["snapkv-then-radar"] == PrefillEviction(prefill=SnapKV(), decode=Radar())
     options = dict(budget=300, heavy_ratio=0.25, observation_window=16, page_size=8, sinks=2, window=10)
 
     def build(name: str, **given):

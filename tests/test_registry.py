@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from sparseattn import Dense, SegmentSearch, registry
 from sparseattn.cli import app
-from sparseattn.cli.common import parse_method
+from sparseattn.cli.method_specs import parse_method
 from sparseattn.registry import MethodEntry, Option, OptionError, PluginError
 from sparseattn.schedules.fixed import FixedSchedule
 from sparseattn.testing import check_method
@@ -42,8 +42,8 @@ RECORDED = [
     ("streamingllm", {"budget": 1024}, "StreamingLLM(budget=1024, sinks=4)"),
     ("subgen-guarded", {"seed": 3, "budget": 512}, "SubGen(budget=512, window=32, sinks=0, cluster_samples=8, value_share=0.5, radius=0.0, seed=3, guard=True)"),
     ("radar-rerank", {"n_features": 256, "budget": 512}, "SegmentSearch(summary=Rerank(coarse=PerformerFeatures(n_features=256, orthogonal=False, antithetic=False, seed=0, feature_dtype=torch.float32), shortlist=16, factor=2.0, per_group=False), selector=TopK(), schedule=SqrtSchedule(aspect=1.0), top_k=64, sinks=0, window=0, shared_kv_selection=False, budget=512, backend='auto', always=None, allocation=Uniform(), refine=None, rest=None)"),
-    ("snapkv+radar", {"budget": 1024}, "PrefillEviction(prefill=SnapKV(budget=4096, observation_window=32, kernel_size=5, pooling='max'), decode=SegmentSearch(summary=PerformerFeatures(n_features=4096, orthogonal=False, antithetic=True, seed=0, feature_dtype=torch.float32), selector=TopK(), schedule=AspectSchedule(aspect=4.0), top_k=64, sinks=1, window=256, shared_kv_selection=False, budget=1024, backend='auto', always=None, allocation=Uniform(), refine=None, rest=None))"),
-    ("snapkv+radar", {"prefill_budget": 700, "observation_window": 16}, "PrefillEviction(prefill=SnapKV(budget=700, observation_window=16, kernel_size=5, pooling='max'), decode=SegmentSearch(summary=PerformerFeatures(n_features=4096, orthogonal=False, antithetic=True, seed=0, feature_dtype=torch.float32), selector=TopK(), schedule=AspectSchedule(aspect=4.0), top_k=64, sinks=1, window=1024, shared_kv_selection=False, budget=None, backend='auto', always=None, allocation=Uniform(), refine=None, rest=None))"),
+    ("snapkv-then-radar", {"budget": 1024}, "PrefillEviction(prefill=SnapKV(budget=4096, observation_window=32, kernel_size=5, pooling='max'), decode=SegmentSearch(summary=PerformerFeatures(n_features=4096, orthogonal=False, antithetic=True, seed=0, feature_dtype=torch.float32), selector=TopK(), schedule=AspectSchedule(aspect=4.0), top_k=64, sinks=1, window=256, shared_kv_selection=False, budget=1024, backend='auto', always=None, allocation=Uniform(), refine=None, rest=None))"),
+    ("snapkv-then-radar", {"prefill_budget": 700, "observation_window": 16}, "PrefillEviction(prefill=SnapKV(budget=700, observation_window=16, kernel_size=5, pooling='max'), decode=SegmentSearch(summary=PerformerFeatures(n_features=4096, orthogonal=False, antithetic=True, seed=0, feature_dtype=torch.float32), selector=TopK(), schedule=AspectSchedule(aspect=4.0), top_k=64, sinks=1, window=1024, shared_kv_selection=False, budget=None, backend='auto', always=None, allocation=Uniform(), refine=None, rest=None))"),
 ]  # fmt: skip
 
 

@@ -28,7 +28,7 @@ NAMES = registry.names()
 
 def build(name: str, budget: int = BUDGET):
     # The builder itself, without the registry's range checks: a budget of 10**23 must reach the method.
-    entry = registry.get(name)  # prefill_budget: make snapkv+radar evict the prompt
+    entry = registry.get(name)  # prefill_budget: make snapkv-then-radar evict the prompt
     return entry.build(**entry.takes(budget=budget, n_features=32, prefill_budget=64))
 
 

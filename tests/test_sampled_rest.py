@@ -158,7 +158,7 @@ def test_the_sample_estimates_the_rest_without_bias(masked):
 def _step(state, q):
     """A :class:`SegmentStep` of ``state`` at its current layout, every selection per query head."""
     B, H, G = state.batch, state.kv_heads, q.shape[1] // state.kv_heads
-    return SegmentStep(state, q.view(B, H, G, -1), state.layout, state.layout.n_segments, G, G)
+    return SegmentStep(state, q.view(B, H, G, -1), state.layout, state.layout.n_segments, G)
 
 
 @settings(max_examples=30, deadline=None)
@@ -278,7 +278,7 @@ def test_both_hooks_agree_with_the_reference_when_called_on_any_layout(seed, win
     draws = sample_ranks(n_rest, m, rest.generator(0, lay.length))
     ref, bound = sampled_attention_ref(q, keys, values, mask, lay.sink_end, lay.tail_start, draws, state.scale, None, rest.delta)
     for hook in ("segments", "tokens"):
-        step = SegmentStep(state, q, lay, 2, G, G)
+        step = SegmentStep(state, q, lay, 2, G)
         if hook == "segments":
             out = rest.attend_segments(step, selection, ReferenceLSE(), False)
         else:

@@ -172,7 +172,7 @@ def test_selected_pages_are_what_the_mask_says():
 
 @pytest.mark.parametrize(
     "name, why",
-    [("h2o", "eviction methods"), ("snapkv", "eviction methods"), ("radar+h2o", "always-kept part"),
+    [("h2o", "eviction methods"), ("snapkv", "eviction methods"), ("radar-with-h2o", "always-kept part"),
      ("radar+tokens", "token refinement")],
 )
 def test_refused_methods_say_why(name, why):
@@ -184,7 +184,7 @@ def test_a_per_layer_method_refuses_a_layer_method_that_cannot_run():
     """Every layer's method is checked at start-up, not when that layer first decodes."""
     from sparseattn.methods.layers import SplitLayers
 
-    method = SplitLayers(registry.build("radar+", budget=512), registry.build("radar+h2o", budget=512), layers=1)
+    method = SplitLayers(registry.build("radar+", budget=512), registry.build("radar-with-h2o", budget=512), layers=1)
     with pytest.raises(ValueError, match="always-kept part"):
         PagedPolicy(method, "split")
 

@@ -41,16 +41,34 @@ def ids():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from sparseattn.evaluation.serving import start_engine, stop_engine
+def logs(tmp_path_factory) -> tuple[Path, Path]:
+    """``(terminal, engine log)``: what the engine's start wrote to the terminal, and to the log it was sent to."""
+    folder = tmp_path_factory.mktemp("vllm-ppl")
+    return folder / "terminal.txt", folder / "engine.log"
+
+
+@pytest.fixture(scope="module")
+def engine(logs):
+    from sparseattn.cli.vllm_log import output_to_log
+    from sparseattn.evaluation.vllm_engine import start_engine, stop_engine
     from sparseattn.evaluation.vllm_ppl import ENFORCE_EAGER
 
-    log = tmp_path_factory.mktemp("vllm-ppl") / "engine.log"
-    with fd_log(log):
+    terminal_file, log = logs
+    with fd_log(terminal_file), output_to_log(log) as terminal:  # as `sparseattn serving-bench` starts its engines
+        print("starting vLLM", file=terminal)
         llm = start_engine(str(local_model_dir()), dtype="float32", kv_cache_gib=2, max_model_len=PREFILL + STEPS + 1,
                            block_size=BLOCK, method={"method": "dense"}, enforce_eager=ENFORCE_EAGER)  # fmt: skip
     yield llm
     stop_engine(llm)
+
+
+def test_the_engines_output_goes_to_the_log_and_the_terminal_has_only_the_progress_line(engine, logs):
+    """The quiet mode of ``sparseattn serving-bench`` (sparseattn.cli.vllm_log): vLLM's banner, from this process's
+    ``vllm`` logger and from the engine core process it spawned, is in the log, not on the terminal."""
+    terminal_file, log = logs
+    assert terminal_file.read_text() == "starting vLLM\n"
+    text = log.read_text()
+    assert "(MainProcess" in text and "(EngineCore" in text, text[-2000:]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ def engine(tmp_path_factory):
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    from sparseattn.evaluation.serving import workload
+    from sparseattn.evaluation.serving_workload import workload
 
     tok = AutoTokenizer.from_pretrained(str(local_model_dir()))
     rows = workload(tok, 3, 1500, NEW_TOKENS)
@@ -100,13 +100,13 @@ def test_forced_tokens_are_generated_and_their_logprobs_are_the_free_runs(engine
 def test_teacher_forcing_scores_the_held_continuation_better_than_a_shuffled_one(engine):
     import random
 
-    from sparseattn.evaluation.serving import Forced, _generate
+    from sparseattn.evaluation.vllm_engine import Forced, generate
 
     llm, _, rows = engine
-    _, outs = _generate(llm, [r.ids for r in rows], NEW_TOKENS, forced=[r.held for r in rows], logprobs=1)
+    _, outs = generate(llm, [r.ids for r in rows], NEW_TOKENS, forced=[r.held for r in rows], logprobs=1)
     true = Forced.from_outputs(outs, [r.held for r in rows])
     shuffled = [r.__class__(r.ids, random.Random(0).sample(r.held, len(r.held)), r.question, r.key, r.depth, r.source) for r in rows]
-    _, outs = _generate(llm, [r.ids for r in shuffled], NEW_TOKENS, forced=[r.held for r in shuffled], logprobs=1)
+    _, outs = generate(llm, [r.ids for r in shuffled], NEW_TOKENS, forced=[r.held for r in shuffled], logprobs=1)
     assert true.ppl() < Forced.from_outputs(outs, [r.held for r in shuffled]).ppl()
     assert true.top1_agreement(true) == 1.0
 

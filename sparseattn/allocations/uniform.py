@@ -10,7 +10,7 @@ import torch
 from sparseattn.allocations.base import Selection
 
 if TYPE_CHECKING:
-    from sparseattn.methods.segment_search import SegmentStep
+    from sparseattn.allocations.step import DecodeStep
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Uniform:
     #: vLLM's fused step splits so in C (:data:`sparseattn.vllm.route.KERNELS`).
     paged_kernel = "uniform"
 
-    def select_segments(self, step: SegmentStep) -> Selection:
+    def select_segments(self, step: DecodeStep) -> Selection:
         return Selection(step.picks(step.k))
 
     def width(self, k: int, n_segments: int) -> int:

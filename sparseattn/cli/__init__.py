@@ -2,8 +2,10 @@
 ``methods``, the evaluation commands (``ppl``, ``plot``, ``needle``, ``ruler``, ``diagnose``, ``sweep``,
 ``longbench``), and ``serve`` / ``serving-bench`` (a method inside vLLM).
 
-Each command is a module of its own, named after it; what several commands share is in
-:mod:`sparseattn.cli.common`, and their consoles in :mod:`sparseattn.cli.consoles`."""
+Each command is a module of its own, named after it. What several commands share is split by what it serves:
+their options (:mod:`sparseattn.cli.options`), the checks of option values (:mod:`sparseattn.cli.checks`), the
+model and texts they read (:mod:`sparseattn.cli.inputs`), method specs (:mod:`sparseattn.cli.method_specs`),
+where results go (:mod:`sparseattn.cli.outputs`), and their consoles (:mod:`sparseattn.cli.consoles`)."""
 
 from __future__ import annotations
 

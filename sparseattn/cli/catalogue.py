@@ -1,7 +1,7 @@
 """``sparseattn methods``: the catalogue of registered methods, by what each is for, with the engines that run it.
 
-The recommended methods come first, then the paper's, the baselines, the paper's ablations and the
-ceilings (:data:`sparseattn.registry.CATEGORIES`); experimental methods and the former names
+The recommended method comes first, then the fast configuration, the paper's, the baselines, the
+ceilings and the paper's ablations (:data:`sparseattn.registry.CATEGORIES`); experimental methods and the former names
 (aliases, with what each is now) are listed with ``--all``. Options are written as they are given
 inside a method spec (``-m radar+:split=pooled,budget=512``), with their defaults. A method vLLM runs says
 which step it takes there with its defaults (:func:`~sparseattn.vllm.route.route`): the fused C step, or the

@@ -28,8 +28,12 @@ import torch
 import typer
 from rich.table import Table
 
-from sparseattn.cli.common import MODEL, bad, check_dtype, check_out, check_positions, inspect_model, parse_methods, wrote
+from sparseattn.cli.checks import bad, check_dtype
 from sparseattn.cli.consoles import console
+from sparseattn.cli.inputs import check_positions, inspect_model
+from sparseattn.cli.method_specs import parse_methods
+from sparseattn.cli.options import MODEL
+from sparseattn.cli.outputs import check_out, wrote
 from sparseattn.methods import Dense
 from sparseattn.progress import progress
 

@@ -13,8 +13,8 @@ import typer
 from rich.table import Table
 
 from sparseattn import RadarAlg1, Recent, SegmentSearch, attention_ref
-from sparseattn.cli.common import wrote
 from sparseattn.cli.consoles import console
+from sparseattn.cli.outputs import wrote
 
 
 def _retrieval_stream(length: int, steps: int, heads: int, kv_heads: int, head_dim: int, seed: int):

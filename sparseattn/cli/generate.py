@@ -13,8 +13,11 @@ import typer
 from rich.markup import escape
 
 from sparseattn import registry
-from sparseattn.cli.common import MODEL, bad, check_dtype, check_range, flag, inspect_model, range_problem, read_text
+from sparseattn.cli.checks import bad, check_dtype, check_range
 from sparseattn.cli.consoles import err_console as console
+from sparseattn.cli.inputs import inspect_model, read_text
+from sparseattn.cli.method_specs import flag, range_problem
+from sparseattn.cli.options import MODEL
 from sparseattn.progress import forward_progress
 
 
@@ -118,7 +121,7 @@ def generate(
     observation_window: int | None = typer.Option(None, help="prompt queries that vote (SnapKV, default 32)"),
     page_size: int | None = typer.Option(None, help="tokens per page (Quest, default 16)"),
     prefill_budget: int | None = typer.Option(
-        None, help="tokens the prompt is compressed to (snapkv+radar, default 4 x budget)"
+        None, help="tokens the prompt is compressed to (snapkv-then-radar, default 4 x budget)"
     ),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16"),
     quiet: bool = typer.Option(False, help="do not stream the generated text"),

@@ -9,9 +9,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from sparseattn.cli.common import (BUDGET, DTYPE, METHOD, MODEL, OUT, bad, check_dtype, check_out, check_positions,
-                                   check_range, inspect_model, parse_methods, plan_runs, run_name, wrote)
+from sparseattn.cli.checks import bad, check_dtype, check_range
 from sparseattn.cli.consoles import console
+from sparseattn.cli.inputs import check_positions, inspect_model
+from sparseattn.cli.method_specs import parse_methods
+from sparseattn.cli.options import BUDGET, DTYPE, METHOD, MODEL, OUT
+from sparseattn.cli.outputs import check_out, plan_runs, run_name, wrote
 from sparseattn.evaluation.longbench import score_directory
 
 app = typer.Typer(

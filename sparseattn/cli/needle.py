@@ -7,8 +7,11 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from sparseattn.cli.common import (BUDGET, DTYPE, METHOD, MODEL, OUT, QUICK, bad, check_buildable, check_dtype, check_grid, plan_runs, retrieval_inputs, run_name, wrote)
+from sparseattn.cli.checks import bad, check_dtype, check_grid
 from sparseattn.cli.consoles import console
+from sparseattn.cli.inputs import check_buildable, retrieval_inputs
+from sparseattn.cli.options import BUDGET, DTYPE, METHOD, MODEL, OUT, QUICK
+from sparseattn.cli.outputs import plan_runs, run_name, wrote
 
 
 def needle(

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
-from sparseattn.cli.common import bad, check_out, wrote
+from sparseattn.cli.checks import bad
 from sparseattn.cli.consoles import console
+from sparseattn.cli.outputs import check_out, wrote
 
 
 def plot(

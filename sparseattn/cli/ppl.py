@@ -13,9 +13,12 @@ from pathlib import Path
 
 import typer
 
-from sparseattn.cli.common import (BUDGET, DTYPE, METHOD, MODEL, OUT, QUICK, bad, check_decoding, check_out, check_range,
-                                   inspect_model, parse_methods, plan_runs, refuse, run_name, slug, text_tokens, wrote)
+from sparseattn.cli.checks import bad, check_decoding, check_range, refuse
 from sparseattn.cli.consoles import console
+from sparseattn.cli.inputs import inspect_model, text_tokens
+from sparseattn.cli.method_specs import parse_methods
+from sparseattn.cli.options import BUDGET, DTYPE, METHOD, MODEL, OUT, QUICK
+from sparseattn.cli.outputs import check_out, plan_runs, run_name, slug, wrote
 
 #: The ``--engine`` values.
 ENGINES = ("transformers", "vllm")
@@ -45,7 +48,7 @@ def ppl(
     vllm = engine == "vllm"
     if vllm:
         from sparseattn.evaluation import vllm_ppl
-        from sparseattn.evaluation.serving import vllm_unavailable_reason
+        from sparseattn.evaluation.vllm_engine import vllm_unavailable_reason
 
         plugin = plugin_configs(resolved)
         block_size = block_size or vllm_ppl.DEFAULT_BLOCK_SIZE

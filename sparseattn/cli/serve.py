@@ -19,8 +19,10 @@ import sys
 
 import typer
 
-from sparseattn.cli.common import (MODEL, SEGMENT_HELP, bad, check_dtype, check_range, inspect_model, refuse, segment_choice,
-                                   vllm_method)
+from sparseattn.cli.checks import bad, check_dtype, check_range, refuse, segment_choice
+from sparseattn.cli.inputs import inspect_model
+from sparseattn.cli.method_specs import vllm_method
+from sparseattn.cli.options import MODEL, SEGMENT_HELP
 from sparseattn.vllm.config import WORKER_CLS
 
 #: vLLM's OpenAI-compatible server, run as a module (see the module docstring).
@@ -58,7 +60,7 @@ def serve(
 
     Example: sparseattn serve --budget 512 -- --block-size 32 --max-num-seqs 8
     """
-    from sparseattn.evaluation.serving import vllm_unavailable_reason
+    from sparseattn.evaluation.vllm_engine import vllm_unavailable_reason
 
     chosen = segment_choice(segment)
     label, config = vllm_method(method, budget)

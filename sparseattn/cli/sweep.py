@@ -7,9 +7,12 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from sparseattn.cli.common import (DTYPE, MODEL, OUT, QUICK, check_decoding, check_out, check_range, inspect_model,
-                                   parse_method, plan_runs, run_name, slug, text_tokens, wrote)
+from sparseattn.cli.checks import check_decoding, check_range
 from sparseattn.cli.consoles import console
+from sparseattn.cli.inputs import inspect_model, text_tokens
+from sparseattn.cli.method_specs import parse_method
+from sparseattn.cli.options import DTYPE, MODEL, OUT, QUICK
+from sparseattn.cli.outputs import check_out, plan_runs, run_name, slug, wrote
 
 
 def sweep(

@@ -146,7 +146,7 @@ class NeedleSample:
 
 
 @dataclass(frozen=True)
-class _Parts:
+class PromptParts:
     """A rendered prompt before its tokens are counted."""
 
     prompt: str
@@ -184,7 +184,7 @@ class RetrievalTask:
         """The task with its tokenizer- or length-dependent settings fixed (this one when it has none)."""
         return self
 
-    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> _Parts:
+    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> PromptParts:
         raise NotImplementedError
 
     def _check_inputs(self, depths: list[float] | None, haystack_text: str | None) -> None:
@@ -213,7 +213,7 @@ class RetrievalTask:
         parts = task._parts(haystack_units, seed, depth_list, haystack_text)
         return self._sample(parts, count(parts.prompt), target_tokens, haystack_units, seed)
 
-    def _sample(self, parts: _Parts, num_tokens: int, target_tokens: int | None, units: int, seed: int) -> NeedleSample:
+    def _sample(self, parts: PromptParts, num_tokens: int, target_tokens: int | None, units: int, seed: int) -> NeedleSample:
         return NeedleSample(
             task=self.name,
             num_tokens=num_tokens,
@@ -386,7 +386,7 @@ class PasskeyTask(RetrievalTask):
         if haystack_text is not None:
             raise ValueError("passkey always uses the filler haystack; haystack_text is for NiahTask(haystack='prose')")
 
-    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> _Parts:
+    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> PromptParts:
         rng = random.Random(seed)
         key = str(rng.randint(1, self.max_key))
         depth = depths[0] if depths is not None else rng.uniform(0, 100)
@@ -397,7 +397,7 @@ class PasskeyTask(RetrievalTask):
         context = "\n".join([prefix, needle, suffix])
         start = len(PASSKEY_INSTRUCTION) + 1
         prompt = "\n".join([PASSKEY_INSTRUCTION, context, PASSKEY_QUESTION + PASSKEY_ANSWER_PREFIX])
-        return _Parts(prompt, [key], [depth], [needle], [], PASSKEY_ANSWER_PREFIX, (start, start + len(context)))
+        return PromptParts(prompt, [key], [depth], [needle], [], PASSKEY_ANSWER_PREFIX, (start, start + len(context)))
 
 
 # -- RULER NIAH -----------------------------------------------------------------------------------------
@@ -507,7 +507,7 @@ class NiahTask(RetrievalTask):
         elif haystack_text is not None:
             raise ValueError(f"{self.name} has haystack={self.haystack!r}; haystack_text is only used with haystack='prose'")
 
-    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> _Parts:
+    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> PromptParts:
         rng = random.Random(seed)
         keys = _draw_unique(rng, self.key_type, self.num_keys, set())
         # one pool for keys and all values: no value repeats, so no answer can be read off a distractor
@@ -546,7 +546,7 @@ class NiahTask(RetrievalTask):
         answer_prefix = (NIAH_ANSWER_PREFIX_ONE if one else NIAH_ANSWER_PREFIX).format(type_needle_v=kind, query=query)
         start = len(head) + 1
         prompt = f"{head}\n{context}\n{question}{answer_prefix}"
-        return _Parts(prompt, answers, depths, needles, queries, answer_prefix, (start, start + len(context)))
+        return PromptParts(prompt, answers, depths, needles, queries, answer_prefix, (start, start + len(context)))
 
 
 #: RULER's eight NIAH tasks (``scripts/synthetic.yaml``), with ``prose`` where RULER uses essays.

@@ -48,7 +48,7 @@ from sparseattn.data.needle import (
     NOISE,
     RULER_NIAH,
     RetrievalTask,
-    _Parts,
+    PromptParts,
     fit_units,
     wonderwords_list,
 )
@@ -206,7 +206,7 @@ class VariableTracking(_SelfContained):
         prompt = VT_TEMPLATE.format(context="\n".join(context), **query) + VT_ANSWER_PREFIX.format(**query)
         return prompt, variables
 
-    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> _Parts:
+    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> PromptParts:
         rng = random.Random(seed)
         taken = {"VAR"}
         upper = lambda k: lambda: "".join(rng.choices(string.ascii_uppercase, k=k))
@@ -231,7 +231,7 @@ class VariableTracking(_SelfContained):
         prompt = head + VT_TEMPLATE.format(context=context, **query) + answer_prefix
         start = len(head) + VT_TEMPLATE.index("{context}")
         needles = [line for line in lines if line.startswith("VAR ")]
-        return _Parts(prompt, answer, chain_depths, needles, [values[0]], answer_prefix, (start, start + len(context)))
+        return PromptParts(prompt, answer, chain_depths, needles, [values[0]], answer_prefix, (start, start + len(context)))
 
 
 @lru_cache(maxsize=1)
@@ -305,7 +305,7 @@ class CommonWords(_SelfContained):
             return self
         return replace(self, freq_cw=6, freq_ucw=1, example_words=20, example_freq_cw=3, example_freq_ucw=1, short_below=0)
 
-    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> _Parts:
+    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> PromptParts:
         if units > self.max_units:
             raise ValueError(f"{self.name}: {units} uncommon words asked for, the word list has {self.max_units} left")
         rng = random.Random(seed)
@@ -327,7 +327,7 @@ class CommonWords(_SelfContained):
         context = _numbered(listed)
         prompt = head + CWE_TEMPLATE.format(num_cw=self.num_cw, context=context) + answer_prefix
         start = len(head) + CWE_TEMPLATE.index("{context}")
-        return _Parts(prompt, common, [], [], [], answer_prefix, (start, start + len(context)))
+        return PromptParts(prompt, common, [], [], [], answer_prefix, (start, start + len(context)))
 
 
 def _numbered(words: list[str]) -> str:
@@ -406,7 +406,7 @@ class FrequentWords(_SelfContained):
         scale = units / zeta(self.alpha)
         return [int(scale * k**-self.alpha) for k in range(1, (self.vocab_size or 2000) + 1)]
 
-    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> _Parts:
+    def _parts(self, units: int, seed: int, depths: list[float] | None, haystack_text: str | None) -> PromptParts:
         rng = random.Random(seed)
         size = self.vocab_size or 2000
         coded = lambda: "".join(rng.choices(string.ascii_lowercase, k=self.coded_wordlen))
@@ -418,7 +418,7 @@ class FrequentWords(_SelfContained):
         context = " ".join(text)
         prompt = FWE_TEMPLATE.format(context=context) + FWE_ANSWER_PREFIX
         start = FWE_TEMPLATE.index("{context}")
-        return _Parts(prompt, vocab[1:4], [], [], [], FWE_ANSWER_PREFIX, (start, start + len(context)))
+        return PromptParts(prompt, vocab[1:4], [], [], [], FWE_ANSWER_PREFIX, (start, start + len(context)))
 
 
 #: RULER's 11 offline synthetic tasks, in its order (``scripts/synthetic.yaml``; the QA tasks are not here).

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseattn.methods.base import KVState, LayerSpec, SparseMethod, StatefulMethod
-from sparseattn.methods.segment_search import SegmentSearchState
+from sparseattn.methods.segment_state import SegmentSearchState
 from sparseattn.ops.attention import soft_cap
 
 HIT_KS = (1, 3)

@@ -44,9 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sparseattn.evaluation.runs import RunDir, environment
+from sparseattn.evaluation.vllm_engine import DEFAULT_BLOCK_SIZE, Forced, generate, start_engine, stop_engine
 
-#: vLLM's page size on CPU when ``--block-size`` is not given (given explicitly, so that it names the run).
-DEFAULT_BLOCK_SIZE = 128
 #: The KV cache (GiB, ``VLLM_CPU_KVCACHE_SPACE``) when ``--kv-cache-gib`` is not given: one sequence of a few
 #: thousand tokens needs far less.
 DEFAULT_KV_CACHE_GIB = 2
@@ -113,7 +112,7 @@ def run_ppl_vllm(
         prefill: prompt tokens (>= 1), prefilled by vLLM's kernel.
         steps: decode steps; step i feeds token ``prefill + i`` and scores token ``prefill + i + 1``.
         dtype, block_size, kv_cache_gib: the engine's (started here, one for all methods, shut down after).
-        llm: an engine to use instead (started with :func:`sparseattn.evaluation.serving.start_engine` and a
+        llm: an engine to use instead (started with :func:`sparseattn.evaluation.vllm_engine.start_engine` and a
             ``method``, so that it switches; the caller's dtype and block size, left running).
     """
     ids = [int(t) for t in ids]
@@ -129,7 +128,6 @@ def _measure(model, pending, ids, prefill, steps, *, dtype, block_size, kv_cache
     """Start (or use) the engine, prefill the prompt once, then one forced request per method; finish each run."""
     import vllm
 
-    from sparseattn.evaluation.serving import Forced, generate, start_engine, stop_engine
     from sparseattn.vllm.switch import use_method
 
     prompt, forced = forced_request(ids, prefill, steps)

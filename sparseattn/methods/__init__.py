@@ -36,7 +36,9 @@ from sparseattn.methods.presets import (
 )
 from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.sampled_rest import SampledRest
-from sparseattn.methods.segment_search import Radar, SegmentSearch, SegmentSearchState, SegmentSelection
+from sparseattn.methods.segment_search import Radar, SegmentSearch
+from sparseattn.methods.segment_state import SegmentSearchState
+from sparseattn.methods.segment_step import SegmentSelection
 from sparseattn.methods.snapkv import SnapKV
 from sparseattn.methods.streaming import StreamingLLM
 from sparseattn.methods.subgen import SubGen, SubGenState

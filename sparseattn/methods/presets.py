@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 
 import torch
@@ -30,9 +31,10 @@ from sparseattn.allocations.uniform import Uniform
 from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
 from sparseattn.methods.layers import FirstLayers, SplitLayers
-from sparseattn.methods.rest import MergedRest
+from sparseattn.methods.rest import MergedRest, Rest
 from sparseattn.methods.sampled_rest import SampledRest
-from sparseattn.methods.segment_search import WINDOW_FROM_BUDGET, Radar, SegmentSearch, feature_options, segment_options
+from sparseattn.methods.segment_options import WINDOW_FROM_BUDGET, feature_options, segment_options
+from sparseattn.methods.segment_search import Radar, SegmentSearch
 from sparseattn.methods.snapkv import SnapKV
 from sparseattn.refine.tokens import TopTokens
 from sparseattn.registry import MethodEntry, Option, Range, alias, register
@@ -177,10 +179,10 @@ def RadarPlus(
     top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 8.0, shortlist: int = 16,
     factor: float = 2.0, per_group: bool = True, budget: int | None = None, split: str | Allocation = "uniform",
     cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
-    merge: int | None = None, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None,
-    allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None, p: float | None = None,
-    samples: int | None = None, delta: float | None = None, prefilter: int = 0, prefilter_keep: float | None = None,
-) -> SegmentSearch | SplitLayers | FirstLayers:  # fmt: skip
+    merge: int | None = None, allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None,
+    p: float | None = None, samples: int | None = None, delta: float | None = None, prefilter: int = 0,
+    prefilter_keep: float | None = None,
+) -> SegmentSearch:  # fmt: skip
     """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
 
     ``SegmentSearch(Rerank(Centroid(), shortlist, factor, per_group=True), TopK(), SqrtSchedule(aspect=8), sinks=4)``:
@@ -211,16 +213,18 @@ def RadarPlus(
       (experimental, transformers engine only; vAttention's idea, :class:`SampledRest`): ``samples``
       (default 32) of its tokens drawn uniformly per step and query head, each weighted by ``n /
       samples``, counted against the budget, and a bound on the error at confidence ``1 - delta``
-      (default 0.05) in each step's report; ``plain_layers`` first layers drop it even then (merging
-      in layer 0 hurt texts that repeat themselves);
-    * ``first_layers``: that many first layers get ``layer_factor`` (default 4) times the budget,
-      the others what is left (:class:`FirstLayers`; the total over layers is kept);
+      (default 0.05) in each step's report;
     * ``prefilter`` (experimental): groups of that many segments scored first by their mean key, only the
       best ``prefilter_keep`` (default 4) times the shortlist's segments scored one by one
       (:class:`Rerank`'s ``prefilter``: a page-level pass before the segments inside the pages).
 
     ``per_group=False`` gives each query head its own shortlist (G times the key reads under
     grouped-query attention). ``allocation`` is ``split`` given as a part.
+
+    Choices per layer compose around it (the catalogue's ``radar+`` takes them as options:
+    ``plain_layers``, ``first_layers``, ``layer_factor``): :func:`plain_first` (the first layers drop
+    the rest: merging in layer 0 hurt texts that repeat themselves) and :class:`FirstLayers` (more
+    budget in the first layers, the total over layers kept).
     """
     if top_k is None:
         top_k = round(64 * aspect)
@@ -239,18 +243,18 @@ def RadarPlus(
     )  # fmt: skip
     if not isinstance(split, Uniform):
         method = dataclasses.replace(method, allocation=split)
-    method = _with_rest(method, rest, merge, plain_layers, samples, delta)
-    return _per_layer(method, first_layers, layer_factor)
+    part = _rest_part(rest, merge, samples, delta)
+    return method if part is None else dataclasses.replace(method, rest=part)
 
 
 def RadarPlusAdaptive(
     top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
     cap: float = 2.0, floor: float = 0.25, merge: int = 128, plain_layers: int = 1, budget: int | None = None,
     bf16_centroids: bool = False, prefilter: int = 0, prefilter_keep: float | None = None,
-) -> SplitLayers | SegmentSearch:  # fmt: skip
+) -> SplitLayers:  # fmt: skip
     """radar+ with the budget spent where attention is: the recommended method, in both engines.
 
-    ``RadarPlus(aspect=16, split="pooled", rest="merged", merge=128, plain_layers=1)``:
+    ``plain_first(RadarPlus(aspect=16, split="pooled", rest="merged", merge=128), layers=1)``:
 
     * segments of ``sqrt(t) / 16`` tokens: finer centroids shortlist better at the same shortlist
       size in tokens;
@@ -268,11 +272,12 @@ def RadarPlusAdaptive(
     its pages or, with the engine's ``segment`` (4: this grid at 4-8k tokens), on segments inside them,
     where it selects what this engine selects (docs/serving.md).
     """
-    return RadarPlus(
+    merged = RadarPlus(
         top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget, split="pooled", cap=cap,
-        floor=floor, bf16_centroids=bf16_centroids, rest="merged", merge=merge, plain_layers=plain_layers,
-        prefilter=prefilter, prefilter_keep=prefilter_keep,
+        floor=floor, bf16_centroids=bf16_centroids, rest="merged", merge=merge, prefilter=prefilter,
+        prefilter_keep=prefilter_keep,
     )  # fmt: skip
+    return plain_first(merged, plain_layers)
 
 
 #: ``RadarPlus`` options of the former ``radar+pooled`` (and of ``radar+merged`` before its rest).
@@ -321,13 +326,10 @@ def _split_part(
     return part
 
 
-def _with_rest(
-    method: SegmentSearch, rest: str, merge: int | None, plain_layers: int, samples: int | None = None,
-    delta: float | None = None,
-) -> SegmentSearch | SplitLayers:  # fmt: skip
-    """``method`` with what it leaves out ``"dropped"``, ``"merged"`` (blocks of ``merge`` segments) or
-    ``"sampled"`` (``samples`` per step and query head, a bound at confidence ``1 - delta``) after the first
-    ``plain_layers`` layers. An option that shapes another choice than ``rest``'s is refused."""
+def _rest_part(rest: str, merge: int | None, samples: int | None = None, delta: float | None = None) -> Rest | None:
+    """What a step leaves out: ``"dropped"`` (None), ``"merged"`` (a :class:`MergedRest` of blocks of ``merge``
+    segments) or ``"sampled"`` (a :class:`SampledRest`: ``samples`` per step and query head, a bound at
+    confidence ``1 - delta``). An option that shapes another choice than ``rest``'s is refused."""
     if rest not in ("dropped", "merged", "sampled"):
         raise ValueError(f"rest must be 'dropped', 'merged' or 'sampled', got {rest!r}")
     if rest != "merged" and merge is not None:
@@ -336,15 +338,18 @@ def _with_rest(
         if rest != "sampled" and value is not None:
             raise ValueError(f"{name}={value!r} shapes the sampled rest; rest is {rest!r} (give rest='sampled')")
     if rest == "dropped":
-        if plain_layers:
-            raise ValueError(f"plain_layers={plain_layers!r} shapes the merged or sampled rest; rest is {rest!r} (give rest='merged' or 'sampled')")
-        return method
+        return None
     if rest == "merged":
-        part = MergedRest((16 if merge is None else merge) or None)  # 0: one block
-    else:
-        part = SampledRest(32 if samples is None else samples, 0.05 if delta is None else delta)
-    joined = dataclasses.replace(method, rest=part)
-    return SplitLayers(method, joined, layers=plain_layers) if plain_layers else joined
+        return MergedRest((16 if merge is None else merge) or None)  # 0: one block
+    return SampledRest(32 if samples is None else samples, 0.05 if delta is None else delta)
+
+
+def plain_first(method: SegmentSearch, layers: int) -> SplitLayers:
+    """``method`` in every layer but its first ``layers``, which run it without its ``rest`` (:class:`SplitLayers`;
+    ``layers=0``: every layer runs ``method``)."""
+    if method.rest is None and layers:
+        raise ValueError(f"plain_layers={layers!r} shapes the merged or sampled rest; rest is 'dropped' (give rest='merged' or 'sampled')")
+    return SplitLayers(dataclasses.replace(method, rest=None), method, layers=layers)
 
 
 def _per_layer(method, first_layers: int, layer_factor: float | None):
@@ -359,9 +364,8 @@ def _per_layer(method, first_layers: int, layer_factor: float | None):
 def OracleTokens(
     top_k: int = 1024, *, sinks: int = 0, window: int = 0, shared_kv_selection: bool = False,
     budget: int | None = None, split: str | Allocation = "uniform", cap: float | None = None,
-    floor: float | None = None, first_layers: int = 0, layer_factor: float | None = None,
-    allocation: Allocation | None = None, p: float | None = None,
-) -> SegmentSearch | FirstLayers:  # fmt: skip
+    floor: float | None = None, allocation: Allocation | None = None, p: float | None = None,
+) -> SegmentSearch:  # fmt: skip
     """The exact top-``budget`` tokens of each query head: the ceiling of any selector at this budget.
 
     ``SegmentSearch(ExactScore(), TopK(), FixedSchedule(1))``: every past token is a segment of one,
@@ -370,15 +374,14 @@ def OracleTokens(
     loses against dense attention is the mass outside each head's top ``budget`` tokens, which only
     a different split of the budget can recover: ``split="pooled"`` (:class:`PooledMass`, the
     layer's tokens to the heads' largest exact attention shares, ``cap`` default 4, ``floor`` 0.25)
-    and ``first_layers`` (more in the first layers, :class:`FirstLayers`), as in :func:`RadarPlus`.
-    O(t) per step: a measuring stick, not a fast method.
+    and more in the first layers (:class:`FirstLayers`; the catalogue's ``first_layers`` option), as
+    for :func:`RadarPlus`. O(t) per step: a measuring stick, not a fast method.
     """
-    method = SegmentSearch(
+    return SegmentSearch(
         summary=ExactScore(), selector=TopK(), schedule=FixedSchedule(1), top_k=top_k, sinks=sinks, window=window,
         shared_kv_selection=shared_kv_selection, budget=budget,
         allocation=_split_part(split, allocation, cap, floor, default_cap=4.0, p=p),
     )  # fmt: skip
-    return _per_layer(method, first_layers, layer_factor)
 
 
 def OracleSegments(
@@ -471,6 +474,35 @@ def RadarPlusTokens(
     )  # fmt: skip
 
 
+def with_layer_options(preset, *, rest_layers: bool = False):
+    """The catalogue's builder of ``preset`` (a builder of one :class:`SegmentSearch`): the preset, then the
+    per-layer choices the options name: ``plain_layers`` (with ``rest_layers``: :func:`plain_first`) and
+    ``first_layers`` / ``layer_factor`` (:class:`FirstLayers`). Its signature is the preset's with those
+    keywords added, so the registry reads every default from the preset itself."""
+
+    def build(*args, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None, **options):
+        method = preset(*args, **options)
+        if plain_layers:  # (an option of the catalogue's entry only with rest_layers)
+            method = plain_first(method, plain_layers)
+        return _per_layer(method, first_layers, layer_factor)
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    extra = [inspect.Parameter("first_layers", keyword, default=0), inspect.Parameter("layer_factor", keyword, default=None)]
+    if rest_layers:
+        extra.insert(0, inspect.Parameter("plain_layers", keyword, default=0))
+    build.__signature__ = inspect.signature(preset).replace(
+        parameters=[*inspect.signature(preset).parameters.values(), *extra], return_annotation=inspect.Signature.empty
+    )
+    build.__name__ = build.__qualname__ = f"{preset.__name__}ByLayer"
+    build.__doc__ = f"{preset.__name__} with the catalogue's per-layer options (see :func:`with_layer_options`)."
+    return build
+
+
+#: The catalogue's builders of the presets whose options include per-layer choices.
+RadarPlusByLayer = with_layer_options(RadarPlus, rest_layers=True)
+OracleTokensByLayer = with_layer_options(OracleTokens)
+
+
 def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
     """The options of radar+ and its presets (``variants``: also the choices that make the variants)."""
     shared = (*segment_options(top_k_none="64 x aspect"), *_grid_options())
@@ -532,7 +564,7 @@ for _entry in (
         "Radar with a sharper ranking: segments of sqrt(t)/8 tokens scored by their mean key, the best rescored "
         "exactly from their keys, plus 4 attention sinks (radar+adaptive without its split and rest); split, "
         "bf16_centroids, rest and first_layers make its variants",
-        RadarPlus, _radar_plus_options(variants=True), category="ablation", engines=BOTH,
+        RadarPlusByLayer, _radar_plus_options(variants=True), category="fast", engines=BOTH,
     ),
     MethodEntry(
         "radar+adaptive",
@@ -582,7 +614,7 @@ for _entry in (
         RadarRerank, (*segment_options(), *feature_options()), engines=BOTH,
     ),
     MethodEntry(
-        "snapkv+radar",
+        "snapkv-then-radar",
         "SnapKV compresses the prompt (to prefill_budget, default 4 x budget), then Radar searches it + new tokens",
         SnapKVRadar,
         (
@@ -593,8 +625,8 @@ for _entry in (
         ),
     ),
     MethodEntry(
-        "radar+h2o",
-        "Radar plus H2O's heavy hitters: the `heavy` tokens with the most attention so far (default budget / 8) "
+        "radar-with-h2o",
+        "Radar with H2O's heavy hitters: the `heavy` tokens with the most attention so far (default budget / 8) "
         "are attended on top of the segments",
         RadarH2O,
         (
@@ -607,7 +639,7 @@ for _entry in (
         "oracle-tokens",
         "Ceiling: the exact top-budget tokens of each query head (exact logits, O(t) per step); split=pooled "
         "shares the layer's tokens by the heads' exact attention mass",
-        OracleTokens,
+        OracleTokensByLayer,
         (
             *segment_options(),
             Option("split", str, help="a layer's tokens between its heads: uniform, pooled by exact attention share, "
@@ -644,6 +676,9 @@ for _old, _now in (
     ("radar+merged-after", "radar+adaptive:bf16_centroids=true"),
     ("oracle-tokens-pooled", "oracle-tokens:split=pooled"),
     ("oracle-tokens-pooled-layers", "oracle-tokens:split=pooled,first_layers=1"),
+    # "+" means radar+'s sharper ranking; a composition names its parts in words.
+    ("radar+h2o", "radar-with-h2o"),
+    ("snapkv+radar", "snapkv-then-radar"),
 ):
     alias(_old, _now)
 
@@ -651,10 +686,10 @@ for _old, _now in (
 _FORMER_BUILDERS = {
     "OracleTokensPooled": ("OracleTokens(split='pooled')", lambda: functools.partial(OracleTokens, split="pooled")),
     "OracleTokensPooledFirstLayers": (
-        "OracleTokens(split='pooled', first_layers=1)", lambda: functools.partial(OracleTokens, split="pooled", first_layers=1)
+        "OracleTokensByLayer(split='pooled', first_layers=1)", lambda: functools.partial(OracleTokensByLayer, split="pooled", first_layers=1)
     ),
     "RadarPlusPooledFirstLayers": (
-        "RadarPlusPooled(first_layers=1)", lambda: functools.partial(RadarPlusPooled, first_layers=1)
+        "RadarPlusByLayer(first_layers=1, **POOLED)", lambda: functools.partial(RadarPlusByLayer, first_layers=1, **_POOLED_OPTIONS)
     ),
     "RadarPlusMergedAfterFirstLayers": (
         "RadarPlusAdaptive(bf16_centroids=True)", lambda: functools.partial(RadarPlusAdaptive, bf16_centroids=True)

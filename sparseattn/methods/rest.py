@@ -42,7 +42,7 @@ from sparseattn.validation import check_int
 if TYPE_CHECKING:
     from sparseattn.allocations.base import Selection
     from sparseattn.backends.base import SegmentAttentionLSE
-    from sparseattn.methods.segment_search import SegmentStep
+    from sparseattn.methods.segment_step import SegmentStep
 
 
 @runtime_checkable
@@ -64,7 +64,7 @@ class Rest(Protocol):
 
     A hook may report a per-query-head bound on the error its estimate of the rest adds to the output,
     ``[B, H_kv, G]``, by setting ``step.rest_bound`` (the step starts with None); the state reports it as
-    :attr:`~sparseattn.methods.segment_search.SegmentSelection.rest_bound` (``SampledRest`` does;
+    :attr:`~sparseattn.methods.segment_step.SegmentSelection.rest_bound` (``SampledRest`` does;
     :class:`MergedRest` reports none).
 
     ``blocks(n_segments)`` is what it adds to a step: tokens counted against the budget.

@@ -35,7 +35,7 @@ Gaussian vector's norm (``P(||X|| >= sqrt(tr C) + sqrt(2 lambda_max(C) ln(1/delt
     ||o^ - o||_2 <= bound = (1 + sqrt(2 ln(1/delta))) sqrt(tr S_y / m) / Z^,
 
 ``S_y`` the sample covariance of ``y_i`` with ``o^`` in place of the unknown ``o``. It is reported per
-query head (:attr:`~sparseattn.methods.segment_search.SegmentSelection.rest_bound`); ``0`` when the
+query head (:attr:`~sparseattn.methods.segment_step.SegmentSelection.rest_bound`); ``0`` when the
 whole rest was attended (``n <= m``), ``inf`` with one draw (no spread to estimate). Assumptions: the
 normal approximation of the mean of the draws with the sample covariance (and ``o^`` for ``o``) in
 place of the true one, which needs ``m`` large against the skew of ``exp(l)`` over the rest. A rest with
@@ -73,7 +73,7 @@ from sparseattn.validation import check_int, check_number
 if TYPE_CHECKING:
     from sparseattn.allocations.base import Selection
     from sparseattn.backends.base import SegmentAttentionLSE
-    from sparseattn.methods.segment_search import SegmentStep
+    from sparseattn.methods.segment_step import SegmentStep
 
 __all__ = [
     "Draws",

@@ -46,6 +46,7 @@ from sparseattn.methods.base import LayerSpec, StatefulMethod
 from sparseattn.validation import check_bool, check_int, check_number
 from sparseattn.methods.eviction import SlotSelection, SlotStore
 from sparseattn.registry import MethodEntry, Option, Range, alias, register
+from sparseattn.seeding import layer_generator
 
 _NO_DISTANCE = float("inf")
 # Elements of one [B, H, rows, m, D] difference chunk when measuring key-to-center distances.
@@ -134,7 +135,7 @@ class SubGenState(SlotStore):
         cd = self.compute_dtype
         self._add_slot_field("den", cd, 1.0)
         self._add_slot_field("num", cd, 1.0)
-        self._generator = torch.Generator().manual_seed((method.seed * 0x9E3779B1 + self.layer_idx) % (2**63))
+        self._generator = layer_generator(method.seed, self.layer_idx)
         self.sketched = False
         self._sizes = (method.clusters, method.cluster_samples, method.value_samples)  # m, t, s (computed once)
         # The m centers are allocated when the sketch is built (the first time more than `budget` tokens are

@@ -10,10 +10,7 @@ import math
 
 import torch
 
-
-def _layer_generator(seed: int, layer_idx: int) -> torch.Generator:
-    # A fixed mix so layers draw independent matrices from one user seed, reproducibly on any device.
-    return torch.Generator().manual_seed((seed * 0x9E3779B1 + layer_idx * 0x85EBCA6B) % (2**63))
+from sparseattn.seeding import feature_generator
 
 
 def draw_projection(
@@ -32,7 +29,7 @@ def draw_projection(
     exactly orthogonal (Haar-random rotation from a sign-corrected QR), each row rescaled to the norm
     of an independent Gaussian vector so that every row is still marginally N(0, I).
     """
-    g = _layer_generator(seed, layer_idx)
+    g = feature_generator(seed, layer_idx)
     if not orthogonal:
         return torch.randn(heads, n_draws, head_dim, generator=g, dtype=torch.float64)
     n_blocks = math.ceil(n_draws / head_dim)

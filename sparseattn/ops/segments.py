@@ -11,15 +11,19 @@ reference; the ``cpu`` backend's C kernel reads the keys in place instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from sparseattn.ops.attention import gather_tokens
 from sparseattn.ops.buffers import Workspace
 
-if TYPE_CHECKING:  # ops never import backends at run time (backends import ops)
-    from sparseattn.backends.base import AttentionBackend
+
+class MassBackend(Protocol):
+    """What :class:`SegmentKeys` needs of its backend: exact segment log masses (every
+    :class:`~sparseattn.backends.base.AttentionBackend` has it; ops sit below backends, so named here)."""
+
+    def segment_log_mass(self, segment_keys: SegmentKeys, queries: torch.Tensor, index: torch.Tensor, *, checked: bool = True) -> torch.Tensor: ...
 
 
 class SegmentKeys:
@@ -41,7 +45,7 @@ class SegmentKeys:
         factor: float,
         dtype: torch.dtype,
         workspace: Workspace | None = None,
-        backend: AttentionBackend | None = None,
+        backend: MassBackend | None = None,
     ) -> None:
         self.raw, self.factor, self.dtype = raw, factor, dtype
         self.workspace = workspace  # the decode state's scratch: taken keys reuse one buffer across steps

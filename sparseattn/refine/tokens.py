@@ -13,7 +13,7 @@ from sparseattn.ops.tokens import segment_index
 from sparseattn.validation import check_real
 
 if TYPE_CHECKING:
-    from sparseattn.methods.segment_search import SegmentStep
+    from sparseattn.methods.segment_step import SegmentStep
 
 
 @dataclass(frozen=True)

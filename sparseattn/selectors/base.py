@@ -45,6 +45,23 @@ def has_distinct_indices(selector: Selector) -> bool:
     return isinstance(selector, DistinctSelector) and bool(type(selector).__dict__.get("distinct_indices", False))
 
 
+@runtime_checkable
+class BestSelector(Selector, Protocol):
+    """A selector whose ``n`` picks are each selection's ``n`` highest scores (e.g. ``topk``), in any order.
+
+    ``picks_best = True`` lets a decode step read its picks off a shortlist that holds them (a
+    shortlisting summary ranks its shortlist above every other segment), never scoring the rest of
+    the grid. Only the class's own declaration counts: a subclass that overrides ``select`` is run.
+    """
+
+    picks_best: bool
+
+
+def keeps_best(selector: Selector) -> bool:
+    """Whether ``selector``'s own class declares ``picks_best = True`` (see :class:`BestSelector`)."""
+    return isinstance(selector, BestSelector) and bool(type(selector).__dict__.get("picks_best", False))
+
+
 def selector_seed(selector: Selector) -> int:
     """The seed of a :class:`SeededSelector`; 0 for a selector that draws nothing."""
     return int(selector.seed) if isinstance(selector, SeededSelector) else 0

@@ -13,6 +13,7 @@ class TopK:
 
     uses_scores = True
     distinct_indices = True  # topk/arange indices never repeat
+    picks_best = True  # its picks are the best: a step may read them off a shortlist
     #: vLLM's fused step selects so (:data:`sparseattn.vllm.route.KERNELS`; ties to the earlier segments).
     paged_kernel = "top_k"
 

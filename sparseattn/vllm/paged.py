@@ -13,7 +13,7 @@ so the policy's own parts decide: ``method.summary`` summarises and scores the c
 ``method.selector`` picks them, ``method.segments_for`` turns the token ``budget`` (or ``top_k``)
 into a page count. The method's *schedule* is not used: the pages are the segments. With
 ``sinks`` a multiple of ``block_size`` and ``page_size == block_size`` (Quest) the layout, the
-selection and the output are those of :class:`~sparseattn.methods.segment_search.SegmentSearchState`
+selection and the output are those of :class:`~sparseattn.methods.segment_state.SegmentSearchState`
 on the same tokens (``tests/test_vllm_paged.py`` holds them equal).
 
 No vLLM import here: the engine reads a cache tensor and integer tables. The vLLM CPU cache of one

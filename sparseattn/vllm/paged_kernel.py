@@ -598,7 +598,7 @@ def _python_allocation(
         return shortlist.scores
 
     layout = policy.layout(int(lens[members[0]]), bs)
-    step = PageStep(m, None, torch.Generator(), grouped[idx], layout, k, Gs, scorer, lambda: always[idx], shortlist)
+    step = PageStep(m, torch.Generator(), grouped[idx], layout, k, Gs, scorer, lambda: always[idx], shortlist)
     selection = m.select_stage.select_segments(step)
     flags = torch.zeros(len(members), coarse.shape[1], Gs, S_max, dtype=torch.uint8)
     flags.scatter_(-1, selection.segments, 1 if selection.valid is None else selection.valid.to(torch.uint8))

@@ -17,6 +17,7 @@ from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.methods.streaming import StreamingLLM
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.seeding import layer_seed
 from sparseattn.selectors.base import selector_seed
 
 __all__ = ["PagedPolicy", "layer_methods", "own_segment", "page_layout"]
@@ -241,5 +242,5 @@ class PagedPolicy:
                     f"per KV head, so they cannot be split across tensor-parallel ranks"
                 )
             params = params[torch.as_tensor(list(heads), dtype=torch.long)]
-        generator.manual_seed((selector_seed(s.selector) * 0x9E3779B1 + layer_idx) % (2**63))
+        generator.manual_seed(layer_seed(selector_seed(s.selector), layer_idx))
         return params, generator

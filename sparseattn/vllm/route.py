@@ -6,7 +6,7 @@ keeps and why the generic path runs instead (``refusal``). The backend (the step
 methods``: the vLLM step each method takes) all read it; none decides on its own.
 
 Parts declare what they are to the fused step, as the transformers engine's parts declare their needs
-(:data:`~sparseattn.methods.segment_search.KERNEL_CAPABILITIES`): a summary, selector, rest or allocation class
+(:data:`~sparseattn.methods.segment_state.KERNEL_CAPABILITIES`): a summary, selector, rest or allocation class
 sets ``paged_kernel`` to the name of the C implementation whose arithmetic is its own (:data:`KERNELS`). The
 declaration is the class's own, not inherited (:func:`declared`): a subclass may rank otherwise, so it runs the
 generic path until it declares the same. A new part that computes what a C implementation computes runs fused

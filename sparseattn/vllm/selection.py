@@ -1,7 +1,7 @@
 """The generic path's selection over vLLM's pages: the policy's own summary, selector and allocation, in torch.
 
 Page summaries are kept per physical block (:class:`PageSummaries`), keys are read on demand (:class:`PageKeys`),
-and :class:`PageStep` gives the method's select stage the pages' scores as :class:`~sparseattn.methods.segment_search.SegmentStep`
+and :class:`PageStep` gives the method's select stage the pages' scores as :class:`~sparseattn.methods.segment_step.SegmentStep`
 gives it a segment grid's; :func:`choose_pages` returns each selection's pages and a merged rest's tokens. No vLLM import.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from sparseattn.allocations.base import Selection
+from sparseattn.allocations.step import DecodeStep
 from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.ops.layout import SegmentLayout
-from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import SegmentKeys, Shortlist, TopKAwareSummary
 from sparseattn.vllm.cache_format import KVFormat, page_views
 from sparseattn.vllm.policy import PagedPolicy
@@ -157,73 +157,44 @@ class PageKeys(SegmentKeys):
         return taken.float().mul_(self.factor)
 
 
-class PageStep:
-    """One decode step of a group of alike sequences over their pages, as a select stage sees it.
+class PageStep(DecodeStep):
+    """One decode step of a group of alike sequences over their pages: the paged engine's
+    :class:`~sparseattn.allocations.step.DecodeStep`.
 
-    The paged engine's side of the interface a select stage reads
-    (:class:`~sparseattn.allocations.SelectStage`: what :class:`~sparseattn.methods.segment_search.SegmentStep`
-    gives it in the decode state): ``query [b, H_kv, G, D]`` (float32), ``layout`` (the candidates: the
-    group's sequences share their sink pages and candidate count), ``k``, ``shared`` (``G'``), ``group``
-    (``G``), and scores and picks on demand. So an allocation (uniform, pooled, top-p, a user's) splits
-    pages exactly as it splits segments in the transformers engine, on the same scores.
+    ``query [b, H_kv, G, D]`` (float32), ``layout`` (the candidates: the group's sequences share their
+    sink pages and candidate count); the engine supplies how it scores the candidate pages (``scorer``:
+    ``top_k -> [b, H_kv, G, S]``, computed once per ``top_k``), the sink and tail mass (``always``) and,
+    when the scorer has one, the scores' :class:`~sparseattn.summaries.base.Shortlist` (the split step's),
+    off which a selector that keeps the best reads its picks, as the decode state does. So an allocation
+    (uniform, pooled, top-p, a user's) splits pages exactly as it splits segments in the transformers
+    engine, on the same scores.
     """
 
+    __slots__ = ("_scorer", "_always", "_shortlist", "_scores")
+
     def __init__(
-        self, method: SegmentSearch, params: Any, generator: torch.Generator, query: torch.Tensor, layout: SegmentLayout,
+        self, method: SegmentSearch, generator: torch.Generator, query: torch.Tensor, layout: SegmentLayout,
         k: int, shared: int, scorer: Any, always: Any, shortlist: Shortlist | None = None,
     ) -> None:
-        self.method, self._params, self._generator = method, params, generator
-        self.query, self.layout, self.k, self.shared, self.group = query, layout, k, shared, query.shape[2]
-        self._scorer, self._always = scorer, always
-        #: The scores' :class:`~sparseattn.summaries.base.Shortlist` when the scorer has one (the split step's):
-        #: a :class:`TopK` selection of at most its length reads its best off it, as the decode state does.
-        self._shortlist = shortlist
+        super().__init__(method, query, layout, k, shared, generator)
+        self._scorer, self._always, self._shortlist = scorer, always, shortlist
         self._scores: dict[int, torch.Tensor] = {}
 
-    def scores(self, top_k: int | None = None) -> torch.Tensor:
-        """Each selection's page log-mass estimates ``[b, H_kv, G', S]`` (a shared selection: its group's summed masses)."""
-        top_k = self.k if top_k is None else top_k
+    def head_scores(self, top_k: int) -> torch.Tensor:
         if top_k not in self._scores:
-            scores = self._scorer(top_k)  # [b, H, G, S]
-            self._scores[top_k] = torch.logsumexp(scores, dim=2, keepdim=True) if self.shared == 1 else scores
+            self._scores[top_k] = self._scorer(top_k)  # [b, H, G, S]
         return self._scores[top_k]
 
-    def selector_scores(self, top_k: int | None = None) -> torch.Tensor:
-        """:meth:`scores`, or zeros (nothing scored) for a selector with ``uses_scores = False``."""
-        if self.method.selector.uses_scores:
-            return self.scores(top_k)
-        b, H = self.query.shape[:2]
-        return torch.zeros(b, H, self.shared, self.layout.n_segments)
-
-    def choose(self, n: int, scores: torch.Tensor) -> torch.Tensor:
-        """The selector's ``n`` picks ``[b, H_kv, G', n]`` among ``scores`` (the layer's seeded generator)."""
-        picked = self.method.selector.select(scores, n, self._generator)
-        if tuple(picked.shape) != (*scores.shape[:3], n) or (n and not (0 <= int(picked.min()) and int(picked.max()) < scores.shape[-1])):
-            raise ValueError(f"{self.method.selector!r} picked {tuple(picked.shape)} indices out of {scores.shape[-1]} pages")
-        return picked
-
-    def _read_off_shortlist(self, n: int) -> bool:
+    def best(self, n: int, with_scores: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+        """Each selection's ``n`` best off the shortlist, when there is one that holds them (the same pages:
+        it ranks above the rest); None otherwise."""
         sl = self._shortlist
-        return sl is not None and self.shared != 1 and type(self.method.selector) is TopK and n <= sl.exact.shape[-1]
+        if sl is None or self.shared == 1 or n > sl.exact.shape[-1]:
+            return None
+        return (self.scores(self.k) if with_scores else None, *sl.top(n, sorted=False))
 
-    def picks(self, n: int) -> torch.Tensor:
-        if self._read_off_shortlist(n):
-            return self._shortlist.top(n, sorted=False)[1]
-        return self.choose(n, self.selector_scores(self.k))
-
-    def scored_picks(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(scores [b, H_kv, G', S], estimates [b, H_kv, G', n], pages [b, H_kv, G', n])``; ``n`` best under
-        :class:`TopK`, read off the shortlist when there is one that holds them (the same pages: it ranks above the rest)."""
-        if self._read_off_shortlist(n):
-            return (self.scores(self.k), *self._shortlist.top(n, sorted=False))
-        scores = self.scores(self.k)
-        picked = self.choose(n, scores)
-        return scores, scores.gather(-1, picked), picked
-
-    def always_log_mass(self) -> torch.Tensor:
-        """``[b, H_kv, G']`` the log attention mass of each sequence's sink and tail tokens (on the scores' scale)."""
-        mass = self._always()  # [b, H, G]
-        return torch.logsumexp(mass, dim=2, keepdim=True) if self.shared == 1 else mass
+    def head_always_log_mass(self) -> torch.Tensor:
+        return self._always()  # [b, H, G]
 
 
 @dataclass(frozen=True)
@@ -374,7 +345,7 @@ def choose_pages(
         def always(idx=idx, qf=qf) -> torch.Tensor:
             return _always_mass(keys_t, block_table[idx], [layouts[i] for i in members], qf, scale * fmt.k_scale)
 
-        step = PageStep(m, params, generator, qf, layouts[members[0]], k, shared, scorer, always)
+        step = PageStep(m, generator, qf, layouts[members[0]], k, shared, scorer, always)
         selection: Selection = m.select_stage.select_segments(step)
         flags = torch.zeros(len(members), H_kv, shared, n_seg, dtype=torch.bool)
         flags.scatter_(-1, selection.segments, True if selection.valid is None else selection.valid)

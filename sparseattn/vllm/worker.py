@@ -13,7 +13,7 @@ every block had a summary.
 hands vLLM the memory less the stores' share, so that ``blocks x (KV page + stores)`` fits what vLLM
 was given; it logs the split. It is vLLM's declared worker hook (``worker_cls``:
 ``vllm serve --worker-cls sparseattn.vllm.worker.SparseCPUWorker``, ``LLM(..., worker_cls=...)``);
-``sparseattn serve`` and :func:`sparseattn.evaluation.serving.start_engine` pass it. Sized for the
+``sparseattn serve`` and :func:`sparseattn.evaluation.vllm_engine.start_engine` pass it. Sized for the
 method the engine starts with (a method switched to later keeps its store beside the cache uncounted);
 the generic path's summaries (methods the fused step does not run) are not counted. Without this
 worker the engine runs as before and its first decode step logs the store's share, uncounted.
