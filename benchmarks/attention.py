@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from sparseattn.methods.rest import merged_attention_ref
+from sparseattn.ops.merged import merged_attention_ref
 from sparseattn import Dense, PooledMass, Quest, Radar, RadarAlg1, RadarPlus, RadarPlusMerged, RadarPlusPooled, RadarPlusTokens, Rerank
 from sparseattn.backends.registry import get_backend
 from sparseattn.backends.triton_backend import TritonBackend

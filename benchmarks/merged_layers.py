@@ -30,7 +30,7 @@ from sparseattn.evaluation.ppl import run_ppl_together, tokenize
 from sparseattn.evaluation.runs import RunDir
 from sparseattn.hf import load_model
 from sparseattn.methods.layers import FirstLayers, SplitLayers
-from sparseattn.methods.presets import RadarPlusMerged, RadarPlusPooled
+from sparseattn.methods.radar_plus import RadarPlusMerged, RadarPlusPooled
 
 RESULTS = Path(__file__).parent / "results"
 #: The text sets and the quality.py run directories whose dense and StreamingLLM runs they reuse.

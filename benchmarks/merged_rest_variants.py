@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from sparseattn.methods.presets import RadarPlusPooled
+from sparseattn.methods.radar_plus import RadarPlusPooled
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.methods.segment_state import SegmentSearchState
 

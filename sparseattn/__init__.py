@@ -20,7 +20,7 @@ is for).
 
 from sparseattn.allocations import Allocation, PooledMass, Selection, SelectStage, TopP, Uniform
 from sparseattn.methods.rest import Rest
-from sparseattn.allocations.step import DecodeStep
+from sparseattn.allocations.step import SearchStep
 from sparseattn.methods.segment_step import SegmentStep
 from sparseattn.registry import recommended
 from sparseattn.refine import TopTokens
@@ -38,7 +38,7 @@ __all__ = [
     "Allocation",
     "AspectSchedule",
     "CenteredFeatures",
-    "DecodeStep",
+    "SearchStep",
     "Centroid",
     "DoublingSchedule",
     "ExactScore",

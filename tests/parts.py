@@ -25,11 +25,11 @@ from sparseattn.methods.presets import (
     RadarCentered,
     RadarExact,
     RadarLowest,
-    RadarPlus,
     RadarRandom,
     RadarRecent,
     RadarRerank,
 )
+from sparseattn.methods.radar_plus import RadarPlus
 
 SUMMARIES = [
     PerformerFeatures(n_features=64),

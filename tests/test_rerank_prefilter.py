@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparseattn import Centroid, PerformerFeatures, Rerank
-from sparseattn.methods.presets import RadarPlus
+from sparseattn.methods.radar_plus import RadarPlus
 from sparseattn.summaries.base import SegmentKeys
 
 CPU = torch.device("cpu")

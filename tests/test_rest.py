@@ -39,7 +39,7 @@ from sparseattn import (
     TopTokens,
     attention_ref,
 )
-from sparseattn.methods.presets import RadarPlus, RadarPlusPooled
+from sparseattn.methods.radar_plus import RadarPlus, RadarPlusPooled
 from sparseattn.methods.rest import (
     MergedRest,
     add_merged_rest,
@@ -47,9 +47,9 @@ from sparseattn.methods.rest import (
     block_counts,
     block_sums,
     merged_attention,
-    merged_attention_ref,
     segment_sums,
 )
+from sparseattn.ops.merged import merged_attention_ref
 from sparseattn.ops.attention import segment_mask, soft_cap
 from sparseattn.ops.layout import SegmentLayout
 from sparseattn.ops.segments import RestSums

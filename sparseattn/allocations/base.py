@@ -21,7 +21,7 @@ from sparseattn.ops.layout import SegmentLayout
 from sparseattn.ops.tokens import segment_index
 
 if TYPE_CHECKING:
-    from sparseattn.allocations.step import DecodeStep
+    from sparseattn.allocations.step import SearchStep
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,13 @@ class SelectStage(Protocol):
     """A part that runs a decode step's select stage (``allocation``, or ``refine`` when a method has one).
 
     ``select_segments(step)`` returns the step's :class:`Selection`. ``step``
-    (:class:`~sparseattn.allocations.step.DecodeStep`) carries the layout, the ``k`` segments the
+    (:class:`~sparseattn.allocations.step.SearchStep`) carries the layout, the ``k`` segments the
     budget buys (``k < S``: a step that can afford every segment never asks), the grouped query, and
     scores and picks on demand (``step.picks(n)``, ``step.scored_picks(n)``, ``step.scores(top_k)``, ...),
     so a stage that needs no scores never computes them.
     """
 
-    def select_segments(self, step: DecodeStep) -> Selection: ...
+    def select_segments(self, step: SearchStep) -> Selection: ...
 
 
 @runtime_checkable
@@ -179,7 +179,7 @@ def keeps_budget(allocation: Allocation) -> bool:
     return bool(getattr(getattr(type(allocation), "plan", None), "within_budget", False))
 
 
-def split_segments(allocation: Allocation, step: DecodeStep) -> Selection:
+def split_segments(allocation: Allocation, step: SearchStep) -> Selection:
     """The select stage of an allocation that splits segments between heads: each selection lists its
     ``w = allocation.width(k, S)`` picks (its best ``w`` under :class:`~sparseattn.selectors.TopK`), and
     ``allocation.plan`` flags which of them it attends (with ``TopK`` and

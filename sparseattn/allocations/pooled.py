@@ -12,7 +12,7 @@ from sparseattn.allocations.base import Selection, split_segments, within_budget
 from sparseattn.validation import check_real
 
 if TYPE_CHECKING:
-    from sparseattn.allocations.step import DecodeStep
+    from sparseattn.allocations.step import SearchStep
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class PooledMass:
     def width(self, k: int, n_segments: int) -> int:
         return min(n_segments, max(k, math.ceil(self.cap * k)))
 
-    def select_segments(self, step: DecodeStep) -> Selection:
+    def select_segments(self, step: SearchStep) -> Selection:
         return split_segments(self, step)
 
     def floor_count(self, k: int) -> int:

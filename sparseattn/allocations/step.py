@@ -1,13 +1,13 @@
 """One decode step as a select stage sees it, written once for both engines.
 
 A select stage (:class:`~sparseattn.allocations.SelectStage`: an allocation, or a refinement) gets a
-:class:`DecodeStep` and asks it for what it needs: the scores of every segment, the selector's picks,
+:class:`SearchStep` and asks it for what it needs: the scores of every segment, the selector's picks,
 their scores, the mass every head attends anyway. Those answers are the same arithmetic in the
 transformers engine (:class:`~sparseattn.methods.segment_step.SegmentStep`, over a decode state's
 segments) and in vLLM's paged engine (:class:`~sparseattn.vllm.selection.PageStep`, over pages), so a
 part splits pages exactly as it splits segments. An engine supplies only how it scores
-(:meth:`DecodeStep.head_scores`, optionally :meth:`DecodeStep.group_scores` and :meth:`DecodeStep.best`)
-and the mass of the always-attended tokens (:meth:`DecodeStep.head_always_log_mass`).
+(:meth:`SearchStep.head_scores`, optionally :meth:`SearchStep.group_scores` and :meth:`SearchStep.best`)
+and the mass of the always-attended tokens (:meth:`SearchStep.head_always_log_mass`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def check_picks(selector: Selector, picks: torch.Tensor, shape: tuple[int, ...],
         )
 
 
-class DecodeStep:
+class SearchStep:
     """One decode step of a segment search over ``S = layout.n_segments`` candidates (segments or pages).
 
     Attributes:

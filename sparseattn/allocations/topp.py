@@ -20,7 +20,7 @@ from sparseattn.allocations.base import Selection, log_total_mass
 from sparseattn.validation import check_number
 
 if TYPE_CHECKING:
-    from sparseattn.allocations.step import DecodeStep
+    from sparseattn.allocations.step import SearchStep
 
 
 def top_p_mask(estimates: torch.Tensor, log_always: torch.Tensor | None, log_total: torch.Tensor, p: float) -> torch.Tensor:
@@ -65,7 +65,7 @@ class TopP:
     def width(self, k: int, n_segments: int) -> int:
         return min(k, n_segments)
 
-    def select_segments(self, step: DecodeStep) -> Selection:
+    def select_segments(self, step: SearchStep) -> Selection:
         w = self.width(step.k, step.layout.n_segments)
         scores, estimates, segments = step.scored_picks(w)
         always = step.always_log_mass()  # [B, H_kv, G']: the sinks and the tail, attended by every head

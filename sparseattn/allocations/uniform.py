@@ -10,7 +10,7 @@ import torch
 from sparseattn.allocations.base import Selection
 
 if TYPE_CHECKING:
-    from sparseattn.allocations.step import DecodeStep
+    from sparseattn.allocations.step import SearchStep
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Uniform:
     #: vLLM's fused step splits so in C (:data:`sparseattn.vllm.route.KERNELS`).
     paged_kernel = "uniform"
 
-    def select_segments(self, step: DecodeStep) -> Selection:
+    def select_segments(self, step: SearchStep) -> Selection:
         return Selection(step.picks(step.k))
 
     def width(self, k: int, n_segments: int) -> int:

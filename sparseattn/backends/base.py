@@ -180,7 +180,7 @@ class MergedRestAttention(Protocol):
     caller checks. The torch form is :func:`~sparseattn.methods.rest.add_merged_rest` over
     :class:`SegmentAttentionLSE`'s output, the float64 reference
     :func:`~sparseattn.backends.naive.segment_attention_merged_ref` (the op's arguments handed to
-    :func:`~sparseattn.methods.rest.merged_attention_ref`).
+    :func:`~sparseattn.ops.merged.merged_attention_ref`).
     """
 
     def segment_attention_merged(

@@ -385,7 +385,7 @@ def merged_rest_cpu(
     ``q, segments, valid``; ``sums`` as ``add_merged_rest`` takes them, its tensors read in place when their
     rows are contiguous (views of the decode state's capacity buffers are: copying them would cost more
     than the step), else copied. Returns a new ``[B, H_kv, G, D]`` float32 tensor (``out`` is not
-    written). Reference: :func:`~sparseattn.methods.rest.merged_attention_ref`.
+    written). Reference: :func:`~sparseattn.ops.merged.merged_attention_ref`.
     """
     lib = load_library()
     B, H, G, D = q.shape

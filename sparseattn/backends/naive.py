@@ -14,7 +14,7 @@ beside the idea it computes:
 * ``segment_attention_masked``: :func:`sparseattn.ops.attention.segment_attention_masked_ref`;
 * ``segment_attention_lse``: :func:`sparseattn.ops.attention.segment_attention_lse_ref` (``(out, lse)``);
 * ``segment_attention_merged``: :func:`segment_attention_merged_ref` here, the op's arguments handed to
-  :func:`sparseattn.methods.rest.merged_attention_ref` (which reads the tokens, not the op's sums).
+  :func:`sparseattn.ops.merged.merged_attention_ref` (which reads the tokens, not the op's sums).
 
 Here, for the Triton kernel's split merge: :func:`merge_partials_ref`, combining attention states over
 disjoint key sets by log-sum-exp (FlashInfer's ``merge_state``), written as one softmax over the states' LSEs.
@@ -35,6 +35,7 @@ from sparseattn.ops.attention import (
 )
 from sparseattn.ops.bounds import bound_scores_ref
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.merged import merged_attention_ref
 from sparseattn.ops.segments import RestSums, segment_log_mass_ref
 from sparseattn.ops.slots import slot_attention_ref
 
@@ -45,14 +46,10 @@ def segment_attention_merged_ref(
 ) -> torch.Tensor:  # fmt: skip
     """Reference for a backend's ``segment_attention_merged``: ``[B, H_kv, G, D]`` float64.
 
-    :func:`~sparseattn.methods.rest.merged_attention_ref` over the attended mask, its blocks of
+    :func:`~sparseattn.ops.merged.merged_attention_ref` over the attended mask, its blocks of
     ``sums.per_block`` segments in ``[sink_end, segment_end)``. The tensors of ``sums`` are not read: they
     are sums of the keys and values, which the reference takes from the tokens themselves.
     """
-    # The merged rest is a method's idea (sparseattn.methods.rest, a layer above the backends): imported
-    # when called, so importing the backends does not import the methods.
-    from sparseattn.methods.rest import merged_attention_ref
-
     mask = segment_mask(layout, segments, q.shape[2], valid)
     L = layout.length
     return merged_attention_ref(

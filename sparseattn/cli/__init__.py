@@ -1,5 +1,5 @@
 """The ``sparseattn`` command line: ``compare`` (the research view of the main job), ``generate``, ``demo``,
-``methods``, the evaluation commands (``ppl``, ``plot``, ``needle``, ``ruler``, ``diagnose``, ``sweep``,
+``methods``, the evaluation commands (``ppl``, ``plot``, ``needle``, ``ruler``, ``report``, ``diagnose``, ``sweep``,
 ``longbench``), and ``serve`` / ``serving-bench`` (a method inside vLLM).
 
 Each command is a module of its own, named after it. What several commands share is split by what it serves:
@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 import sparseattn
-from sparseattn.cli import catalogue, compare, demo, diagnose, generate, longbench, needle, plot, ppl, ruler, serve, serving_bench, sweep
+from sparseattn.cli import catalogue, compare, demo, diagnose, generate, longbench, needle, plot, ppl, report, ruler, serve, serving_bench, sweep
 from sparseattn.cli.consoles import console
 from sparseattn.data.cli import app as data_app
 
@@ -80,7 +80,7 @@ app.command("methods", cls=Command)(catalogue.list_methods)
 
 
 for command in (compare.compare, demo.demo, generate.generate, ppl.ppl, plot.plot, needle.needle, ruler.ruler,
-                diagnose.diagnose, sweep.sweep, serve.serve):
+                report.report, diagnose.diagnose, sweep.sweep, serve.serve):
     app.command(cls=Command)(command)
 app.command("serving-bench", cls=Command)(serving_bench.serving_bench)
 for sub_app in (data_app, longbench.app):

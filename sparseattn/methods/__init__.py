@@ -5,7 +5,7 @@ the first import below fixes the registration order, which is the order ``sparse
 """
 
 # isort: off
-from sparseattn.methods import dense, segment_search, streaming, h2o, snapkv, subgen, presets  # noqa: F401
+from sparseattn.methods import dense, segment_search, streaming, h2o, snapkv, subgen, radar_plus, presets  # noqa: F401
 # isort: on
 
 from sparseattn.methods.base import DecodeState, KVState, LayerSpec, SparseMethod, StepInfo
@@ -24,16 +24,13 @@ from sparseattn.methods.presets import (
     RadarLowest,
     RadarAlg1,
     RadarH2O,
-    RadarPlus,
-    RadarPlusAdaptive,
-    RadarPlusPooled,
-    RadarPlusMerged,
-    RadarPlusTokens,
     RadarRandom,
     RadarRecent,
     RadarRerank,
     SnapKVRadar,
 )
+from sparseattn.methods.layers import plain_first
+from sparseattn.methods.radar_plus import RadarPlus, RadarPlusAdaptive, RadarPlusMerged, RadarPlusPooled, RadarPlusTokens
 from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.sampled_rest import SampledRest
 from sparseattn.methods.segment_search import Radar, SegmentSearch
@@ -97,4 +94,5 @@ __all__ = [
     "SubGenState",
     "slot_attention",
     "slot_attention_ref",
+    "plain_first",
 ]

@@ -4,6 +4,7 @@ one method in the first layers and another in the rest."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -144,4 +145,45 @@ def layer_budgets(method: FirstLayers, n_layers: int) -> list[int]:
     return [method.budget_of(i, n_layers) for i in range(n_layers)]
 
 
-__all__ = ["FirstLayers", "SplitLayers", "layer_budgets", "layer_method", "with_budget"]
+def plain_first(method, layers: int) -> SplitLayers:
+    """``method`` (a segment search with a ``rest``) in every layer but its first ``layers``, which run it
+    without its ``rest`` (:class:`SplitLayers`; ``layers=0``: every layer runs ``method``)."""
+    if method.rest is None and layers:
+        raise ValueError(f"plain_layers={layers!r} shapes the merged or sampled rest; rest is 'dropped' (give rest='merged' or 'sampled')")
+    return SplitLayers(dataclasses.replace(method, rest=None), method, layers=layers)
+
+
+def first_layers_of(method, first_layers: int, layer_factor: float | None):
+    """``method`` with ``layer_factor`` (None: 4) times the budget in its first ``first_layers`` layers (:class:`FirstLayers`)."""
+    if not first_layers:
+        if layer_factor is not None:
+            raise ValueError("layer_factor shapes the first layers' budget; give first_layers too")
+        return method
+    return FirstLayers(method, layers=first_layers, factor=4.0 if layer_factor is None else layer_factor)
+
+
+def with_layer_options(preset, *, rest_layers: bool = False):
+    """The catalogue's builder of ``preset`` (a builder of one :class:`SegmentSearch`): the preset, then the
+    per-layer choices the options name: ``plain_layers`` (with ``rest_layers``: :func:`plain_first`) and
+    ``first_layers`` / ``layer_factor`` (:class:`FirstLayers`). Its signature is the preset's with those
+    keywords added, so the registry reads every default from the preset itself."""
+
+    def build(*args, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None, **options):
+        method = preset(*args, **options)
+        if plain_layers:  # (an option of the catalogue's entry only with rest_layers)
+            method = plain_first(method, plain_layers)
+        return first_layers_of(method, first_layers, layer_factor)
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    extra = [inspect.Parameter("first_layers", keyword, default=0), inspect.Parameter("layer_factor", keyword, default=None)]
+    if rest_layers:
+        extra.insert(0, inspect.Parameter("plain_layers", keyword, default=0))
+    build.__signature__ = inspect.signature(preset).replace(
+        parameters=[*inspect.signature(preset).parameters.values(), *extra], return_annotation=inspect.Signature.empty
+    )
+    build.__name__ = build.__qualname__ = f"{preset.__name__}ByLayer"
+    build.__doc__ = f"{preset.__name__} with the catalogue's per-layer options (see :func:`with_layer_options`)."
+    return build
+
+
+__all__ = ["FirstLayers", "SplitLayers", "first_layers_of", "layer_budgets", "layer_method", "plain_first", "with_budget", "with_layer_options"]

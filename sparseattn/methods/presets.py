@@ -19,25 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import warnings
 
-import torch
-
 from sparseattn.allocations.base import Allocation
-from sparseattn.allocations.pooled import PooledMass
-from sparseattn.allocations.topp import TopP
+from sparseattn.allocations.named import named_allocation
 from sparseattn.allocations.uniform import Uniform
 from sparseattn.methods.always import HeavyHitters
 from sparseattn.methods.compose import PrefillEviction
-from sparseattn.methods.layers import FirstLayers, SplitLayers
-from sparseattn.methods.rest import MergedRest, Rest
-from sparseattn.methods.sampled_rest import SampledRest
-from sparseattn.methods.segment_options import WINDOW_FROM_BUDGET, feature_options, segment_options
+from sparseattn.methods.layers import with_layer_options
+from sparseattn.methods.segment_options import WINDOW_FROM_BUDGET, feature_options, layer_options, segment_options
 from sparseattn.methods.segment_search import Radar, SegmentSearch
 from sparseattn.methods.snapkv import SnapKV
-from sparseattn.refine.tokens import TopTokens
-from sparseattn.registry import MethodEntry, Option, Range, alias, register
+from sparseattn.registry import ENGINES, MethodEntry, Option, Range, alias, register
 from sparseattn.schedules.fixed import FixedSchedule
 from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.base import Selector
@@ -47,7 +40,6 @@ from sparseattn.selectors.recent import Recent
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import Summary
 from sparseattn.summaries.centered import CenteredFeatures
-from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.exact import ExactScore
 from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.performer import PerformerFeatures
@@ -63,11 +55,6 @@ __all__ = [
     "RadarCentered",
     "RadarExact",
     "RadarLowest",
-    "RadarPlus",
-    "RadarPlusAdaptive",
-    "RadarPlusMerged",
-    "RadarPlusPooled",
-    "RadarPlusTokens",
     "RadarRandom",
     "RadarRecent",
     "RadarRerank",
@@ -175,190 +162,18 @@ def RadarRecent(
     return _radar_with(ExactScore(), Recent(), top_k, sinks, window, aspect, budget)
 
 
-def RadarPlus(
-    top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 8.0, shortlist: int = 16,
-    factor: float = 2.0, per_group: bool = True, budget: int | None = None, split: str | Allocation = "uniform",
-    cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
-    merge: int | None = None, allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None,
-    p: float | None = None, samples: int | None = None, delta: float | None = None, prefilter: int = 0,
-    prefilter_keep: float | None = None,
-) -> SegmentSearch:  # fmt: skip
-    """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
-
-    ``SegmentSearch(Rerank(Centroid(), shortlist, factor, per_group=True), TopK(), SqrtSchedule(aspect=8), sinks=4)``:
-    segments of ``sqrt(t) / 8`` tokens (8 sqrt(t) of them: finer selection, still O(sqrt t) scoring);
-    every segment is scored by ``log c + q . mean k`` (d numbers per segment, cheaper than random
-    features), the ``max(shortlist, factor * k)`` best of each KV group (by the group's summed mass)
-    are rescored exactly from their keys, read once for the group's query heads, and each head
-    attends the top ``k`` of those, plus 4 attention-sink tokens. On the default model it finds the
-    segment exact search ranks first in 97-98% of layer-head-steps (raw Radar: 4-14%); see
-    docs/methods.md for the measurements and docs/theory.md for what is guaranteed.
-
-    ``top_k`` defaults to ``64 * aspect`` segments: the tokens of Radar's ``k = 64`` at a grid
-    ``aspect`` times finer. ``budget`` (tokens) overrides it, as for every preset.
-
-    The variants, each an option (measured in docs/methods.md):
-
-    * ``split``: how a layer's segments are shared between its heads: ``"uniform"`` (each head
-      ``k``), ``"pooled"`` (:class:`PooledMass`: the layer's ``H x k`` largest estimated attention
-      shares, a head between ``floor x k`` (default 0.25) and ``cap x k`` (default 2: the rerank's
-      shortlist) segments, the total per layer fixed), ``"topp"`` (:class:`TopP`: each head the fewest
-      of its ``k`` best segments whose estimated share of its attention mass, sinks and tail counted,
-      reaches ``p``, default 0.95), or any :class:`Allocation` part;
-    * ``bf16_centroids``: mean keys stored in bfloat16 (half the bytes of the scoring pass, which
-      only shapes the shortlist); ``centroid_dtype`` names any dtype;
-    * ``rest``: what a step does not attend is ``"dropped"``, or ``"merged"``: each block of
-      ``merge`` segments (default 16; 0: one block) adds one token with the mean key and value of its
-      unattended tokens (weight: their count), counted against the budget; or ``"sampled"``
-      (experimental, transformers engine only; vAttention's idea, :class:`SampledRest`): ``samples``
-      (default 32) of its tokens drawn uniformly per step and query head, each weighted by ``n /
-      samples``, counted against the budget, and a bound on the error at confidence ``1 - delta``
-      (default 0.05) in each step's report;
-    * ``prefilter`` (experimental): groups of that many segments scored first by their mean key, only the
-      best ``prefilter_keep`` (default 4) times the shortlist's segments scored one by one
-      (:class:`Rerank`'s ``prefilter``: a page-level pass before the segments inside the pages).
-
-    ``per_group=False`` gives each query head its own shortlist (G times the key reads under
-    grouped-query attention). ``allocation`` is ``split`` given as a part.
-
-    Choices per layer compose around it (the catalogue's ``radar+`` takes them as options:
-    ``plain_layers``, ``first_layers``, ``layer_factor``): :func:`plain_first` (the first layers drop
-    the rest: merging in layer 0 hurt texts that repeat themselves) and :class:`FirstLayers` (more
-    budget in the first layers, the total over layers kept).
-    """
-    if top_k is None:
-        top_k = round(64 * aspect)
-    split = _split_part(split, allocation, cap, floor, default_cap=2.0, p=p)
-    if bf16_centroids:
-        if centroid_dtype not in (None, torch.bfloat16):
-            raise ValueError(f"RadarPlus: bf16_centroids=True and centroid_dtype={centroid_dtype}: give one of them")
-        centroid_dtype = torch.bfloat16
-    if prefilter_keep is not None and not prefilter:
-        raise ValueError(f"RadarPlus: prefilter_keep={prefilter_keep} changes nothing without prefilter (segments per group, >= 2)")
-    extra = {"prefilter": prefilter, "prefilter_keep": 4.0 if prefilter_keep is None else prefilter_keep} if prefilter else {}
-    summary = Rerank(Centroid(centroid_dtype), shortlist, factor, per_group, **extra)
-    method = SegmentSearch(
-        summary=summary, selector=TopK(), schedule=SqrtSchedule(aspect=aspect), top_k=top_k, sinks=sinks,
-        window=window, budget=budget,
-    )  # fmt: skip
-    if not isinstance(split, Uniform):
-        method = dataclasses.replace(method, allocation=split)
-    part = _rest_part(rest, merge, samples, delta)
-    return method if part is None else dataclasses.replace(method, rest=part)
 
 
-def RadarPlusAdaptive(
-    top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
-    cap: float = 2.0, floor: float = 0.25, merge: int = 128, plain_layers: int = 1, budget: int | None = None,
-    bf16_centroids: bool = False, prefilter: int = 0, prefilter_keep: float | None = None,
-) -> SplitLayers:  # fmt: skip
-    """radar+ with the budget spent where attention is: the recommended method, in both engines.
-
-    ``plain_first(RadarPlus(aspect=16, split="pooled", rest="merged", merge=128), layers=1)``:
-
-    * segments of ``sqrt(t) / 16`` tokens: finer centroids shortlist better at the same shortlist
-      size in tokens;
-    * each layer's segments split between its heads by their estimated attention shares
-      (:class:`PooledMass`, a head between ``floor`` and ``cap`` times the uniform share; the total
-      per layer is radar+'s): diffuse heads get more, peaked heads fewer;
-    * centroids in float32 (``bf16_centroids=True``: stored in bfloat16, half their memory, scored in float32;
-      the same quality on six unseen texts in both engines, no measurable speed difference in vLLM's fused
-      step, docs/serving.md);
-    * from layer ``plain_layers`` on, what a step leaves out enters its softmax as one merged token
-      per block of ``merge`` segments (:class:`MergedRest`) instead of being dropped.
-
-    ``budget`` is honoured on average over a layer's heads (one head may attend more). Measured on
-    texts it was not tuned on, in both engines, in docs/methods.md; vLLM's paged engine runs it on
-    its pages or, with the engine's ``segment`` (4: this grid at 4-8k tokens), on segments inside them,
-    where it selects what this engine selects (docs/serving.md).
-    """
-    merged = RadarPlus(
-        top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget, split="pooled", cap=cap,
-        floor=floor, bf16_centroids=bf16_centroids, rest="merged", merge=merge, prefilter=prefilter,
-        prefilter_keep=prefilter_keep,
-    )  # fmt: skip
-    return plain_first(merged, plain_layers)
 
 
-#: ``RadarPlus`` options of the former ``radar+pooled`` (and of ``radar+merged`` before its rest).
-_POOLED_OPTIONS = {"aspect": 16.0, "split": "pooled", "bf16_centroids": True}
 
 
-def RadarPlusPooled(top_k: int | None = None, **options) -> SegmentSearch:
-    """``RadarPlus(aspect=16, split="pooled", bf16_centroids=True)`` under its former name (the registry's
-    ``radar+pooled``, now an alias of those options of ``radar+``); ``options`` are RadarPlus's."""
-    return RadarPlus(top_k, **{**_POOLED_OPTIONS, **options})
 
 
-def RadarPlusMerged(top_k: int | None = None, *, merge: int = 16, **options) -> SegmentSearch:
-    """``RadarPlus(aspect=16, split="pooled", bf16_centroids=True, rest="merged", merge=16)`` under its former
-    name (the registry's ``radar+merged``, now an alias of those options of ``radar+``)."""
-    return RadarPlus(top_k, **{**_POOLED_OPTIONS, "rest": "merged", "merge": merge, **options})
 
 
-def _split_part(
-    split: str | Allocation, allocation: Allocation | None, cap: float | None, floor: float | None, default_cap: float,
-    p: float | None = None,
-) -> Allocation:  # fmt: skip
-    """The :class:`Allocation` part ``split`` names (``cap``/``floor`` only with ``"pooled"``, ``p`` only with ``"topp"``)."""
-    if allocation is not None:
-        if split != "uniform":
-            raise ValueError(f"give split or allocation, not both (split={split!r}, allocation={allocation!r})")
-        split = allocation
-    if isinstance(split, Allocation):
-        part = split
-    elif split == "uniform":
-        part = Uniform()
-    elif split == "pooled":
-        if p is not None:
-            raise ValueError(f"p shapes the 'topp' split; split is {split!r}")
-        return PooledMass(cap=default_cap if cap is None else cap, floor=0.25 if floor is None else floor)
-    elif split == "topp":
-        if cap is not None or floor is not None:
-            raise ValueError(f"cap and floor shape the 'pooled' split; split is {split!r}")
-        return TopP(0.95 if p is None else p)
-    else:
-        raise ValueError(f"split must be 'uniform', 'pooled', 'topp' or an Allocation part, got {split!r}")
-    if p is not None:
-        raise ValueError(f"p shapes the 'topp' split; split is {split!r}")
-    if cap is not None or floor is not None:
-        raise ValueError(f"cap and floor shape the 'pooled' split; split is {split!r}")
-    return part
 
 
-def _rest_part(rest: str, merge: int | None, samples: int | None = None, delta: float | None = None) -> Rest | None:
-    """What a step leaves out: ``"dropped"`` (None), ``"merged"`` (a :class:`MergedRest` of blocks of ``merge``
-    segments) or ``"sampled"`` (a :class:`SampledRest`: ``samples`` per step and query head, a bound at
-    confidence ``1 - delta``). An option that shapes another choice than ``rest``'s is refused."""
-    if rest not in ("dropped", "merged", "sampled"):
-        raise ValueError(f"rest must be 'dropped', 'merged' or 'sampled', got {rest!r}")
-    if rest != "merged" and merge is not None:
-        raise ValueError(f"merge={merge!r} shapes the merged rest; rest is {rest!r} (give rest='merged')")
-    for name, value in (("samples", samples), ("delta", delta)):
-        if rest != "sampled" and value is not None:
-            raise ValueError(f"{name}={value!r} shapes the sampled rest; rest is {rest!r} (give rest='sampled')")
-    if rest == "dropped":
-        return None
-    if rest == "merged":
-        return MergedRest((16 if merge is None else merge) or None)  # 0: one block
-    return SampledRest(32 if samples is None else samples, 0.05 if delta is None else delta)
-
-
-def plain_first(method: SegmentSearch, layers: int) -> SplitLayers:
-    """``method`` in every layer but its first ``layers``, which run it without its ``rest`` (:class:`SplitLayers`;
-    ``layers=0``: every layer runs ``method``)."""
-    if method.rest is None and layers:
-        raise ValueError(f"plain_layers={layers!r} shapes the merged or sampled rest; rest is 'dropped' (give rest='merged' or 'sampled')")
-    return SplitLayers(dataclasses.replace(method, rest=None), method, layers=layers)
-
-
-def _per_layer(method, first_layers: int, layer_factor: float | None):
-    """``method`` with ``layer_factor`` times the budget in its first ``first_layers`` layers (:class:`FirstLayers`)."""
-    if not first_layers:
-        if layer_factor is not None:
-            raise ValueError("layer_factor shapes the first layers' budget; give first_layers too")
-        return method
-    return FirstLayers(method, layers=first_layers, factor=4.0 if layer_factor is None else layer_factor)
 
 
 def OracleTokens(
@@ -375,12 +190,12 @@ def OracleTokens(
     a different split of the budget can recover: ``split="pooled"`` (:class:`PooledMass`, the
     layer's tokens to the heads' largest exact attention shares, ``cap`` default 4, ``floor`` 0.25)
     and more in the first layers (:class:`FirstLayers`; the catalogue's ``first_layers`` option), as
-    for :func:`RadarPlus`. O(t) per step: a measuring stick, not a fast method.
+    for :func:`~sparseattn.methods.radar_plus.RadarPlus`. O(t) per step: a measuring stick, not a fast method.
     """
     return SegmentSearch(
         summary=ExactScore(), selector=TopK(), schedule=FixedSchedule(1), top_k=top_k, sinks=sinks, window=window,
         shared_kv_selection=shared_kv_selection, budget=budget,
-        allocation=_split_part(split, allocation, cap, floor, default_cap=4.0, p=p),
+        allocation=named_allocation(split, allocation, cap, floor, default_cap=4.0, p=p),
     )  # fmt: skip
 
 
@@ -452,166 +267,61 @@ def RadarH2O(
     return dataclasses.replace(radar, always=HeavyHitters(heavy))
 
 
-def RadarPlusTokens(
-    top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
-    budget: int | None = None, allocation: Allocation | None = None,
-) -> SegmentSearch:  # fmt: skip
-    """radar+'s shortlist, then tokens instead of segments: coarse to fine.
-
-    ``SegmentSearch(Centroid(), TopK(), SqrtSchedule(aspect=16), sinks=4, shared_kv_selection=True,
-    refine=TopTokens(factor=2))``: each KV group shortlists the ``2k`` segments with the highest
-    group mass by their mean keys (radar+'s shortlist), the exact logit of every token in them is
-    computed (the keys radar+'s rerank reads), and each query head attends its ``budget - 4 - tail``
-    best tokens plus the 4 sinks and the tail, instead of its best whole segments: a segment's
-    neighbours of the tokens that matter no longer take the budget.
-    """
-    if top_k is None:
-        top_k = round(64 * aspect)
-    return SegmentSearch(
-        summary=Centroid(), selector=TopK(), schedule=SqrtSchedule(aspect=aspect), top_k=top_k, sinks=sinks,
-        window=window, shared_kv_selection=True, budget=budget, allocation=allocation or Uniform(),
-        refine=TopTokens(factor=factor),
-    )  # fmt: skip
 
 
-def with_layer_options(preset, *, rest_layers: bool = False):
-    """The catalogue's builder of ``preset`` (a builder of one :class:`SegmentSearch`): the preset, then the
-    per-layer choices the options name: ``plain_layers`` (with ``rest_layers``: :func:`plain_first`) and
-    ``first_layers`` / ``layer_factor`` (:class:`FirstLayers`). Its signature is the preset's with those
-    keywords added, so the registry reads every default from the preset itself."""
-
-    def build(*args, plain_layers: int = 0, first_layers: int = 0, layer_factor: float | None = None, **options):
-        method = preset(*args, **options)
-        if plain_layers:  # (an option of the catalogue's entry only with rest_layers)
-            method = plain_first(method, plain_layers)
-        return _per_layer(method, first_layers, layer_factor)
-
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    extra = [inspect.Parameter("first_layers", keyword, default=0), inspect.Parameter("layer_factor", keyword, default=None)]
-    if rest_layers:
-        extra.insert(0, inspect.Parameter("plain_layers", keyword, default=0))
-    build.__signature__ = inspect.signature(preset).replace(
-        parameters=[*inspect.signature(preset).parameters.values(), *extra], return_annotation=inspect.Signature.empty
-    )
-    build.__name__ = build.__qualname__ = f"{preset.__name__}ByLayer"
-    build.__doc__ = f"{preset.__name__} with the catalogue's per-layer options (see :func:`with_layer_options`)."
-    return build
 
 
-#: The catalogue's builders of the presets whose options include per-layer choices.
-RadarPlusByLayer = with_layer_options(RadarPlus, rest_layers=True)
+#: The catalogue's builder of ``oracle-tokens``: :func:`OracleTokens` with ``first_layers`` and ``layer_factor``.
 OracleTokensByLayer = with_layer_options(OracleTokens)
 
 
-def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
-    """The options of radar+ and its presets (``variants``: also the choices that make the variants)."""
-    shared = (*segment_options(top_k_none="64 x aspect"), *_grid_options())
-    pool = (
-        Option("cap", float, help="most segments one head may get, x the uniform share (split=pooled; None: 2)",
-               allowed=Range(1.0, 1024.0, integer=False)),
-        Option("floor", float, help="fewest segments a head keeps, x the uniform share (split=pooled; None: 0.25)"),
-    )  # fmt: skip
-    bf16 = Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half their memory), scored in float32")
-    prefilter = (
-        Option("prefilter", int, help="experimental: groups of this many segments (a page's) scored first by their mean key; "
-               "0: none", minimum=0),
-        Option("prefilter_keep", float, help="groups whose segments are scored, x the shortlist in segments (with prefilter; "
-               "None: 4)", allowed=Range(1.0, 1024.0, integer=False)),
-    )  # fmt: skip
-    if not variants:
-        return (*shared, *pool, Option("merge", int, help="segments per merged token of the rest (0: one block)", minimum=0),
-                Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0), bf16,
-                *prefilter)  # fmt: skip
-    return (
-        *shared,
-        Option("split", str, help="a layer's segments between its heads: uniform, pooled by estimated attention share, "
-               "or topp (each head the fewest reaching share p)", allowed=("uniform", "pooled", "topp")),
-        Option("p", float, help="share of attention mass each head reaches (split=topp; None: 0.95)"),
-        *pool,
-        bf16,
-        Option("rest", str, help="what a step does not attend: dropped, merged into one token per block, or sampled "
-               "(experimental, transformers only: a uniform sample, scaled up, with an error bound)",
-               allowed=("dropped", "merged", "sampled")),
-        Option("merge", int, help="segments per merged token of the rest (rest=merged; 0: one block; None: 16)", minimum=0),
-        Option("samples", int, help="tokens of the rest drawn per step and query head, each counted against the "
-               "budget (rest=sampled; None: 32)"),
-        Option("delta", float, help="the sampled rest's error bound holds with probability 1 - delta (rest=sampled; None: 0.05)"),
-        Option("plain_layers", int, help="first layers that drop the rest even with rest=merged or sampled", minimum=0),
-        *_layer_options("segments"),
-        *prefilter,
-    )  # fmt: skip
 
 
-def _grid_options() -> tuple[Option, ...]:
-    return (
-        Option("aspect", float, help="segments of sqrt(t) / aspect tokens", allowed=Range(0.0, 1024.0, integer=False)),
-        Option("factor", float, help="segments shortlisted, x what the budget buys", allowed=Range(1.0, 1024.0, integer=False)),
-    )
 
 
-def _layer_options(what: str) -> tuple[Option, ...]:
-    return (
-        Option("first_layers", int, help=f"first layers given more {what} (FirstLayers)", minimum=0),
-        Option("layer_factor", float, help="their budget, x --budget (with first_layers; None: 4)", allowed=Range(1.0, 1024.0, integer=False)),
-    )
 
-
-BOTH = ("transformers", "vllm")
 
 for _entry in (
-    MethodEntry(
-        "radar+",
-        "Radar with a sharper ranking: segments of sqrt(t)/8 tokens scored by their mean key, the best rescored "
-        "exactly from their keys, plus 4 attention sinks (radar+adaptive without its split and rest); split, "
-        "bf16_centroids, rest and first_layers make its variants",
-        RadarPlusByLayer, _radar_plus_options(variants=True), category="fast", engines=BOTH,
-    ),
-    MethodEntry(
-        "radar+adaptive",
-        "radar+ with the budget spent where attention is: heads' shares pooled by estimated mass on a 2x finer grid, "
-        "the rest merged per 128 segments after layer 0; the recommended method in both engines",
-        RadarPlusAdaptive, _radar_plus_options(variants=False), category="recommended", engines=BOTH,
-    ),
     MethodEntry(
         "radar-alg1",
         "Radar as the paper's Algorithm 1 writes it: segments of sqrt(t) tokens rebuilt at every perfect square, "
         "top-k segments + the buffer",
-        RadarAlg1, (*segment_options(), *feature_options()), category="paper", engines=BOTH,
+        RadarAlg1, (*segment_options(), *feature_options()), category="paper", engines=ENGINES,
     ),
     MethodEntry(
         "quest",
         "Quest: pages of 16 tokens, top pages by the min/max key upper bound of q.k (Tang et al. 2024)",
-        Quest, (*segment_options(), Option("page_size", int, help="tokens per page")), category="baseline", engines=BOTH,
+        Quest, (*segment_options(), Option("page_size", int, help="tokens per page")), category="baseline", engines=ENGINES,
     ),
     MethodEntry(
         "radar-exact",
         "Radar ablation: segments ranked by their exact attention mass (the O(t) oracle)",
-        RadarExact, segment_options(), category="ablation", engines=BOTH,
+        RadarExact, segment_options(), category="ablation", engines=ENGINES,
     ),
     MethodEntry(
         "radar-random",
         "Radar ablation: segments chosen uniformly at random",
-        RadarRandom, (*segment_options(), feature_options()[1]), category="ablation", engines=BOTH,
+        RadarRandom, (*segment_options(), feature_options()[1]), category="ablation", engines=ENGINES,
     ),
     MethodEntry(
         "radar-lowest",
         "Radar ablation: the segments with the lowest estimated scores",
-        RadarLowest, (*segment_options(), *feature_options()), category="ablation", engines=BOTH,
+        RadarLowest, (*segment_options(), *feature_options()), category="ablation", engines=ENGINES,
     ),
     MethodEntry(
         "radar-recent",
         "Radar ablation: the most recent segments (a longer sliding window)",
-        RadarRecent, segment_options(), category="ablation", engines=BOTH,
+        RadarRecent, segment_options(), category="ablation", engines=ENGINES,
     ),
     MethodEntry(
         "radar-centered",
         "Radar with random features of segment-centred keys, the centroid scored exactly",
-        RadarCentered, (*segment_options(), *feature_options()), engines=BOTH,
+        RadarCentered, (*segment_options(), *feature_options()), engines=ENGINES,
     ),
     MethodEntry(
         "radar-rerank",
         "Radar's random features (n_features = 256) shortlist, exact segment mass reranks",
-        RadarRerank, (*segment_options(), *feature_options()), engines=BOTH,
+        RadarRerank, (*segment_options(), *feature_options()), engines=ENGINES,
     ),
     MethodEntry(
         "snapkv-then-radar",
@@ -648,32 +358,19 @@ for _entry in (
             Option("cap", float, help="most tokens one head may get, x the uniform share (split=pooled; None: 4)",
                    allowed=Range(1.0, 1024.0, integer=False)),
             Option("floor", float, help="fewest tokens a head keeps, x the uniform share (split=pooled; None: 0.25)"),
-            *_layer_options("tokens"),
+            *layer_options("tokens"),
         ),
-        category="ceiling", engines=BOTH,
+        category="ceiling", engines=ENGINES,
     ),
     MethodEntry(
         "oracle-segments",
         "Ceiling on a fixed grid: the exact top segments of `segment_size` tokens (O(t) per step)",
-        OracleSegments, (*segment_options(), Option("segment_size", int, help="tokens per segment")), category="ceiling", engines=BOTH,
-    ),
-    MethodEntry(
-        "radar+tokens",
-        "radar+'s shortlist of segments (mean keys, per KV group), then each head's best tokens in them by exact "
-        "logits instead of whole segments, plus 4 sinks",
-        RadarPlusTokens,
-        (*segment_options(top_k_none="64 x aspect"), *_grid_options()),
-    ),
-):
+        OracleSegments, (*segment_options(), Option("segment_size", int, help="tokens per segment")), category="ceiling", engines=ENGINES,
+    ),):
     register(_entry)
 
 #: The names that were variants, as the options of the methods they are now.
-_POOLED = "radar+:split=pooled,aspect=16.0,bf16_centroids=true"  # _POOLED_OPTIONS as a spec
 for _old, _now in (
-    ("radar+pooled", _POOLED),
-    ("radar+merged", _POOLED + ",rest=merged,merge=16"),
-    ("radar+pooled-layers", _POOLED + ",first_layers=1"),
-    ("radar+merged-after", "radar+adaptive:bf16_centroids=true"),
     ("oracle-tokens-pooled", "oracle-tokens:split=pooled"),
     ("oracle-tokens-pooled-layers", "oracle-tokens:split=pooled,first_layers=1"),
     # "+" means radar+'s sharper ranking; a composition names its parts in words.
@@ -688,13 +385,17 @@ _FORMER_BUILDERS = {
     "OracleTokensPooledFirstLayers": (
         "OracleTokensByLayer(split='pooled', first_layers=1)", lambda: functools.partial(OracleTokensByLayer, split="pooled", first_layers=1)
     ),
-    "RadarPlusPooledFirstLayers": (
-        "RadarPlusByLayer(first_layers=1, **POOLED)", lambda: functools.partial(RadarPlusByLayer, first_layers=1, **_POOLED_OPTIONS)
-    ),
-    "RadarPlusMergedAfterFirstLayers": (
-        "RadarPlusAdaptive(bf16_centroids=True)", lambda: functools.partial(RadarPlusAdaptive, bf16_centroids=True)
-    ),
+    "RadarPlusPooledFirstLayers": ("RadarPlusByLayer(first_layers=1, **POOLED)", lambda: _radar_plus("pooled_first_layers")),
+    "RadarPlusMergedAfterFirstLayers": ("RadarPlusAdaptive(bf16_centroids=True)", lambda: _radar_plus("merged_after")),
 }
+
+
+def _radar_plus(which: str):
+    from sparseattn.methods import radar_plus  # (the radar+ family's former names: built on first use)
+
+    if which == "pooled_first_layers":
+        return functools.partial(radar_plus.RadarPlusByLayer, first_layers=1, **radar_plus.POOLED_OPTIONS)
+    return functools.partial(radar_plus.RadarPlusAdaptive, bf16_centroids=True)
 
 
 def __getattr__(name: str):

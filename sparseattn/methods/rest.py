@@ -28,7 +28,6 @@ per head whatever the selection.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -305,7 +304,7 @@ def add_merged_rest(
 
     Returns ``[B, H_kv, G, D]`` float32 (float64 for float64 ``q``). ``workspace``: where the segment rows
     are copied (a fresh multi-megabyte tensor per step costs page faults, see
-    :class:`~sparseattn.ops.buffers.Workspace`). Reference: :func:`merged_attention_ref`.
+    :class:`~sparseattn.ops.buffers.Workspace`). Reference: :func:`~sparseattn.ops.merged.merged_attention_ref`.
     """
     seg_kv, block_k, block_v, per_block = sums.seg_kv, sums.block_k, sums.block_v, sums.per_block
     B, H, G, D = q.shape
@@ -382,46 +381,3 @@ def add_merged_rest(
         rest_v = rest_v - torch.einsum("bhgo,bhod->bhgd", per_token.gather(3, reach_block) * unchosen, part_v)
     num = first_w.unsqueeze(-1) * out.to(cd) + rest_v.to(cd)
     return num / (first_w + more.sum(-1)).unsqueeze(-1)
-
-
-def merged_attention_ref(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    attended: torch.Tensor,
-    start: int,
-    end: int,
-    block_tokens: int,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Reference for :func:`merged_attention`, float64, one loop per head and block.
-
-    ``attended: [B, H_kv, G, t]`` the tokens each query head attends; every block of ``block_tokens``
-    positions in ``[start, end)`` (the last one shorter) adds one token made of its unattended
-    tokens: logit ``log m + scale q . mean k`` (soft-capped), value ``mean v``.
-    """
-    B, H, G, D = q.shape
-    out = torch.zeros(B, H, G, D, dtype=torch.float64, device=q.device)
-    cap = (lambda x: x) if softcap is None else (lambda x: softcap * torch.tanh(x / softcap))
-    for b in range(B):
-        for h in range(H):
-            K, V = keys[b, h].double(), values[b, h].double()
-            for g in range(G):
-                qv = q[b, h, g].double()
-                logits, vals = [], []
-                chosen = attended[b, h, g]
-                logits.append(cap(K[chosen] @ qv * scale))
-                vals.append(V[chosen])
-                for a in range(start, end, block_tokens):
-                    rest = ~chosen[a : min(end, a + block_tokens)]
-                    m = int(rest.sum())
-                    if m == 0:
-                        continue
-                    mk = K[a : a + rest.numel()][rest].mean(0)
-                    mv = V[a : a + rest.numel()][rest].mean(0)
-                    logits.append((cap(mk @ qv * scale) + math.log(m)).view(1))
-                    vals.append(mv.view(1, D))
-                p = torch.softmax(torch.cat(logits), dim=0)
-                out[b, h, g] = p @ torch.cat(vals)
-    return out

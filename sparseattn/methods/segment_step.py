@@ -1,6 +1,6 @@
 """The transformers engine's decode step: what a select stage and a rest read in a decode state, and its report.
 
-:class:`SegmentStep` is the :class:`~sparseattn.allocations.step.DecodeStep` of a
+:class:`SegmentStep` is the :class:`~sparseattn.allocations.step.SearchStep` of a
 :class:`~sparseattn.methods.segment_state.SegmentSearchState` (its scores, picks and always-attended
 mass, written once there), plus what a ``rest``'s hooks and a token refinement read: the stored keys
 and values, the attention scale, scratch buffers, and the rest's running sums.
@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from sparseattn.allocations.step import DecodeStep
+from sparseattn.allocations.step import SearchStep
 from sparseattn.ops.attention import gather_tokens, segment_mask
 from sparseattn.ops.layout import SegmentLayout
 
 
-class SegmentStep(DecodeStep):
-    """One decode step of a segment search's decode state, as its parts see it (see :class:`DecodeStep`).
+class SegmentStep(SearchStep):
+    """One decode step of a segment search's decode state, as its parts see it (see :class:`SearchStep`).
 
     ``state`` is the :class:`~sparseattn.methods.segment_state.SegmentSearchState`; the step reads only
-    its public interface. Beyond :class:`DecodeStep`'s attributes:
+    its public interface. Beyond :class:`SearchStep`'s attributes:
 
     Attributes:
         rest_bound: None, or ``[B, H_kv, G]``: what the ``rest``'s attend hook reports as the bound on the

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from sparseattn.allocations.base import Selection, log_total_mass
+from sparseattn.allocations.step import SearchStep
 from sparseattn.ops.tokens import segment_index
 from sparseattn.validation import check_real
-
-if TYPE_CHECKING:
-    from sparseattn.methods.segment_step import SegmentStep
 
 
 @dataclass(frozen=True)
@@ -48,9 +45,11 @@ class TopTokens:
         """Segments shortlisted when the budget buys ``k``."""
         return min(n_segments, max(k, math.ceil(self.factor * k)))
 
-    def select_segments(self, step: SegmentStep) -> Selection:
+    def select_segments(self, step: SearchStep) -> Selection:
         """Shortlist segments, score their tokens exactly, keep each head's best (the allocation splits
-        them when it is not uniform). Reported as tokens on top of the sinks and the tail."""
+        them when it is not uniform). Reported as tokens on top of the sinks and the tail. ``step`` gives
+        exact token logits too (``token_logits``: the transformers engine's
+        :class:`~sparseattn.methods.segment_step.SegmentStep`)."""
         lay, k = step.layout, step.k
         w = self.shortlist(k, lay.n_segments)
         segments = step.choose(w, step.selector_scores(w))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from sparseattn.allocations.base import Selection
-from sparseattn.allocations.step import DecodeStep
+from sparseattn.allocations.step import SearchStep
 from sparseattn.methods.rest import MergedRest
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.ops.layout import SegmentLayout
@@ -157,9 +157,9 @@ class PageKeys(SegmentKeys):
         return taken.float().mul_(self.factor)
 
 
-class PageStep(DecodeStep):
+class PageStep(SearchStep):
     """One decode step of a group of alike sequences over their pages: the paged engine's
-    :class:`~sparseattn.allocations.step.DecodeStep`.
+    :class:`~sparseattn.allocations.step.SearchStep`.
 
     ``query [b, H_kv, G, D]`` (float32), ``layout`` (the candidates: the group's sequences share their
     sink pages and candidate count); the engine supplies how it scores the candidate pages (``scorer``:

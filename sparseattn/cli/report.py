@@ -1,0 +1,224 @@
+"""``sparseattn report``: the quality report, methods x budgets x engines, with 95% intervals (issue 49).
+
+What it measures and how is :mod:`sparseattn.evaluation.report`; this module turns options into a
+:class:`~sparseattn.evaluation.report.ReportConfig`, refuses bad input before any work (one line naming the
+option, the value and what is allowed), loads the model last, runs (or resumes) the cells and prints the tables.
+
+Sizes (the default model, float32, the 2-core AMD EPYC this toolkit is measured on):
+
+* ``--quick``: 3 methods (dense, streamingllm, radar+adaptive) at budget 1/8, 2048 tokens, niah_single_1 and
+  niah_multikey_1 x 5 prompts, passkey at 5 depths x 1 prompt, perplexity of 2 prose + 2 code texts over 32
+  steps (StreamingLLM and the pooled oracle at 1/8 as the ratios' references): 6 min 21 s measured with
+  another benchmark sharing the 2 cores (:data:`QUICK_MEASURED`).
+* the full run (no ``--quick``): 8 methods x 4 budgets (29 cells per context), the 11 offline RULER tasks x 25
+  prompts plus passkey 10 depths x 5 prompts at 4096 and 8192 tokens (600 prompts, each prefilled once for its
+  29 cells), perplexity at 4096 tokens on 4 texts (256 steps, 29 cells + references): about 35 hours on that
+  CPU by the per-prompt costs measured (:data:`FULL_ESTIMATE`), far beyond its hour; on 2 cores, size it down
+  with ``--contexts 4096 --prompts 5 --budgets 1/8`` and fewer ``--methods``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from sparseattn.cli.checks import bad, check_range
+from sparseattn.cli.consoles import console
+from sparseattn.cli.options import MODEL
+
+#: The measured wall time of ``sparseattn report --quick`` (see the module docstring).
+QUICK_MEASURED = "6 min 21 s on 2 busy cores"
+#: The full run's estimated time on the 2-core CPU (see the module docstring).
+FULL_ESTIMATE = "about 35 hours on 2 cores"
+
+
+#: The option behind each field of :class:`~sparseattn.evaluation.report.ReportConfig`, for its refusals.
+_OPTIONS = {"methods": "--methods", "budgets": "--budgets", "contexts": "--contexts", "tasks": "--task",
+            "prompts": "--prompts", "passkey_prompts": "--passkey-prompts", "ppl_steps": "--ppl-steps",
+            "ppl_context": ["--ppl-context", "--ppl-steps"], "prose/code": ["--prose", "--code"],
+            "answer_tokens": "--answer-tokens"}  # fmt: skip
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """Repeated and comma-separated values as one list (``--budgets 1/16,1/8 --budgets default``); None: not given."""
+    if not values:
+        return None
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+
+
+def _budgets(values: list[str] | None) -> tuple[str, ...] | None:
+    from sparseattn.evaluation.report import parse_budget
+
+    words = _split(values)
+    if words is None:
+        return None
+    try:
+        return tuple(dict.fromkeys(parse_budget(w) for w in words))
+    except ValueError as err:
+        raise bad("--budgets", str(err)) from None
+
+
+def _contexts(values: list[str] | None, window: int | None) -> tuple[int, ...] | None:
+    words = _split(values)
+    if words is None:
+        return None
+    contexts = []
+    for word in words:
+        if not word.isdigit():
+            raise bad("--contexts", f"{word!r} is not a number of tokens; allowed: integers from 64 to {window or 'the model window'}")
+        check_range("--contexts", int(word), 64, window)
+        contexts.append(int(word))
+    return tuple(dict.fromkeys(contexts))
+
+
+def _tasks(values: list[str] | None) -> tuple[str, ...] | None:
+    from sparseattn.data.ruler import RULER_QA, RULER_TASKS
+
+    words = _split(values)
+    if words is None:
+        return None
+    allowed = f"all, none, {', '.join(RULER_TASKS)}"
+    chosen: list[str] = []
+    for word in words:
+        if word in ("all", "none"):
+            chosen += list(RULER_TASKS) if word == "all" else []
+            continue
+        if word in RULER_QA:
+            raise bad("--task", f"{word} needs the {RULER_QA[word]} data set, which cannot be fetched offline; allowed: {allowed}")
+        if word not in RULER_TASKS:
+            close = difflib.get_close_matches(word, list(RULER_TASKS), n=2)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise bad("--task", f"unknown task {word!r}{hint}; allowed: {allowed}")
+        chosen.append(word)
+    return tuple(t for t in RULER_TASKS if t in chosen)
+
+
+def _texts(values: list[str] | None, kind: str) -> tuple[str, ...] | None:
+    from sparseattn.cli.inputs import read_text
+    from sparseattn.data.sources import get_text
+
+    if not values:
+        return None
+    for name in values:
+        read_text(name, f"--{kind}")  # a name that is not known, or a text that cannot be fetched: refused here
+        if not Path(name).expanduser().is_file() and get_text(name).kind != kind:
+            raise bad(f"--{kind}", f"{name!r} is a {get_text(name).kind} text; allowed: {kind} texts "
+                      f"(`sparseattn data list`) or files")  # fmt: skip
+    return tuple(values)
+
+
+def report(
+    quick: bool = typer.Option(False, "--quick", help=f"the first look: 3 methods, budget 1/8, 2048 tokens, 2 tasks x 5 "
+                               f"prompts, passkey 5 depths, 32 perplexity steps ({QUICK_MEASURED})"),
+    methods: list[str] = typer.Option(None, "--methods", "-m", help="method specs NAME[:key=value,...] (repeatable; "
+                                      "default: dense, streamingllm, snapkv, quest, radar, radar+, radar+adaptive, "
+                                      "oracle-tokens:split=pooled; --quick: dense, streamingllm, radar+adaptive)"),
+    budgets: list[str] = typer.Option(None, "--budgets", "-b", help="1/N fractions of the context and/or default, the "
+                                      "method's own (repeatable or comma-separated; default: 1/16, 1/8, 1/4, default; "
+                                      "--quick: 1/8)"),
+    contexts: list[str] = typer.Option(None, "--contexts", help="prompt lengths in tokens, answer included (repeatable or "
+                                       "comma-separated; default 4096, 8192; --quick: 2048); perplexity runs at the smallest"),
+    prompts: int | None = typer.Option(None, help="seeded prompts per RULER task and context (>= 1; default 25, --quick 5)"),
+    tasks: list[str] = typer.Option(None, "--task", help="RULER tasks (repeatable or comma-separated): all, none or "
+                                    "niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe "
+                                    "(default: all; --quick: niah_single_1, niah_multikey_1)"),
+    passkey_prompts: int | None = typer.Option(None, help="passkey prompts per depth (>= 0, 0: no passkey; default 5 at "
+                                               "10 depths; --quick: 1 at 5 depths)"),
+    ppl_steps: int | None = typer.Option(None, help="teacher-forced perplexity steps per text (>= 0, 0: no perplexity; "
+                                         "default 256; --quick 16)"),
+    ppl_context: int | None = typer.Option(None, help="tokens per perplexity text, the budgets taken of it (>= 64; "
+                                           "default: the smallest --contexts; --quick 1024)"),
+    prose: list[str] = typer.Option(None, "--prose", help="prose texts for perplexity (repeatable; default: king-lear, "
+                                    "paradise-regained)"),
+    code: list[str] = typer.Option(None, "--code", help="code texts for perplexity (repeatable; default: pyio, subprocess)"),
+    answer_tokens: int | None = typer.Option(None, help="most answer tokens generated per prompt (>= 1; RULER's own "
+                                             "budget where smaller; default 32, --quick 16)"),
+    seed: int = typer.Option(0, help="the first prompt's seed (prompts are seeded, so reruns see the same ones)"),
+    out: Path = typer.Option(Path("results/report"), help="directory of the report and its cells (a rerun resumes there)"),
+    model: str = MODEL,
+) -> None:
+    """The quality report: methods x budgets on RULER's offline tasks, passkey and perplexity, with 95% intervals.
+
+    Writes report.md, report.json and report.png (quality against the fraction of tokens attended, a panel per
+    engine) under --out, and a run directory per cell; a rerun skips the finished cells. Each prompt is
+    prefilled once for every method and budget. --quick: 6 min 21 s measured on 2 busy cores. The full run
+    (8 methods x 4 budgets, 11 tasks x 25 prompts and passkey 10 x 5 at 4096 and 8192 tokens, 4 texts x 256
+    perplexity steps) is about 35 hours on a 2-core CPU: size it with --contexts, --prompts, --budgets, --methods.
+    """
+    from sparseattn.cli.inputs import inspect_model
+    from sparseattn import registry
+    from sparseattn.cli.outputs import check_out, wrote
+    from sparseattn.evaluation.report import QUICK, ReportConfig, plan_cells, with_overrides
+
+    base = QUICK if quick else ReportConfig()
+    check_range("--prompts", prompts, 1)
+    check_range("--passkey-prompts", passkey_prompts, 0)
+    check_range("--ppl-steps", ppl_steps, 0)
+    check_range("--ppl-context", ppl_context, 64)
+    check_range("--answer-tokens", answer_tokens, 1)
+    for spec in methods or []:
+        try:
+            registry.parse(spec)
+        except (ValueError, registry.PluginError) as err:  # a bad spec: the registry's message
+            raise bad("--methods", str(err)) from None
+    chosen_budgets, chosen_tasks = _budgets(budgets), _tasks(tasks)
+    check_out(out)
+    info = inspect_model(model)
+    chosen_contexts = _contexts(contexts, info.window)
+    try:
+        config = with_overrides(base, methods=tuple(methods) if methods else None, budgets=chosen_budgets,
+                                contexts=chosen_contexts, prompts=prompts, tasks=chosen_tasks,
+                                passkey_prompts=passkey_prompts, ppl_steps=ppl_steps, ppl_context=ppl_context,
+                                prose=_texts(prose, "prose"), code=_texts(code, "code"), answer_tokens=answer_tokens,
+                                seed=seed)  # fmt: skip
+    except ValueError as err:  # a combination the preset's fields refuse: said with the options behind the field
+        field = str(err).partition(":")[0].removeprefix("ReportConfig.")
+        raise bad(_OPTIONS.get(field, "--quick"), str(err).partition(": ")[2]) from None
+    if not config.tasks and not config.passkey_prompts:
+        raise bad(["--task", "--passkey-prompts"], "no retrieval task left to run; allowed: at least one RULER task or "
+                  "--passkey-prompts >= 1")  # fmt: skip
+    for context in config.contexts:
+        try:
+            plan_cells(config.methods, config.budgets, context)
+        except ValueError as err:
+            raise bad(["--methods", "--budgets"], f"at context {context}: {err}") from None
+    if config.ppl_steps:
+        _texts(list(config.prose), "prose"), _texts(list(config.code), "code")  # the defaults fetched once, or refused
+        check_range("--ppl-context", config.ppl_tokens, 64, info.window)
+        if config.ppl_steps >= config.ppl_tokens - 1:
+            raise bad("--ppl-steps", f"{config.ppl_steps} leaves no prefill in the {config.ppl_tokens}-token texts; "
+                      f"allowed: 0 to {config.ppl_tokens - 2}")  # fmt: skip
+        try:
+            plan_cells(["dense", *config.methods, "streamingllm", "oracle-tokens:split=pooled"], config.budgets,
+                       config.ppl_tokens)
+        except ValueError as err:
+            raise bad(["--methods", "--budgets"], f"at the perplexity context {config.ppl_tokens}: {err}") from None
+
+    from sparseattn.evaluation.report import plan_report, ppl_tables, retrieval_tables, run_report
+
+    tokenizer = info.tokenizer()
+    try:
+        plan = plan_report(config, tokenizer, out, model, info.window)
+    except ValueError as err:  # a context a task cannot fill, or a text too short
+        raise bad("--contexts", str(err)) from None
+    from sparseattn.evaluation.report import check_plan
+
+    try:
+        check_plan(plan)
+    except ValueError as err:
+        raise bad("--out", str(err)) from None
+    import torch
+
+    result = run_report(info.load(torch.float32), plan)
+    for title, header, rows in [*retrieval_tables(result), *ppl_tables(result)]:
+        table = Table(title=title)
+        for column in header:
+            table.add_column(column, justify="left" if column in ("method", "budget") else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    wrote([out / "report.md", out / "report.json", out / "report.png"], "and a run directory per cell under "
+          f"{out}/<engine>/")  # fmt: skip
