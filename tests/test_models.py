@@ -11,18 +11,8 @@ from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sparseattn.hf import models
-from sparseattn.hf.models import (
-    DEFAULT_MODEL,
-    INSTALL_CONVERTER,
-    INSTALL_DEFAULT,
-    MARKER,
-    ModelSourceError,
-    default_model_available,
-    default_model_unavailable_reason,
-    load_model,
-    local_model_dir,
-    resolve_model_source,
-)
+from sparseattn.hf.models import (DEFAULT_MODEL, INSTALL_CONVERTER, INSTALL_DEFAULT, MARKER, ModelSourceError, default_model_available,
+                                  default_model_unavailable_reason, load_model, local_model_dir, resolve_model_source)  # fmt: skip
 
 
 @pytest.fixture

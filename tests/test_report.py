@@ -196,6 +196,17 @@ def test_report_writes_its_files_and_a_rerun_skips_finished_cells(tiny):
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in (cell / "samples.jsonl").read_text().splitlines()]
     assert len(records) == 4 and records[-1]["prefilled_with"] == 3
+    # A planted failure: the random model scores 0 everywhere, so let dense answer every niah_single_1 prompt right;
+    # the report rebuilt from the cells' files then puts the other cells outside dense's interval, worse.
+    dense = out / "transformers" / "niah_single_1-c1024" / "dense-at-full" / "samples.jsonl"
+    dense.write_text("".join(json.dumps({**json.loads(line), "score": 100.0}) + "\n" for line in dense.read_text().splitlines()))
+    result = run_report(*[a if a != "3" else "4" for a in tiny_args(tiny, out)])
+    assert result.exit_code == 0, result.output
+    means = {m["label"]: m for m in json.loads((out / "report.json").read_text())["means"] if m["group"] == "ruler"}
+    assert means["dense@full"]["score"]["mean"] == 100.0  # one task, all right
+    for label in ("streamingllm@1/8", "radar+@1/8"):
+        versus = means[label]["versus_dense"]
+        assert versus["paired"] and versus["verdict"] == "worse" and not versus["within_reference"], versus
 
 
 def test_shared_prefill_perplexity_equals_separate_runs(tiny, tmp_path):

@@ -6,15 +6,21 @@ option, the value and what is allowed), loads the model last, runs (or resumes) 
 
 Sizes (the default model, float32, the 2-core AMD EPYC this toolkit is measured on):
 
-* ``--quick``: 3 methods (dense, streamingllm, radar+adaptive) at budget 1/8, 2048 tokens, niah_single_1 and
-  niah_multikey_1 x 5 prompts, passkey at 5 depths x 1 prompt, perplexity of 2 prose + 2 code texts over 32
-  steps (StreamingLLM and the pooled oracle at 1/8 as the ratios' references): 6 min 21 s measured with
-  another benchmark sharing the 2 cores (:data:`QUICK_MEASURED`).
-* the full run (no ``--quick``): 8 methods x 4 budgets (29 cells per context), the 11 offline RULER tasks x 25
-  prompts plus passkey 10 depths x 5 prompts at 4096 and 8192 tokens (600 prompts, each prefilled once for its
-  29 cells), perplexity at 4096 tokens on 4 texts (256 steps, 29 cells + references): about 35 hours on that
-  CPU by the per-prompt costs measured (:data:`FULL_ESTIMATE`), far beyond its hour; on 2 cores, size it down
-  with ``--contexts 4096 --prompts 5 --budgets 1/8`` and fewer ``--methods``.
+* ``--quick``: 3 methods (dense, streamingllm, radar+adaptive) at budget 1/8; at 2048 tokens niah_single_1 and
+  niah_multikey_1 x 4 prompts and passkey at 3 depths x 1 prompt (11 prompts, each prefilled once for the 3
+  cells), answers of at most 12 tokens; perplexity of 2 prose + 2 code texts of 1024 tokens over their last 16
+  (4 cells: StreamingLLM's and the pooled oracle's at 1/8 join as the ratios' references). Measured
+  (2026-11-28): 8 min 27 s wall, while another benchmark kept both cores busy (load average 5); a rerun with
+  every cell finished takes 7 s.
+* the full run (no ``--quick``): 8 methods x 4 budgets, 29 cells per context; the 11 offline RULER tasks x 25
+  prompts plus passkey 10 depths x 5 prompts at 4096 and 8192 tokens (650 prompts, each prefilled once for its
+  29 cells, answers of at most 32 tokens); perplexity of 4 texts of 4096 tokens over their last 256 (29 cells).
+  Estimated, not run: about 180 hours (7-8 days) on that CPU, from the per-prompt costs measured for
+  ``sparseattn ruler`` (docs/evaluation.md: a 4k forward 35-50 s, each cell's own prefill attention 7 s at 4k and
+  25 s at 8k, 0.3-0.6 s per decoded token): about 11 min per 4k prompt and 22 min per 8k prompt for 29 cells.
+  It does not fit an hour on 2 cores; an hour's worth there (estimated, about 60 min):
+  ``--contexts 4096 --task niah_single_1,niah_multikey_1,fwe --prompts 5 --passkey-prompts 1 --budgets 1/8
+  -m dense -m streamingllm -m radar+ -m radar+adaptive --ppl-steps 64``.
 """
 
 from __future__ import annotations
@@ -30,9 +36,7 @@ from sparseattn.cli.consoles import console
 from sparseattn.cli.options import MODEL
 
 #: The measured wall time of ``sparseattn report --quick`` (see the module docstring).
-QUICK_MEASURED = "6 min 21 s on 2 busy cores"
-#: The full run's estimated time on the 2-core CPU (see the module docstring).
-FULL_ESTIMATE = "about 35 hours on 2 cores"
+QUICK_MEASURED = "8 min 27 s measured on 2 busy cores"
 
 
 #: The option behind each field of :class:`~sparseattn.evaluation.report.ReportConfig`, for its refusals.
@@ -111,8 +115,8 @@ def _texts(values: list[str] | None, kind: str) -> tuple[str, ...] | None:
 
 
 def report(
-    quick: bool = typer.Option(False, "--quick", help=f"the first look: 3 methods, budget 1/8, 2048 tokens, 2 tasks x 5 "
-                               f"prompts, passkey 5 depths, 32 perplexity steps ({QUICK_MEASURED})"),
+    quick: bool = typer.Option(False, "--quick", help=f"the first look: 3 methods, budget 1/8, 2048 tokens, 2 RULER tasks "
+                               f"x 4 prompts, passkey 3 depths, 1024-token perplexity over 16 steps ({QUICK_MEASURED})"),
     methods: list[str] = typer.Option(None, "--methods", "-m", help="method specs NAME[:key=value,...] (repeatable; "
                                       "default: dense, streamingllm, snapkv, quest, radar, radar+, radar+adaptive, "
                                       "oracle-tokens:split=pooled; --quick: dense, streamingllm, radar+adaptive)"),
@@ -121,12 +125,12 @@ def report(
                                       "--quick: 1/8)"),
     contexts: list[str] = typer.Option(None, "--contexts", help="prompt lengths in tokens, answer included (repeatable or "
                                        "comma-separated; default 4096, 8192; --quick: 2048); perplexity runs at the smallest"),
-    prompts: int | None = typer.Option(None, help="seeded prompts per RULER task and context (>= 1; default 25, --quick 5)"),
+    prompts: int | None = typer.Option(None, help="seeded prompts per RULER task and context (>= 1; default 25, --quick 4)"),
     tasks: list[str] = typer.Option(None, "--task", help="RULER tasks (repeatable or comma-separated): all, none or "
                                     "niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe "
                                     "(default: all; --quick: niah_single_1, niah_multikey_1)"),
     passkey_prompts: int | None = typer.Option(None, help="passkey prompts per depth (>= 0, 0: no passkey; default 5 at "
-                                               "10 depths; --quick: 1 at 5 depths)"),
+                                               "10 depths; --quick: 1 at 3 depths)"),
     ppl_steps: int | None = typer.Option(None, help="teacher-forced perplexity steps per text (>= 0, 0: no perplexity; "
                                          "default 256; --quick 16)"),
     ppl_context: int | None = typer.Option(None, help="tokens per perplexity text, the budgets taken of it (>= 64; "
@@ -135,7 +139,7 @@ def report(
                                     "paradise-regained)"),
     code: list[str] = typer.Option(None, "--code", help="code texts for perplexity (repeatable; default: pyio, subprocess)"),
     answer_tokens: int | None = typer.Option(None, help="most answer tokens generated per prompt (>= 1; RULER's own "
-                                             "budget where smaller; default 32, --quick 16)"),
+                                             "budget where smaller; default 32, --quick 12)"),
     seed: int = typer.Option(0, help="the first prompt's seed (prompts are seeded, so reruns see the same ones)"),
     out: Path = typer.Option(Path("results/report"), help="directory of the report and its cells (a rerun resumes there)"),
     model: str = MODEL,
@@ -144,12 +148,15 @@ def report(
 
     Writes report.md, report.json and report.png (quality against the fraction of tokens attended, a panel per
     engine) under --out, and a run directory per cell; a rerun skips the finished cells. Each prompt is
-    prefilled once for every method and budget. --quick: 6 min 21 s measured on 2 busy cores. The full run
-    (8 methods x 4 budgets, 11 tasks x 25 prompts and passkey 10 x 5 at 4096 and 8192 tokens, 4 texts x 256
-    perplexity steps) is about 35 hours on a 2-core CPU: size it with --contexts, --prompts, --budgets, --methods.
+    prefilled once for every method and budget. --quick: 8 min 27 s measured on 2 busy cores. The full run
+    (8 methods x 4 budgets = 29 cells per context; 11 RULER tasks x 25 prompts and passkey 10 depths x 5 at 4096
+    and 8192 tokens; 4 texts x 256 perplexity steps) is estimated at about 180 hours on a 2-core CPU: size it
+    with --contexts, --task, --prompts, --budgets and --methods (about an hour there: --contexts 4096 --task
+    niah_single_1,niah_multikey_1,fwe --prompts 5 --passkey-prompts 1 --budgets 1/8 -m dense -m streamingllm -m
+    radar+ -m radar+adaptive --ppl-steps 64, estimated).
     """
-    from sparseattn.cli.inputs import inspect_model
     from sparseattn import registry
+    from sparseattn.cli.inputs import inspect_model
     from sparseattn.cli.outputs import check_out, wrote
     from sparseattn.evaluation.report import QUICK, ReportConfig, plan_cells, with_overrides
 

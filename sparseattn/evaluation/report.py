@@ -10,13 +10,14 @@ One call (:func:`run_report`) measures, for every *cell* (engine, method, budget
   cache. A cell's number is the mean over its prompts with a 95% percentile bootstrap interval; the
   RULER mean (over tasks, each task weighing the same) has a stratified one and, against dense at the
   same context, a paired difference interval and a verdict (:mod:`sparseattn.evaluation.intervals`).
-* **perplexity** on ``prose`` and ``code`` texts (the rows of one batch), ``ppl_context`` tokens each:
-  ``context - ppl_steps - 1`` prefilled once for every cell (:func:`ppl_shared`), then ``ppl_steps``
+* **perplexity** on ``prose`` and ``code`` texts (the rows of one batch), ``ppl_context`` tokens each (default:
+  the smallest context): the first ``ppl_context - ppl_steps - 1`` prefilled once for every cell
+  (:func:`ppl_shared`), then ``ppl_steps``
   teacher-forced decode steps per cell, as ``sparseattn ppl`` measures (:mod:`sparseattn.evaluation.ppl`).
   From them, per text: the **gap ratio** ``(ppl - dense) / (ppl(StreamingLLM) - dense)`` at the same
   budget (0: dense, 1: a sliding window; docs/methods.md) and the **ceiling-relative gap**
   ``(ppl - dense) / (ppl(oracle-tokens:split=pooled) - dense)`` (1: as good as the exact top tokens
-  with pooled head budgets; below 1: better than that ceiling). StreamingLLM and the oracle always run
+  with pooled head budgets; below 1: closer to dense than that ceiling). StreamingLLM and the oracle always run
   at each fractional budget, as the ratios' references. The ``default`` budget (each method's own) has no
   equal-budget reference, so no ratio.
 
@@ -37,6 +38,7 @@ The engine dimension is in every cell and figure panel; only ``transformers`` ru
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -352,9 +354,8 @@ def _cell_config(plan: Plan, cell: Cell, **more: Any) -> dict[str, Any]:
 
 
 def _slug(label: str) -> str:
-    from sparseattn.cli.outputs import slug
-
-    return slug(label.replace("@", "-at-").replace("/", "of"))
+    """A cell's directory name: ``radar+adaptive@1/8`` -> ``radar+adaptive-at-1of8`` (other odd characters: ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", label.replace("@", "-at-").replace("/", "of"))
 
 
 def part_runs(plan: Plan, part: Part) -> dict[str, tuple[Any, RunDir]]:
@@ -687,6 +688,10 @@ def markdown(report: dict[str, Any]) -> str:
         "stratified by task, each task weighing the same). `vs dense`: *within* = the mean lies inside dense's "
         "interval; *worse* = the paired difference's interval is below 0; *outside* = neither. `attended`: the KV "
         "tokens a decode step attended over those it could attend (measured).",
+        "",
+        "Perplexity ratios divide by the reference's own gap to dense: where that gap is near 0 (StreamingLLM or the "
+        "oracle about as good as dense on a text, or better) a text's ratio is large or of either sign; read each text's "
+        "perplexities beside its ratios.",
     ]
     for title, header, rows in [*retrieval_tables(report), *ppl_tables(report)]:
         lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -724,9 +729,12 @@ def draw_report(report: dict[str, Any]):
                     ax.errorbar(x, [s["mean"]], yerr=[[s["mean"] - s["low"]], [s["high"] - s["mean"]]], fmt="s",
                                 color=colour, linestyle=styles[j % len(styles)], label=label, capsize=3)  # fmt: skip
                     continue
-                ax.plot(x, [p[1]["mean"] for p in points], marker="o", color=colour, linestyle=styles[j % len(styles)],
-                        label=label)  # fmt: skip
+                y = [p[1]["mean"] for p in points]
+                ax.plot(x, y, marker="o", color=colour, linestyle=styles[j % len(styles)], label=label)
                 ax.fill_between(x, [p[1]["low"] for p in points], [p[1]["high"] for p in points], color=colour, alpha=0.15)
+                # a line of one budget has no area to shade: its interval shows as a bar at the point too
+                ax.errorbar(x, y, yerr=[[m - p[1]["low"] for m, p in zip(y, points)], [p[1]["high"] - m for m, p in zip(y, points)]],
+                            fmt="none", ecolor=colour, alpha=0.6, capsize=3)  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: "1" if x >= 1 else f"1/{round(1 / x):d}"))
         ax.set_ylim(-3, 103)
