@@ -1,7 +1,7 @@
 """``sparseattn report``: the quality report, methods x budgets x engines, with 95% intervals (issue 49).
 
 What it measures and how is :mod:`sparseattn.evaluation.report`; this module turns options into a
-:class:`~sparseattn.evaluation.report.ReportConfig`, refuses bad input before any work (one line naming the
+:class:`~sparseattn.evaluation.report_plan.ReportConfig`, refuses bad input before any work (one line naming the
 option, the value and what is allowed), loads the model last, runs (or resumes) the cells and prints the tables.
 
 Sizes (the default model, float32, the 2-core AMD EPYC this toolkit is measured on):
@@ -39,7 +39,7 @@ from sparseattn.cli.options import MODEL
 QUICK_MEASURED = "8 min 27 s measured on 2 busy cores"
 
 
-#: The option behind each field of :class:`~sparseattn.evaluation.report.ReportConfig`, for its refusals.
+#: The option behind each field of :class:`~sparseattn.evaluation.report_plan.ReportConfig`, for its refusals.
 _OPTIONS = {"methods": "--methods", "budgets": "--budgets", "contexts": "--contexts", "tasks": "--task",
             "prompts": "--prompts", "passkey_prompts": "--passkey-prompts", "ppl_steps": "--ppl-steps",
             "ppl_context": ["--ppl-context", "--ppl-steps"], "prose/code": ["--prose", "--code"],
@@ -54,7 +54,7 @@ def _split(values: list[str] | None) -> list[str] | None:
 
 
 def _budgets(values: list[str] | None) -> tuple[str, ...] | None:
-    from sparseattn.evaluation.report import parse_budget
+    from sparseattn.evaluation.report_plan import parse_budget
 
     words = _split(values)
     if words is None:
@@ -158,7 +158,7 @@ def report(
     from sparseattn import registry
     from sparseattn.cli.inputs import inspect_model
     from sparseattn.cli.outputs import check_out, wrote
-    from sparseattn.evaluation.report import QUICK, ReportConfig, plan_cells, with_overrides
+    from sparseattn.evaluation.report_plan import QUICK, ReportConfig, plan_cells, with_overrides
 
     base = QUICK if quick else ReportConfig()
     check_range("--prompts", prompts, 1)
@@ -204,14 +204,16 @@ def report(
         except ValueError as err:
             raise bad(["--methods", "--budgets"], f"at the perplexity context {config.ppl_tokens}: {err}") from None
 
-    from sparseattn.evaluation.report import plan_report, ppl_tables, retrieval_tables, run_report
+    from sparseattn.evaluation.report import run_report
+    from sparseattn.evaluation.report_output import ppl_tables, retrieval_tables
+    from sparseattn.evaluation.report_plan import plan_report
 
     tokenizer = info.tokenizer()
     try:
         plan = plan_report(config, tokenizer, out, model, info.window)
     except ValueError as err:  # a context a task cannot fill, or a text too short
         raise bad("--contexts", str(err)) from None
-    from sparseattn.evaluation.report import check_plan
+    from sparseattn.evaluation.report_plan import check_plan
 
     try:
         check_plan(plan)
