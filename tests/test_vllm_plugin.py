@@ -103,9 +103,12 @@ def test_bad_method_from_environment_fails_at_start():
     assert "ValueError: unknown method 'qwest'; known methods: dense" in out, out[-3000:]
 
 
-def test_bad_option_from_additional_config_fails_at_start():
+def test_bad_option_from_additional_config_fails_before_any_engine_work():
+    """Refused as vLLM makes the engine's config (the platform's check of additional_config), in the front end:
+    no engine process is started and no weight is read."""
     out = start_fails('{"additional_config": {"sparseattn": {"method": "quest", "budget": 0}}}', {})
     assert "budget 0 is out of range; allowed: an integer in [1, 2147483647]" in out, out[-3000:]
+    assert "EngineCore" not in out and "Starting to load model" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

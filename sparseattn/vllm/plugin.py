@@ -10,15 +10,16 @@ for a method (:mod:`sparseattn.vllm.config`). Without a request vLLM runs its ow
 A method given through ``SPARSEATTN_VLLM_METHOD`` is checked here (the registry's checks, then the
 paged engine's: an eviction method is refused), so a bad name or option stops
 ``LLM(...)``/``vllm serve`` in the front-end process with the registry's message. One given through
-``additional_config`` is checked when the engine core builds the model (still at start-up: the
-engine fails to start, its log shows the registry's message).
+``additional_config`` is checked where vLLM has a platform validate its ``additional_config``: the
+platform's ``check_and_update_config``, which runs as the engine's config is made, in the front end,
+before an engine process starts or a weight is read (:func:`check_request_first`).
 """
 
 from __future__ import annotations
 
 import os
 
-from sparseattn.vllm.config import ENV_VAR, parse_spec
+from sparseattn.vllm.config import ENV_VAR, parse_spec, request_from
 from sparseattn.vllm.policy import PagedPolicy
 
 __all__ = ["register"]
@@ -48,3 +49,27 @@ def register() -> None:
     )
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    check_request_first(type(current_platform))
+
+
+def check_request(vllm_config) -> None:
+    """Refuse a bad ``additional_config["sparseattn"]`` (the registry's message, or the paged engine's refusal)."""
+    request = request_from(getattr(vllm_config, "additional_config", None), environ={})
+    if request is not None:
+        PagedPolicy(request.build(), request.label)
+
+
+def check_request_first(platform: type) -> None:
+    """Have ``platform``'s ``check_and_update_config`` (vLLM calls it as it makes an engine's config) run
+    :func:`check_request` first; once per platform class, whoever registers again."""
+    hook = platform.__dict__.get("check_and_update_config")
+    if hook is None or getattr(hook.__func__, "checks_sparseattn", False):
+        return
+    update = hook.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        check_request(vllm_config)
+        update(cls, vllm_config)
+
+    check_and_update_config.checks_sparseattn = True
+    platform.check_and_update_config = classmethod(check_and_update_config)
