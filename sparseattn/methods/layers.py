@@ -154,12 +154,12 @@ def plain_first(method, layers: int) -> SplitLayers:
 
 
 def first_layers_of(method, first_layers: int, layer_factor: float | None):
-    """``method`` with ``layer_factor`` (None: 4) times the budget in its first ``first_layers`` layers (:class:`FirstLayers`)."""
+    """``method`` with ``layer_factor`` (None: :class:`FirstLayers`' default) times the budget in its first ``first_layers`` layers (:class:`FirstLayers`)."""
     if not first_layers:
         if layer_factor is not None:
             raise ValueError("layer_factor shapes the first layers' budget; give first_layers too")
         return method
-    return FirstLayers(method, layers=first_layers, factor=4.0 if layer_factor is None else layer_factor)
+    return FirstLayers(method, layers=first_layers, **({} if layer_factor is None else {"factor": layer_factor}))
 
 
 def with_layer_options(preset, *, rest_layers: bool = False):

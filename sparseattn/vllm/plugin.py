@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from sparseattn.vllm.config import ENV_VAR, parse_spec, request_from
+from sparseattn.vllm.config import ENV_VAR, MethodRequest, parse_spec, request_from
 from sparseattn.vllm.policy import PagedPolicy
 
 __all__ = ["register"]
@@ -32,8 +32,7 @@ def register() -> None:
     """Register the ``CPU_ATTN`` override (on the CPU platform); check ``SPARSEATTN_VLLM_METHOD`` if set."""
     spec = os.environ.get(ENV_VAR, "").strip()
     if spec:  # the registry's ValueError, or the paged engine's refusal, at start-up in the calling process
-        request = parse_spec(spec)
-        PagedPolicy(request.build(), request.label)
+        check_runnable(parse_spec(spec))
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -52,11 +51,16 @@ def register() -> None:
     check_request_first(type(current_platform))
 
 
+def check_runnable(request: MethodRequest) -> None:
+    """Refuse a request the paged engine cannot run (an eviction method, an always-kept part: its refusal)."""
+    PagedPolicy(request.build(), request.label)
+
+
 def check_request(vllm_config) -> None:
     """Refuse a bad ``additional_config["sparseattn"]`` (the registry's message, or the paged engine's refusal)."""
     request = request_from(getattr(vllm_config, "additional_config", None), environ={})
     if request is not None:
-        PagedPolicy(request.build(), request.label)
+        check_runnable(request)
 
 
 def check_request_first(platform: type) -> None:
