@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseattn import H2O, Dense, Quest, RadarPlus, SnapKV, StreamingLLM, SubGen
+from sparseattn import H2O, Dense, Quest, RadarPlus, SnapKV, StreamingLLM, SubGen, registry
 from sparseattn.evaluation.shared_prefill import Fanout, prefill_together
 from sparseattn.hf import apply, cache_kwargs
 from sparseattn.hf.cache import SparseCache
@@ -21,6 +21,9 @@ METHODS = {
     "quest": Quest(budget=32, page_size=4),
     "radar+": RadarPlus(budget=32),
     "segments": SegmentSearch(top_k=2),
+    # the always part observes the prompt's attention; a prefill method hands over to a decode method
+    "radar-with-h2o": registry.parse("radar-with-h2o", 32).method,
+    "snapkv-then-radar": registry.parse("snapkv-then-radar", 40).method,
 }
 
 
@@ -46,6 +49,22 @@ def test_shared_prefill_decodes_exactly_as_separate_prefills(architecture):
             got = _decode(model, caches[label], ids, prefill)
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"{label}: shared prefill decodes differently")
         assert caches[label].mean_attended() == alone.mean_attended(), label
+
+
+def test_a_shared_prefill_computes_the_prompt_attention_once(monkeypatch):
+    """The fan-out answers with its first state's output; the others only observe the block, so the
+    ``T x t`` prefill attention is computed once per layer, not once per method (each method's cache is
+    still its own prefill's: the test above)."""
+    import sparseattn.methods.base as base
+
+    calls = []
+    real = base.causal_block_attention
+    monkeypatch.setattr(base, "causal_block_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(3, 97, (1, 50), generator=torch.Generator().manual_seed(4))
+    prefill_together(model, {label: METHODS[label] for label in ("dense", "h2o", "snapkv", "radar+")}, ids,
+                     progress=False)  # fmt: skip
+    assert len(calls) == model.config.num_hidden_layers
 
 
 def test_shared_prefill_caches_are_independent():

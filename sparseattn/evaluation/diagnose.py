@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseattn.methods.base import KVState, LayerSpec, SparseMethod, StatefulMethod
+from sparseattn.methods.base import KVState, LayerSpec, SparseMethod, StatefulMethod, observe_block
 from sparseattn.methods.segment_state import SegmentSearchState
 from sparseattn.ops.attention import soft_cap
 
@@ -84,7 +84,7 @@ class ProbeState(KVState):
         self.inner.append(keys, values)
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
-        self.inner.attend_block(query)  # let the method see its prefill (it may record or evict)
+        observe_block(self.inner, query)  # let the method see its prefill (it may record or evict)
         return super().attend_block(query)
 
     def attend(self, query: torch.Tensor):

@@ -31,7 +31,7 @@ import torch
 
 from sparseattn.hf import apply, cache_kwargs
 from sparseattn.hf.cache import RowwiseState, SparseCache, SparseLayer
-from sparseattn.methods.base import KVState, LayerSpec, SparseMethod, sum_nbytes
+from sparseattn.methods.base import KVState, LayerSpec, SparseMethod, observe_block, sum_nbytes
 from sparseattn.ops.buffers import GrowableBuffer
 from sparseattn.progress import forward_progress
 
@@ -65,8 +65,11 @@ class FanoutState:
             share_prompt(self.states)
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
-        outputs = [state.attend_block(query) for state in self.states]
-        return outputs[0]
+        """The first state's prefill output; the others only observe the block (their outputs would be dropped)."""
+        out = self.states[0].attend_block(query)
+        for state in self.states[1:]:
+            observe_block(state, query)
+        return out
 
     def attend(self, query: torch.Tensor):
         results = [state.attend(query) for state in self.states]

@@ -29,6 +29,17 @@ def sum_nbytes(parts) -> dict[str, int]:
     return total
 
 
+def observe_block(state, query: torch.Tensor) -> None:
+    """Let ``state`` see a prefill block's queries ``[B, H_q, T, D]`` without its output being needed: the
+    state's own ``observe_block`` (:meth:`KVState.observe_block`), or ``attend_block`` with the output dropped
+    for a state that has none (the optional member of :class:`DecodeState`)."""
+    observe = getattr(state, "observe_block", None)
+    if observe is None:
+        state.attend_block(query)
+    else:
+        observe(query)
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """One attention layer as an engine describes it to a method: shape, placement, dtype and logit rule.
@@ -170,7 +181,11 @@ class DecodeState(Protocol):
         ...
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
-        """Causal attention ``[B, H_q, T, D]`` of the last ``T`` appended tokens' queries ``[B, H_q, T, D]`` (prefill)."""
+        """Causal attention ``[B, H_q, T, D]`` of the last ``T`` appended tokens' queries ``[B, H_q, T, D]`` (prefill).
+
+        Optional beside it: ``observe_block(query) -> None``, what this does to the state without computing
+        the output (a shared prefill calls it where the output would be dropped; :func:`observe_block`).
+        """
         ...
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
@@ -252,7 +267,7 @@ class KVState:
     """Base of the decode states: validated key/value storage that grows by capacity doubling.
 
     Subclasses implement :meth:`attend` and may hook :meth:`_after_append` (build structure) and
-    :meth:`attend_block` (record prefill statistics, evict). Scores are computed in float32 (float64
+    :meth:`observe_block` (record prefill statistics, evict). Scores are computed in float32 (float64
     for float64 inputs) whatever the storage dtype, so fp16/bf16 caches never overflow.
 
     Args:
@@ -390,18 +405,34 @@ class KVState:
         raise NotImplementedError
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
-        """Dense causal attention of the last ``T`` stored tokens' queries ``[B, H_q, T, D]`` (prefill).
+        """Dense causal attention of the last ``T`` stored tokens' queries ``[B, H_q, T, D]`` (prefill),
+        then :meth:`observe_block`.
 
         Every method prefills densely (the paper's setting); methods that learn from the prompt's
-        attention override this to record what they need.
+        attention override :meth:`observe_block`, not this, to record what they need.
         """
-        group = self._check_query(query, block=True)
-        T = query.shape[2]
-        if T > self.length:
-            raise ValueError(f"attend_block: {T} queries but only {self.length} stored tokens")
-        B, H, D = self.batch, self.kv_heads, self.head_dim
+        group = self._check_prefill_query(query)
+        B, H, D, T = self.batch, self.kv_heads, self.head_dim, query.shape[2]
         out = causal_block_attention(query.reshape(B, H, group, T, D), self.keys, self.values, self.scale, self.softcap)
+        self.observe_block(query)
         return out.reshape(B, H * group, T, D)
+
+    def observe_block(self, query: torch.Tensor) -> None:
+        """What :meth:`attend_block` does to the state, without computing its output: record the prompt's
+        attention statistics, evict. Nothing here; a state that learns from the prefill overrides it.
+
+        A shared prefill (:class:`~sparseattn.evaluation.shared_prefill.FanoutState`) answers with one
+        state's output and only lets the others observe: each ends as its own prefill leaves it, and the
+        ``T x t`` attention is computed once, not once per method.
+        """
+        self._check_prefill_query(query)
+
+    def _check_prefill_query(self, query: torch.Tensor) -> int:
+        """The query group of a well-formed prefill block ``[B, H_q, T, D]`` with ``T <= length``; ValueError otherwise."""
+        group = self._check_query(query, block=True)
+        if query.shape[2] > self.length:
+            raise ValueError(f"attend_block: {query.shape[2]} queries but only {self.length} stored tokens")
+        return group
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep (or repeat, or reorder) batch rows: ``index: [B']`` long (beam search, ``generate``'s expansion)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sparseattn.methods.base import DecodeState, KVState, LayerSpec, SparseMethod, StatefulMethod, StepInfo
+from sparseattn.methods.base import DecodeState, KVState, LayerSpec, SparseMethod, StatefulMethod, StepInfo, observe_block
 from sparseattn.methods.eviction import EvictionPolicy
 
 
@@ -109,6 +109,9 @@ class PrefillEvictionState:
 
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
         return self.active.attend_block(query)
+
+    def observe_block(self, query: torch.Tensor) -> None:
+        observe_block(self.active, query)
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, StepInfo]:
         if self.decode_state is None:

@@ -422,13 +422,13 @@ class EvictingState(SlotStore):
         else:
             self._settle()
 
-    def attend_block(self, query: torch.Tensor) -> torch.Tensor:
-        """Dense causal prefill attention ``[B, H_q, T, D]`` over everything stored, then eviction to ``budget``."""
-        out = super().attend_block(query)
+    def observe_block(self, query: torch.Tensor) -> None:
+        """After the dense prefill attention over everything stored: the observation records it, then eviction
+        to ``budget``."""
+        super().observe_block(query)
         if self._observation is not None:
             observe_prompt(self._observation, self.field("attention"), query, self.keys, self.scale, self.softcap)
         self._settle()
-        return out
 
     def attend(self, query: torch.Tensor) -> tuple[torch.Tensor, SlotSelection]:
         """Attention of ``query: [B, H_q, D]`` over every stored slot: ``([B, H_q, D], selection)``."""

@@ -158,12 +158,11 @@ class SegmentSearchState(KVState):
             self._record.append(torch.zeros(self.batch, self.kv_heads, n_new, dtype=self.compute_dtype, device=self.device))
         self._restructure()
 
-    def attend_block(self, query: torch.Tensor) -> torch.Tensor:
-        """Dense causal prefill attention ``[B, H_q, T, D]``; the ``always`` part's observation records it."""
-        out = super().attend_block(query)
+    def observe_block(self, query: torch.Tensor) -> None:
+        """The ``always`` part's observation records the prefill's attention (nothing without one)."""
+        super().observe_block(query)
         if self._record is not None:
             observe_prompt(self._observation, self._record.view(), query, self.keys, self.scale, self.softcap)
-        return out
 
     def _segmentable(self) -> int:
         """Tokens the schedule may cut into segments: after the sinks, before the held-back newest ones."""

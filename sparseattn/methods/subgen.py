@@ -387,13 +387,9 @@ class SubGenState(SlotStore):
     def attend_block(self, query: torch.Tensor) -> torch.Tensor:
         """Prefill: dense until the sketch exists; afterwards the block's queries see the sketch through its weights."""
         if not self.sketched:
-            out = super().attend_block(query)  # dense
-            self._settle()
-            return out
-        group = self._check_query(query, block=True)
+            return super().attend_block(query)  # dense, then observe_block folds the block in
+        group = self._check_prefill_query(query)
         B, H, D, T, S = self.batch, self.kv_heads, self.head_dim, query.shape[2], self.length
-        if T > S:
-            raise ValueError(f"attend_block: {T} queries but only {S} stored tokens")
         grouped = query.reshape(B, H, group, T, D)
         out = torch.empty(B, H, group, T, D, dtype=query.dtype, device=self.device)
         rows = max(1, (1 << 23) // max(1, B * H * group * S))
@@ -411,6 +407,11 @@ class SubGenState(SlotStore):
             out[:, :, :, start:end] = part.to(query.dtype)
         self._settle()
         return out.reshape(B, H * group, T, D)
+
+    def observe_block(self, query: torch.Tensor) -> None:
+        """The block is folded into the sketch (what its output reads is only read)."""
+        super().observe_block(query)
+        self._settle()
 
 
 register(
