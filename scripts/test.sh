@@ -21,6 +21,6 @@ elif [[ $(uname -s)-$(uname -m) != Linux-x86_64 ]]; then
 else
     bash scripts/vllm-venv.sh
     rc=0
-    .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile "$@" tests/test_vllm_plugin.py tests/test_vllm_e2e.py tests/test_vllm_switch.py tests/test_vllm_robustness.py tests/test_vllm_server.py tests/test_vllm_load.py tests/test_vllm_ppl.py tests/test_vllm_worker.py || rc=$?
+    .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile "$@" tests/test_vllm_plugin.py tests/test_vllm_e2e.py tests/test_vllm_switch.py tests/test_vllm_robustness.py tests/test_vllm_server.py tests/test_vllm_load.py tests/test_vllm_ppl.py tests/test_vllm_worker.py tests/test_vllm_report.py || rc=$?
     [[ $rc == 0 || $rc == 5 ]] || exit $rc  # 5: the arguments selected none of these tests (e.g. -m slow)
 fi

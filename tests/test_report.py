@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparseattn.evaluation.intervals import Interval, bootstrap_mean, compare, stratified_bootstrap_mean
+from sparseattn.evaluation.report_output import REFERENCE_GAP_FLOOR
 from sparseattn.testing import save_tiny_checkpoint
 
 runner = CliRunner()
@@ -151,7 +152,7 @@ def run_report(*args: str):
 
 def tiny_args(tiny, out) -> list[str]:
     root, model, _, prose, code = tiny
-    return ["--model", model, "--out", str(out), "-m", "dense", "-m", "streamingllm", "-m", "radar+", "--budgets", "1/8",
+    return ["--model", model, "--out", str(out), "-m", "dense", "-m", "streamingllm", "-m", "radar+adaptive", "--budgets", "1/8",
             "--contexts", "1024", "--task", "niah_single_1", "--prompts", "3", "--passkey-prompts", "1",
             "--ppl-steps", "8", "--prose", prose, "--code", code, "--answer-tokens", "4"]  # fmt: skip
 
@@ -166,8 +167,8 @@ def test_report_writes_its_files_and_a_rerun_skips_finished_cells(tiny):
     text = (out / "report.md").read_text()
     assert "RULER mean [95%]" in text and "gap ratio, prose: mean (worst)" in text and "ceiling-relative, code" in text
     labels = {c["label"] for c in report["cells"]}
-    assert labels == {"dense@full", "streamingllm@1/8", "radar+@1/8"}
-    cell = out / "transformers" / "niah_single_1-c1024" / "radar+-at-1of8"
+    assert labels == {"dense@full", "streamingllm@1/8", "radar+adaptive@1/8"}
+    cell = out / "transformers" / "niah_single_1-c1024" / "radar+adaptive-at-1of8"
     records = [json.loads(line) for line in (cell / "samples.jsonl").read_text().splitlines()]
     assert len(records) == 3 and all(r["prefilled_with"] == 3 for r in records)  # one prefill for the three cells
     summary = json.loads((cell / "summary.json").read_text())
@@ -177,9 +178,12 @@ def test_report_writes_its_files_and_a_rerun_skips_finished_cells(tiny):
     assert len(passkey["by_depth"]) == 10  # the full grid's 10 depths x 1 prompt
     ppl = {r["label"]: r for r in report["ppl"]}
     # the references run at the budget even though the oracle was not asked for; dense has no ratio
-    assert set(ppl) == {"dense@full", "streamingllm@1/8", "radar+@1/8", "oracle-tokens:split=pooled@1/8"}
-    assert ppl["streamingllm@1/8"]["gap_ratio"][tiny[3]] == pytest.approx(1.0)
-    assert ppl["oracle-tokens:split=pooled@1/8"]["ceiling_relative"][tiny[4]] == pytest.approx(1.0)
+    assert set(ppl) == {"dense@full", "streamingllm@1/8", "radar+adaptive@1/8", "oracle-tokens:split=pooled@1/8"}
+    for reference, key, text in (("streamingllm@1/8", "gap_ratio", tiny[3]), ("oracle-tokens:split=pooled@1/8",
+                                                                              "ceiling_relative", tiny[4])):  # fmt: skip
+        # its own ratio is 1, unless its gap is below the floor a ratio divides by
+        gap, dense = ppl[reference]["ppl"][text] - ppl["dense@full"]["ppl"][text], ppl["dense@full"]["ppl"][text]
+        assert ppl[reference][key][text] == pytest.approx(gap / max(gap, REFERENCE_GAP_FLOOR * dense))
     assert "gap_ratio" not in ppl["dense@full"]
     means = [m for m in report["means"] if m["group"] == "ruler"]
     assert {m["versus_dense"]["verdict"] for m in means if m["label"] == "dense@full"} == {"within"}
@@ -204,9 +208,14 @@ def test_report_writes_its_files_and_a_rerun_skips_finished_cells(tiny):
     assert result.exit_code == 0, result.output
     means = {m["label"]: m for m in json.loads((out / "report.json").read_text())["means"] if m["group"] == "ruler"}
     assert means["dense@full"]["score"]["mean"] == 100.0  # one task, all right
-    for label in ("streamingllm@1/8", "radar+@1/8"):
+    for label in ("streamingllm@1/8", "radar+adaptive@1/8"):
         versus = means[label]["versus_dense"]
         assert versus["paired"] and versus["verdict"] == "worse" and not versus["within_reference"], versus
+    # The recommended preset's RULER target is missed, and the report says where: every prompt dense answered
+    ruler = [t for t in json.loads((out / "report.json").read_text())["targets"] if t["target"] == "ruler 1024"][0]
+    assert ruler["verdict"] == "missed" and ruler["by_task"] == {
+        "niah_single_1": {"prompts": 4, "selection_lost": 4, "model_fails": 0}}
+    assert "**transformers, ruler 1024**: missed" in (out / "report.md").read_text()
 
 
 def test_shared_prefill_perplexity_equals_separate_runs(tiny, tmp_path):
@@ -243,6 +252,8 @@ def test_shared_prefill_perplexity_equals_separate_runs(tiny, tmp_path):
     (["--code", "king-lear"], "--code", "'king-lear' is a prose text; allowed: code texts"),
     (["--ppl-steps", "1500"], "--ppl-context", "1024 is not allowed; allowed: None or more than ppl_steps + 1 = 1501"),
     (["--ppl-context", "8000"], "--ppl-context", "8000 is out of range; allowed: from 64 to 4096"),
+    (["--retrieval-budgets", "1/8,3"], "--retrieval-budgets", "'3' is not a budget; allowed"),
+    (["--wide"], "--wide", "both given; allowed: one of them"),
 ])  # fmt: skip
 def test_report_refuses_bad_options_in_one_line_before_loading_the_model(tiny, args, option, says):
     root, _, bare, _, _ = tiny

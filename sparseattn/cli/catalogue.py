@@ -45,12 +45,9 @@ def vllm_step(name: str) -> str | None:
     """
     if "vllm" not in registry.get(name).engines:
         return None
-    from sparseattn.vllm.paged import PagedPolicy, layer_methods
-    from sparseattn.vllm.route import route
+    from sparseattn.vllm.route import generic_refusal
 
-    method = registry.build(name)
-    ways = [route(PagedPolicy(leaf, name)) for leaf in layer_methods(method)]
-    refused = next((way.refusal for way in ways if not way.fused), None)
+    refused = generic_refusal(registry.build(name), name)
     return "fused" if refused is None else f"generic: {refused}"
 
 

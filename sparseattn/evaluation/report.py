@@ -32,21 +32,23 @@ summary when its steps are done, so an interrupt loses at most the prompt (or th
 flight; a rerun skips what is recorded. The report itself (``report.md``, ``report.json``,
 ``report.png``) is rebuilt from the cells' files at the end (:func:`assemble`).
 
-The engine dimension is in every cell and figure panel; only ``transformers`` runs here so far.
+Two engines, a panel each: ``transformers`` (this module) and ``vllm``, the plugin's paged engine
+(:mod:`sparseattn.evaluation.report_vllm`: one engine, each cell's method switched in, the prompts' prefill
+shared through vLLM's prefix cache; its x is the nominal budget fraction, the paged engine counting nothing).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sparseattn.evaluation.runs import RunDir, environment
-from sparseattn.evaluation.report_output import assemble
-from sparseattn.evaluation.report_plan import Part, Plan, check_plan, part_runs, ppl_runs, record_key
+from sparseattn.evaluation.report_output import assemble, summarize_cell
+from sparseattn.evaluation.report_plan import Part, Plan, check_plan, part_pending, part_runs, ppl_runs, record_key
 
 
 def ppl_shared(model, runs: dict[str, tuple[Any, RunDir]], ids: torch.Tensor, prefill: int, steps: int, *,
@@ -101,30 +103,6 @@ def ppl_shared(model, runs: dict[str, tuple[Any, RunDir]], ids: torch.Tensor, pr
     return {label: run.summary() for label, (_, run) in runs.items()}
 
 
-def _fraction(record: dict[str, Any]) -> float:
-    """The share of the context a retrieval answer's decode steps attended (NaN: no decode step)."""
-    steps_context = record["prompt_tokens"] + (record.get("new_tokens", 1) - 1) / 2
-    return record["attended"] / steps_context
-
-
-def summarize_cell(cell_records: Sequence[dict[str, Any]], resamples: int, seed: int) -> dict[str, Any]:
-    """A retrieval cell's summary: the mean score with its bootstrap interval, the attended fraction, per-depth means."""
-    from sparseattn.evaluation.intervals import bootstrap_mean
-
-    scores = [r["score"] for r in cell_records]
-    fractions = [f for f in map(_fraction, cell_records) if not math.isnan(f)]
-    depths: dict[str, list[float]] = {}
-    for r in cell_records:
-        depths.setdefault(f"{r['depth']:g}", []).append(r["score"])
-    return {
-        "score": bootstrap_mean(scores, resamples=resamples, seed=seed).to_dict(),
-        "fraction": sum(fractions) / len(fractions) if fractions else float("nan"),
-        "by_depth": {d: sum(v) / len(v) for d, v in depths.items()},
-        "n_prompts": len(cell_records),
-        "decode_seconds": sum(r["seconds"] for r in cell_records),
-    }
-
-
 def run_part(model, plan: Plan, part: Part, *, progress: bool = True) -> None:
     """Answer a retrieval part's prompts in every cell not done yet (one shared prefill per prompt), then
     write each cell's summary."""
@@ -141,18 +119,39 @@ def run_part(model, plan: Plan, part: Part, *, progress: bool = True) -> None:
         run.finish({**run.config, **summarize_cell(records, plan.config.resamples, plan.config.seed)})
 
 
-def run_report(model, plan: Plan, *, progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) every part of ``plan`` on ``model`` (transformers), then :func:`assemble` the report."""
+def run_report(plan: Plan, load: Callable[[], Any], *, model_dir: str | None = None, progress: bool = True,
+               say: Callable[[str], None] = print, vllm_output: Callable[[], Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Run (or resume) every part of ``plan``, then :func:`assemble` the report.
+
+    ``load()`` gives the transformers model, called only if a transformers cell is unfinished; ``model_dir``
+    (the model's local directory) is what vLLM's panel starts its engine on
+    (:func:`~sparseattn.evaluation.report_vllm.run_vllm_panel`; ``vllm_output``: where vLLM's own output goes),
+    needed only with that engine in the plan.
+    """
     from sparseattn.progress import progress as show_progress
 
     check_plan(plan)
-    total = len(plan.parts) + len(plan.ppl)
-    with show_progress(f"report: {total} parts (task x context, perplexity)", total=total, unit="parts",
+    parts = [p for p in plan.parts if p.engine == "transformers"]
+    ppl = [p for p in plan.ppl if p.engine == "transformers"]
+    model = None
+    total = len(parts) + len(ppl)
+    with show_progress(f"report: {total} transformers parts (task x context, perplexity)", total=total, unit="parts",
                        enabled=progress) as bar:  # fmt: skip
-        for part in plan.parts:
-            run_part(model, plan, part, progress=progress)
+        for part in parts:
+            if model is None and part_pending(plan, part):
+                model = load()
+            run_part(model, plan, part, progress=progress)  # a finished part: its summaries only
             bar.advance()
-        for part in plan.ppl:
-            ppl_shared(model, ppl_runs(plan, part), part.ids, part.prefill, part.steps, progress=progress)
+        for part in ppl:
+            runs = ppl_runs(plan, part)
+            if model is None and any(not run.finished for _, run in runs.values()):
+                model = load()
+            ppl_shared(model, runs, part.ids, part.prefill, part.steps, progress=progress)
             bar.advance()
+    if any(p.engine == "vllm" for p in [*plan.parts, *plan.ppl]):
+        from sparseattn.evaluation.report_vllm import run_vllm_panel
+
+        if model_dir is None:
+            raise ValueError("the plan has vLLM cells: run_report needs model_dir, the model's local directory")
+        run_vllm_panel(plan, str(model_dir), say=say, output=vllm_output)
     return assemble(plan)

@@ -24,8 +24,11 @@ from sparseattn.evaluation.runs import RunDir
 DEFAULT_METHODS = ("dense", "streamingllm", "snapkv", "quest", "radar", "radar+", "radar+adaptive", "oracle-tokens:split=pooled")
 #: Budgets: fractions of the context, and each method's own default.
 DEFAULT_BUDGETS = ("1/16", "1/8", "1/4", "default")
-#: The engines a report knows; vLLM's paged engine is the next panel (issue 49).
-ENGINES = ("transformers",)
+#: The retrieval parts' budgets by default: the targets' budget only (a retrieval cell costs a decoded answer per
+#: prompt; a perplexity cell's steps run the texts as one batch).
+DEFAULT_RETRIEVAL_BUDGETS = ("1/8",)
+#: The engines a report knows: transformers (every method) and vLLM's paged engine (the methods it runs).
+ENGINES = ("transformers", "vllm")
 #: The gap ratio's reference and the ceiling-relative gap's.
 STREAMING, ORACLE = "streamingllm", "oracle-tokens:split=pooled"
 #: Passkey depths of the full report: 10, evenly spaced from 0% to 100%.
@@ -68,7 +71,7 @@ class Cell:
     """One column of the report at one context: a method at one budget, in one engine.
 
     Attributes:
-        engine: ``transformers`` (vLLM's paged engine to come).
+        engine: ``transformers`` or ``vllm`` (the plugin's paged engine).
         method: the method's label without its budget (``radar+adaptive``, ``oracle-tokens:split=pooled``).
         budget: ``1/16``..., ``default``, ``full`` (no budget: dense) or ``spec`` (the spec fixes it).
         budget_tokens: the budget in tokens at this context (None: the method's own).
@@ -95,10 +98,18 @@ def method_label(spec: str) -> tuple[str, bool]:
 
 
 def plan_cells(methods: Sequence[str], budgets: Sequence[str], context: int, engine: str = "transformers") -> list[Cell]:
-    """Every cell of ``methods`` x ``budgets`` at ``context`` (a method without a budget: one cell); ValueError
-    (the registry's message) where a spec, or a spec at a budget, is refused."""
+    """Every cell of ``methods`` x ``budgets`` at ``context`` (a method without a budget: one cell) that ``engine``
+    serves; ValueError (the registry's message) where a spec, or a spec at a budget, is refused.
+
+    vLLM's panel holds the methods its paged engine runs in its fused step, what a server runs: not those the
+    engine refuses (SnapKV, H2O) nor those on its generic torch path (the as-run Radar, the exact-token oracles),
+    a reference for its tests whose memory grows with the batch (the as-run Radar's took 23 GB for four
+    4k-token prompts, 2026-11-28).
+    """
     cells: dict[str, Cell] = {}
     for spec in methods:
+        if not serves(engine, spec):
+            continue
         label, has_budget = method_label(spec)
         if not has_budget:
             fixed = "full" if "budget" not in registry.get(registry.parse(spec).name).option_names else "spec"
@@ -112,13 +123,27 @@ def plan_cells(methods: Sequence[str], budgets: Sequence[str], context: int, eng
     return list(cells.values())
 
 
+def serves(engine: str, spec: str) -> bool:
+    """Whether ``engine``'s panel holds the method ``spec`` (:func:`plan_cells`)."""
+    parsed = registry.parse(spec)
+    if engine not in registry.get(parsed.name).engines:
+        return False
+    if engine == "vllm":
+        from sparseattn.vllm.route import generic_refusal
+
+        return generic_refusal(parsed.method, parsed.label) is None
+    return True
+
+
 @dataclass(frozen=True)
 class ReportConfig:
-    """What a report measures (the full run's sizes by default; :data:`QUICK` is the first look).
+    """What a report measures (the full run's sizes by default, about an hour on 2 CPU cores; :data:`QUICK` is
+    the first look; :data:`WIDE` the grid for a bigger machine).
 
     Attributes:
         methods: method specs (``NAME[:key=value,...]``, ``sparseattn methods``).
-        budgets: ``1/N`` fractions of the context and/or ``default``.
+        budgets: ``1/N`` fractions of the context and/or ``default`` (the perplexity cells').
+        retrieval_budgets: the retrieval cells' budgets (None: ``budgets``).
         contexts: prompt lengths in tokens, answer included.
         tasks: RULER task names (:data:`~sparseattn.data.ruler.RULER_TASKS`).
         prompts: seeded prompts per RULER task and context.
@@ -129,16 +154,17 @@ class ReportConfig:
         answer_tokens: the most answer tokens generated (RULER's own budget where it is smaller).
         haystack: the prose haystack of the NIAH tasks that take one.
         seed: the first prompt's seed; resamples: bootstrap draws per interval.
-        engines: the engines run (``transformers``).
+        engines: the engines run (``transformers``, ``vllm``: a panel each).
     """
 
     methods: tuple[str, ...] = DEFAULT_METHODS
     budgets: tuple[str, ...] = DEFAULT_BUDGETS
-    contexts: tuple[int, ...] = (4096, 8192)
+    retrieval_budgets: tuple[str, ...] | None = DEFAULT_RETRIEVAL_BUDGETS
+    contexts: tuple[int, ...] = (4096,)
     tasks: tuple[str, ...] = tuple(RULER_TASKS)
-    prompts: int = 25
+    prompts: int = 4
     passkey_depths: tuple[float, ...] = PASSKEY_DEPTHS
-    passkey_prompts: int = 5
+    passkey_prompts: int = 1
     prose: tuple[str, ...] = ("king-lear", "paradise-regained")
     code: tuple[str, ...] = ("pyio", "subprocess")
     ppl_steps: int = 256
@@ -158,6 +184,10 @@ class ReportConfig:
         need(bool(self.budgets), "budgets", self.budgets, "at least one of 1/N and default")
         for budget in self.budgets:
             need(parse_budget(budget) == budget, "budgets", budget, "canonical labels (parse_budget)")
+        need(self.retrieval_budgets is None or bool(self.retrieval_budgets), "retrieval_budgets", self.retrieval_budgets,
+             "None (the budgets) or at least one of 1/N and default")  # fmt: skip
+        for budget in self.retrieval_budgets or ():
+            need(parse_budget(budget) == budget, "retrieval_budgets", budget, "canonical labels (parse_budget)")
         need(bool(self.contexts) and all(isinstance(c, int) and c >= 64 for c in self.contexts), "contexts", self.contexts,
              "integers >= 64")  # fmt: skip
         need(all(t in RULER_TASKS for t in self.tasks), "tasks", self.tasks, ", ".join(RULER_TASKS))
@@ -172,6 +202,11 @@ class ReportConfig:
         need(self.answer_tokens >= 1, "answer_tokens", self.answer_tokens, ">= 1")
         need(self.resamples >= 1, "resamples", self.resamples, ">= 1")
         need(all(e in ENGINES for e in self.engines), "engines", self.engines, ", ".join(ENGINES))
+
+    @property
+    def retrieval(self) -> tuple[str, ...]:
+        """The retrieval cells' budgets: :attr:`retrieval_budgets`, or :attr:`budgets` where that is None."""
+        return self.retrieval_budgets or self.budgets
 
     @property
     def ppl_tokens(self) -> int:
@@ -191,10 +226,14 @@ class ReportConfig:
 #: niah_multikey_1 x 4 prompts and passkey at 3 depths, answers of at most 12 tokens; perplexity of 2 + 2 texts
 #: of 1024 tokens over their last 16 (with StreamingLLM's and the pooled oracle's at 1/8 as references).
 QUICK = ReportConfig(
-    methods=("dense", "streamingllm", "radar+adaptive"), budgets=("1/8",), contexts=(2048,),
+    methods=("dense", "streamingllm", "radar+adaptive"), budgets=("1/8",), retrieval_budgets=None, contexts=(2048,),
     tasks=("niah_single_1", "niah_multikey_1"), prompts=4, passkey_depths=(10.0, 50.0, 90.0), passkey_prompts=1,
     ppl_steps=16, ppl_context=1024, answer_tokens=12,
 )  # fmt: skip
+
+#: The issue's whole grid, for a machine bigger than 2 CPU cores (``sparseattn report --wide``): every budget in
+#: every part, 25 prompts per RULER task and passkey 10 depths x 5 at 4096 and 8192 tokens, 512 perplexity steps.
+WIDE = ReportConfig(retrieval_budgets=None, contexts=(4096, 8192), prompts=25, passkey_prompts=5, ppl_steps=512)
 
 
 # -- planning: every prompt built with the tokenizer alone, before any weight is loaded ---------------------------
@@ -272,7 +311,7 @@ def plan_report(config: ReportConfig, tokenizer, out: Path, model: str = "defaul
     parts = []
     for engine in config.engines:
         for context in config.contexts:
-            cells = plan_cells(config.methods, config.budgets, context, engine)
+            cells = plan_cells(config.methods, config.retrieval, context, engine)
             jobs = [(name, RULER_TASKS[name], []) for name in config.tasks]
             if config.passkey_prompts:
                 jobs.append(("passkey", PasskeyTask(), list(config.passkey_depths)))
@@ -370,3 +409,9 @@ def record_key(record: dict[str, Any]) -> tuple:
 def with_overrides(base: ReportConfig, **changes: Any) -> ReportConfig:
     """``base`` with the changes that are not None (a command's options over a preset)."""
     return replace(base, **{k: v for k, v in changes.items() if v is not None})
+
+
+def part_pending(plan: Plan, part: Part) -> bool:
+    """Whether some cell of a retrieval part has not recorded every planned prompt."""
+    planned = {key for key, _ in part.samples}
+    return any(not planned <= {record_key(r) for r in run.records("samples.jsonl")} for _, run in part_runs(plan, part).values())

@@ -161,3 +161,12 @@ def route(policy: PagedPolicy, engine_refusal: str | None = None) -> Route:
     coarse = getattr(m.summary, "coarse", None)
     stored = torch.bfloat16 if mode == FusedMode.SPLIT and coarse.dtype == torch.bfloat16 else torch.float32
     return Route(mode, summary_dtype=stored)
+
+
+def generic_refusal(method: Any, label: str) -> str | None:
+    """Why vLLM's paged engine runs ``method`` on its generic torch path rather than the fused C step (the first
+    layer's reason, for a method whose layers differ), or None where every layer runs fused."""
+    from sparseattn.vllm.paged import PagedPolicy, layer_methods
+
+    return next((way.refusal for leaf in layer_methods(method) if not (way := route(PagedPolicy(leaf, label))).fused), None)
+
