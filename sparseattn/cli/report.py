@@ -9,8 +9,9 @@ Sizes (the default model, float32, the 2-core AMD EPYC this toolkit is measured 
 * ``--quick``: 3 methods (dense, streamingllm, radar+adaptive) at budget 1/8; at 2048 tokens niah_single_1 and
   niah_multikey_1 x 4 prompts and passkey at 3 depths x 1 prompt (11 prompts, each prefilled once for the 3
   cells), answers of at most 12 tokens; perplexity of 2 prose + 2 code texts of 1024 tokens over their last 16
-  (4 cells: StreamingLLM's and the pooled oracle's at 1/8 join as the ratios' references). Measured: 8 min 27 s
-  wall while another benchmark kept both cores busy; a rerun with every cell finished takes 7 s.
+  (4 cells: StreamingLLM's and the pooled oracle's at 1/8 join as the ratios' references). Measured from a clean
+  clone on quiet cores: 1 min 34 s wall (8 min 27 s before the shared prefill computed the prompt's attention
+  once, with both cores busy); a rerun with every cell finished takes 7 s.
 * the default run, sized to about an hour per engine: 8 methods; retrieval at budget 1/8 (8 cells: the targets'
   budget), the 11 offline RULER tasks x 4 prompts and passkey 10 depths x 1 at 4096 tokens (54 prompts, each
   prefilled once for the 8 cells, answers of at most 32 tokens); perplexity of 2 prose + 2 code texts of 4096
@@ -36,7 +37,7 @@ from sparseattn.cli.consoles import console
 from sparseattn.cli.options import MODEL
 
 #: The measured wall time of ``sparseattn report --quick`` (see the module docstring).
-QUICK_MEASURED = "8 min 27 s measured on 2 busy cores"
+QUICK_MEASURED = "1 min 34 s measured on 2 quiet cores"
 
 
 #: The option behind each field of :class:`~sparseattn.evaluation.report_plan.ReportConfig`, for its refusals.
@@ -179,7 +180,7 @@ def report(
 
     Writes report.md, report.json and report.png (quality against the fraction of tokens attended, a column per
     engine) under --out, and a run directory per cell; a rerun skips the finished cells. Each prompt is
-    prefilled once for every method and budget. --quick: a first look in about 8 minutes on 2 cores; the
+    prefilled once for every method and budget. --quick: a first look in about 2 minutes on 2 cores; the
     default: about an hour per engine there (4k tokens, 4 prompts per RULER task, retrieval at budget 1/8);
     --wide: the whole grid (about 30 hours on 2 cores, estimated). Sizes and times: docs/evaluation.md.
     """
