@@ -254,6 +254,7 @@ def test_shared_prefill_perplexity_equals_separate_runs(tiny, tmp_path):
     (["--ppl-context", "8000"], "--ppl-context", "8000 is out of range; allowed: from 64 to 4096"),
     (["--retrieval-budgets", "1/8,3"], "--retrieval-budgets", "'3' is not a budget; allowed"),
     (["--wide"], "--wide", "both given; allowed: one of them"),
+    (["--engines", "transformers,sglang"], "--engines", "unknown engine 'sglang'; allowed: transformers, vllm"),
 ])  # fmt: skip
 def test_report_refuses_bad_options_in_one_line_before_loading_the_model(tiny, args, option, says):
     root, _, bare, _, _ = tiny

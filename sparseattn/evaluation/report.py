@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from sparseattn.evaluation.runs import RunDir, environment
-from sparseattn.evaluation.report_output import assemble, summarize_cell
+from sparseattn.evaluation.report_output import assemble, finish_cells
 from sparseattn.evaluation.report_plan import Part, Plan, check_plan, part_pending, part_runs, ppl_runs, record_key
 
 
@@ -108,15 +108,12 @@ def run_part(model, plan: Plan, part: Part, *, progress: bool = True) -> None:
     write each cell's summary."""
     from sparseattn.evaluation.generation import run_shared
 
-    runs = part_runs(plan, part)
     planned = {key for key, _ in part.samples}
-    pending = {label: pair for label, pair in runs.items()
+    pending = {label: pair for label, pair in part_runs(plan, part).items()
                if not planned <= {record_key(r) for r in pair[1].records("samples.jsonl")}}  # fmt: skip
     if pending:
         run_shared(model, pending, part.prompts, part.samples, progress=progress)
-    for label, (_, run) in runs.items():
-        records = [r for r in run.records("samples.jsonl") if record_key(r) in planned]
-        run.finish({**run.config, **summarize_cell(records, plan.config.resamples, plan.config.seed)})
+    finish_cells(plan, part)
 
 
 def run_report(plan: Plan, load: Callable[[], Any], *, model_dir: str | None = None, progress: bool = True,

@@ -41,6 +41,13 @@ def summarize_cell(cell_records: Sequence[dict[str, Any]], resamples: int, seed:
     }
 
 
+def finish_cells(plan: Plan, part) -> None:
+    """Write the summary of every cell of a retrieval part from its recorded prompts (those the plan holds)."""
+    planned = {key for key, _ in part.samples}
+    for _, run in part_runs(plan, part).values():
+        records = [r for r in run.records("samples.jsonl") if record_key(r) in planned]
+        run.finish({**run.config, **summarize_cell(records, plan.config.resamples, plan.config.seed)})
+
 
 #: The smallest reference gap a perplexity ratio divides by, as a share of dense's perplexity: a reference (the
 #: pooled oracle, on code often) closer to dense than this, or better than dense, counts as this far. Below it a

@@ -25,7 +25,7 @@ from typing import Any
 
 from sparseattn import registry
 from sparseattn.evaluation.generation import Generation
-from sparseattn.evaluation.report_output import summarize_cell
+from sparseattn.evaluation.report_output import finish_cells
 from sparseattn.evaluation.report_plan import Cell, Part, Plan, PplPart, part_pending, part_runs, ppl_runs, record_key
 from sparseattn.evaluation.runs import environment
 
@@ -115,9 +115,7 @@ def run_vllm_part(engine: Engine, plan: Plan, part: Part) -> None:
                     appender.write({**part.prompts.record(key, sample, gen), "new_tokens": len(tokens),
                                     "attended_measured": False, "batch": len(todo), "fallback_layer_steps": fallbacks,
                                     "needle_depths": sample.depths})  # fmt: skip
-        planned = {key for key, _ in part.samples}
-        records = [r for r in run.records("samples.jsonl") if record_key(r) in planned]
-        run.finish({**run.config, **summarize_cell(records, plan.config.resamples, plan.config.seed)})
+    finish_cells(plan, part)
 
 
 def run_vllm_ppl(engine: Engine, part: PplPart, runs: Mapping[str, tuple[Any, Any]]) -> None:
@@ -161,7 +159,8 @@ def run_vllm_panel(plan: Plan, model_dir: str, *, say=print, output=None) -> Non
     parts = [p for p in plan.parts if p.engine == "vllm"]
     ppl = [p for p in plan.ppl if p.engine == "vllm"]
     if not any(part_pending(plan, p) for p in parts) and all(r.finished for p in ppl for _, r in ppl_runs(plan, p).values()):
-        _summaries_only(plan, parts)  # nothing to ask vLLM: no engine started
+        for part in parts:  # nothing to ask vLLM: no engine started, the summaries rewritten
+            finish_cells(plan, part)
         return
     longest = max([p.context for p in parts] + [p.context for p in ppl])
     with contextlib.nullcontext(None) if output is None else output() as terminal:
@@ -176,12 +175,3 @@ def run_vllm_panel(plan: Plan, model_dir: str, *, say=print, output=None) -> Non
                 run_vllm_ppl(engine, part, ppl_runs(plan, part))
         finally:
             engine.close()
-
-
-def _summaries_only(plan: Plan, parts: list[Part]) -> None:
-    """Rewrite the finished retrieval cells' summaries (a rerun changes no record)."""
-    for part in parts:
-        planned = {key for key, _ in part.samples}
-        for _, run in part_runs(plan, part).values():
-            records = [r for r in run.records("samples.jsonl") if record_key(r) in planned]
-            run.finish({**run.config, **summarize_cell(records, plan.config.resamples, plan.config.seed)})
