@@ -29,7 +29,7 @@ from sparseattn.methods import __all__ as _METHODS
 from sparseattn.ops import SegmentLayout, attention_ref, segment_attention, segment_attention_ref, segment_mask
 from sparseattn.schedules import AspectSchedule, DoublingSchedule, FixedSchedule, Schedule, SegmentGrid, SqrtSchedule
 from sparseattn.selectors import Lowest, Random, Recent, Selector, TopK
-from sparseattn.summaries import CenteredFeatures, Centroid, ExactScore, MinMaxBound, PerformerFeatures, Rerank, SegmentKeys, Summary
+from sparseattn.summaries import CenteredFeatures, Centroid, CentroidSpread, ExactScore, MinMaxBound, PerformerFeatures, Rerank, SegmentKeys, Summary
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,7 @@ __all__ = [
     "CenteredFeatures",
     "SearchStep",
     "Centroid",
+    "CentroidSpread",
     "DoublingSchedule",
     "ExactScore",
     "FixedSchedule",

@@ -6,6 +6,7 @@ import torch
 from sparseattn import (
     CenteredFeatures,
     Centroid,
+    CentroidSpread,
     DoublingSchedule,
     ExactScore,
     FixedSchedule,
@@ -40,6 +41,7 @@ SUMMARIES = [
     CenteredFeatures(PerformerFeatures(n_features=64)),
     Rerank(PerformerFeatures(n_features=64), shortlist=3),
     Rerank(Centroid(torch.bfloat16), shortlist=3, per_group=True),  # radar+pooled's: bf16 centroids, one shortlist per group
+    Rerank(CentroidSpread(), shortlist=3, per_group=True),  # radar+:coarse=spread
 ]
 SELECTORS = [TopK(), Lowest(), Random(seed=3), Recent()]
 SCHEDULES = [SqrtSchedule(), SqrtSchedule(aspect=2.0), FixedSchedule(7), DoublingSchedule()]

@@ -1204,11 +1204,11 @@ def test_the_triton_decode_step_reads_nothing_back_to_the_host(split):
     """radar+ and its pooled split, with and without the merged rest (the preset's layers 1-29), decode through
     the Triton backend without reading a tensor back to the host: on a GPU the step is one stream of launches
     that a CUDA graph captures. A third-party allocation's plan is checked against the budget, which reads its
-    counts back (the one host read this test must find). (A merged rest over listings that differ between a
-    group's heads, e.g. a pooled split with its default cap 4, still compacts them on the host.)"""
+    counts back (the one host read this test must find). The preset's heads list different segments of their
+    group's shortlist (it is twice what the widest head may take): the merged rest reads them as they are listed."""
     from sparseattn import RadarPlus
 
-    pooled = {"split": "pooled", "cap": 2.0, "floor": 0.25}  # the preset's: each head lists the group's shortlist
+    pooled = {"split": "pooled", "cap": 2.0, "floor": 0.25}  # the preset's split
     options = {"uniform": {}, "pooled": pooled, "pooled+merged": {**pooled, "rest": "merged", "merge": 128},
                "third-party pooled": {"allocation": CheckedSplit(cap=2.0, floor=0.25)}}[split]  # fmt: skip
     method = dataclasses.replace(RadarPlus(budget=256, aspect=16.0, **options), backend="triton")

@@ -97,7 +97,12 @@ def test_diagnose_reports_hit_rates_and_the_exact_oracle_always_hits(workspace):
     assert exact["overall"]["hit@1"] == pytest.approx(1.0)
     assert len(exact["per_layer"]) == 2 and len(exact["per_layer"][0]["hit@1"]) == 6  # 2 layers x 6 query heads
     assert any(out.glob("*/*/attention.png"))
-    assert "hit@1" in result.output
+    assert "hit@1" in result.output and "pooled oracle" in result.output
+    kept = exact["overall"]
+    # the exact segments are the grid's best at their own counts, below the pooled token oracle at the same budget
+    assert kept["kept:grid_per_head"] == pytest.approx(kept["kept:method"])
+    assert kept["kept:pooled"] >= kept["kept:per_head"] - 1e-9 >= kept["kept:method"] - 2e-9
+    assert set(exact["per_layer"][0]["missed"]) == {"sinks", "recent", "near", "far"}
 
 
 def test_method_specs_parse_options_and_reject_unknown_ones():

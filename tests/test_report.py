@@ -9,6 +9,7 @@ import shutil
 from statistics import NormalDist
 
 import numpy as np
+import torch
 import pytest
 from typer.testing import CliRunner
 
@@ -263,3 +264,21 @@ def test_report_refuses_bad_options_in_one_line_before_loading_the_model(tiny, a
     assert result.exit_code == 2, result.output
     assert len(errors) == 1 and f"'{option}" in errors[0] and says in errors[0], result.output
     assert not (root / "refused").exists()
+
+
+def test_an_engine_without_the_oracle_is_measured_against_transformers_oracle_on_the_same_texts():
+    """vLLM's panel runs no oracle (its generic path only): its ceiling-relative gap divides by the transformers
+    engine's oracle on the same texts, context and steps (dense decodes the same perplexities in both), and says so."""
+    from sparseattn.evaluation.report_output import _oracle_for
+    from sparseattn.evaluation.report_plan import PplPart
+
+    def part(engine, steps=8, texts=("a", "b")):
+        return PplPart(engine, 1024, steps, list(texts), ["prose", "code"], torch.zeros(2, 1024), [])
+
+    tf, vllm, other = part("transformers"), part("vllm"), part("vllm", steps=16)
+    oracle = {"row_ppl": [1.0, 2.0]}
+    by_part = [(tf, {"oracle-tokens:split=pooled@1/8": oracle}), (vllm, {}), (other, {})]
+    assert _oracle_for(tf, "1/8", by_part) == (oracle, "transformers")
+    assert _oracle_for(vllm, "1/8", by_part) == (oracle, "transformers")
+    assert _oracle_for(other, "1/8", by_part) == (None, None)  # other steps: not the same measurement
+    assert _oracle_for(vllm, "1/4", by_part) == (None, None)

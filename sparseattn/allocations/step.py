@@ -84,10 +84,16 @@ class SearchStep:
 
     # -- what a select stage asks ------------------------------------------------------------
 
+    @property
+    def reach(self) -> int:
+        """The most segments one selection may attend this step (:meth:`SegmentSearch.reach
+        <sparseattn.methods.segment_search.SegmentSearch.reach>`): the ``top_k`` summaries are told by default."""
+        return self.method.reach(self.k, self.layout.n_segments)
+
     def scores(self, top_k: int | None = None) -> torch.Tensor:
         """Each selection's segment log-mass estimates ``[B, H_kv, G', S]`` (a shared selection ranks its
-        group's summed masses); ``top_k`` (default ``k``) goes to summaries that take it."""
-        top_k = self.k if top_k is None else top_k
+        group's summed masses); ``top_k`` (default :attr:`reach`) goes to summaries that take it."""
+        top_k = self.reach if top_k is None else top_k
         return self.group_scores(top_k) if self.shared == 1 else self.head_scores(top_k)
 
     def selector_scores(self, top_k: int | None = None) -> torch.Tensor:
@@ -110,7 +116,7 @@ class SearchStep:
         """The selector's ``n`` picks ``[B, H_kv, G', n]``: read off :meth:`best` when the selector keeps the
         best and the engine has them (then the scores of every segment are never computed)."""
         best = self.best(n, with_scores=False) if keeps_best(self.method.selector) else None
-        return best[2] if best is not None else self.choose(n, self.selector_scores(self.k))
+        return best[2] if best is not None else self.choose(n, self.selector_scores())
 
     def scored_picks(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(scores [B, H_kv, G', S], estimates [B, H_kv, G', n], segments [B, H_kv, G', n])``: the step's
@@ -118,7 +124,7 @@ class SearchStep:
         best = self.best(n, with_scores=True) if keeps_best(self.method.selector) else None
         if best is not None:
             return best
-        scores = self.scores(self.k)
+        scores = self.scores()
         segments = self.choose(n, scores)
         return scores, scores.gather(-1, segments), segments
 

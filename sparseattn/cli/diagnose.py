@@ -34,7 +34,8 @@ def diagnose(
     out: Path = OUT,
     dtype: str = DTYPE,
 ) -> None:
-    """Per layer and head: top-1/top-3 segment hit rate vs exact segment attention, mass recall, output error."""
+    """Per layer and head: top-1/top-3 segment hit rate vs exact segment attention, mass recall (and the exact pooled
+    oracle's at the same budget: benchmarks/selection_gap.py splits the difference), output error."""
     torch_dtype = check_decoding(dtype, prefill, steps, min_prefill=1)
     resolved = parse_methods(method, budget)
     check_out(out)
@@ -56,7 +57,7 @@ def diagnose(
 
     hf_model = info.load(torch_dtype)
     table = Table(title=f"diagnostics on {text}, prefill {prefill}, {steps} steps (dense trajectory)")
-    for column in ("method", "hit@1", "hit@3", "mass recall", "rel. error", "attended", "segments"):
+    for column in ("method", "hit@1", "hit@3", "mass recall", "pooled oracle's", "rel. error", "attended", "segments"):
         table.add_column(column, justify="right")
     dirs = []
     for label, sparse_method, path, config in runs:
@@ -81,7 +82,7 @@ def diagnose(
         summary = run.summary()
         o = summary["overall"]
         segments = sum(r["mean_segments"] for r in summary["per_layer"]) / max(1, len(summary["per_layer"]))
-        table.add_row(label, *(f"{100 * o[k]:.1f}%" for k in ("hit@1", "hit@3", "recall")), f"{o['rel_error']:.3f}",
+        table.add_row(label, *(f"{100 * o[k]:.1f}%" for k in ("hit@1", "hit@3", "recall", "kept:pooled")), f"{o['rel_error']:.3f}",
                       f"{o['attended']:.0f}", f"{segments:.0f}")
         dirs.append(run.path)
     console.print(table)

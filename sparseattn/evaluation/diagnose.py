@@ -22,6 +22,7 @@ import torch
 
 from sparseattn.methods.base import KVState, LayerSpec, SparseMethod, StatefulMethod, observe_block
 from sparseattn.methods.segment_state import SegmentSearchState
+from sparseattn.evaluation.selection_gap import CEILINGS, WHERE, selection_ceilings
 from sparseattn.ops.attention import soft_cap
 
 HIT_KS = (1, 3)
@@ -36,15 +37,21 @@ class ProbeRecords:
     rel_error: list[torch.Tensor] = field(default_factory=list)
     attended: list[torch.Tensor] = field(default_factory=list)
     n_segments: list[int] = field(default_factory=list)
+    #: The mass each ceiling of :mod:`~sparseattn.evaluation.selection_gap` keeps, by name.
+    ceilings: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {name: [] for name in CEILINGS})
+    #: ``[B, H_q, len(WHERE)]``: mass the pooled oracle keeps and the method misses, by where it lies.
+    missed: list[torch.Tensor] = field(default_factory=list)
+    #: Relative error of the pooled oracle's output (its tokens only, renormalised) against dense attention.
+    oracle_error: list[torch.Tensor] = field(default_factory=list)
     #: Optional per-step pictures: (token probs [H_q, t], exact segment mass [H_q, S], estimated [H_q, S]).
     pictures: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def mean_per_head(self, name: str, k: int | None = None) -> torch.Tensor:
         """Mean over steps and batch: ``[H_q]`` (NaN-aware)."""
-        rows = self.hits[k] if name == "hit" else getattr(self, name)
+        rows = self.hits[k] if name == "hit" else self.ceilings[name] if name in CEILINGS else getattr(self, name)
         if not rows:
             return torch.tensor([])
-        stacked = torch.stack([r.double() for r in rows])  # [steps, B, H_q]
+        stacked = torch.stack([r.double() for r in rows])  # [steps, B, H_q] (missed: [steps, B, H_q, where])
         return stacked.nanmean(dim=(0, 1))
 
 
@@ -102,8 +109,25 @@ class ProbeState(KVState):
         mask = info.to_mask()
         nan = torch.full((B, H * group), float("nan"), dtype=torch.float64)
         rec.recall.append((flat_probs * mask).sum(-1).cpu() if mask.shape[-1] == t else nan)
+        if mask.shape[-1] == t:
+            self._ceilings(flat_probs, mask, info.attended, dense)
         self._segment_hits(grouped, probs, group)
         return (dense.to(query.dtype), info) if self.probe.follow == "dense" else (out, info)
+
+    def _ceilings(self, probs: torch.Tensor, mask: torch.Tensor, spent: torch.Tensor, dense: torch.Tensor) -> None:
+        """The step's selection ceilings and the pooled oracle's own output error (:mod:`.selection_gap`)."""
+        layout = self.inner.layout if isinstance(self.inner, SegmentSearchState) else None
+        ceilings, missed, oracle = selection_ceilings(probs, mask, spent, layout)
+        rec = self.records
+        for name, mass in ceilings.items():
+            rec.ceilings[name].append(mass.cpu())
+        rec.missed.append(missed.cpu())
+        B, Hq, t = probs.shape
+        H = self.kv_heads
+        weights = (probs * oracle).reshape(B, H, Hq // H, t)
+        out = torch.einsum("bhgt,bhtd->bhgd", weights, self.values.double()).reshape(B, Hq, -1)
+        out = out / weights.reshape(B, Hq, t).sum(-1, keepdim=True).clamp_min(1e-300)
+        rec.oracle_error.append(((out - dense).norm(dim=-1) / dense.norm(dim=-1)).cpu())
 
     def _segment_hits(self, grouped: torch.Tensor, probs: torch.Tensor, group: int) -> None:
         inner, rec = self.inner, self.records
@@ -118,7 +142,7 @@ class ProbeState(KVState):
         mass = probs[..., lay.sink_end : lay.segment_end].reshape(B, H, group, S, c).sum(-1)  # [B, H, G, S]
         top = mass.argmax(-1, keepdim=True)  # the true top segment per query head
         selector = inner.method.selector
-        k_step = inner.method.segments_for(lay)  # what the step attends (a reranking summary shortlists for it)
+        k_step = inner.method.reach(inner.method.segments_for(lay), S)  # what a reranking summary shortlists for
         scores = inner.scores(grouped.to(inner.dtype), k_step) if selector.uses_scores else mass.new_zeros(B, H, group, S)
         generator = torch.Generator().manual_seed(len(rec.n_segments))
         for k in HIT_KS:
@@ -144,12 +168,19 @@ def summarize_probes(layers: list[ProbeState]) -> dict:
         row["recall"] = rec.mean_per_head("recall").tolist()
         row["rel_error"] = rec.mean_per_head("rel_error").tolist()
         row["attended"] = rec.mean_per_head("attended").tolist()
+        row["oracle_error"] = rec.mean_per_head("oracle_error").tolist()
+        row["ceilings"] = {name: rec.mean_per_head(name).tolist() for name in CEILINGS}
+        row["missed"] = dict(zip(WHERE, rec.mean_per_head("missed").T.tolist())) if rec.missed else {}
         row["mean_segments"] = sum(rec.n_segments) / len(rec.n_segments) if rec.n_segments else 0
         per_layer.append(row)
 
-    def overall(key: str) -> float:
-        values = torch.tensor([v for row in per_layer for v in row[key]], dtype=torch.float64)
+    def overall(key: str, name: str | None = None) -> float:
+        values = torch.tensor([v for row in per_layer for v in (row[key] if name is None else row[key][name])],
+                              dtype=torch.float64)
         return float(values.nanmean()) if values.numel() else float("nan")
 
-    keys = [f"hit@{k}" for k in HIT_KS] + ["recall", "rel_error", "attended"]
-    return {"overall": {k: overall(k) for k in keys}, "per_layer": per_layer}
+    keys = [f"hit@{k}" for k in HIT_KS] + ["recall", "rel_error", "attended", "oracle_error"]
+    return {
+        "overall": {k: overall(k) for k in keys} | {f"kept:{name}": overall("ceilings", name) for name in CEILINGS},
+        "per_layer": per_layer,
+    }

@@ -27,6 +27,7 @@ from sparseattn.schedules.sqrt import SqrtSchedule
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.centroid import Centroid
 from sparseattn.summaries.rerank import Rerank
+from sparseattn.summaries.spread import CentroidSpread
 
 __all__ = ["RadarPlus", "RadarPlusAdaptive", "RadarPlusByLayer", "RadarPlusMerged", "RadarPlusPooled", "RadarPlusTokens"]
 
@@ -37,14 +38,15 @@ def RadarPlus(
     cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
     merge: int | None = None, allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None,
     p: float | None = None, samples: int | None = None, delta: float | None = None, prefilter: int = 0,
-    prefilter_keep: float | None = None,
+    prefilter_keep: float | None = None, coarse: str = "centroid",
 ) -> SegmentSearch:  # fmt: skip
     """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
 
     ``SegmentSearch(Rerank(Centroid(), shortlist, factor, per_group=True), TopK(), SqrtSchedule(aspect=8), sinks=4)``:
     segments of ``sqrt(t) / 8`` tokens (8 sqrt(t) of them: finer selection, still O(sqrt t) scoring);
     every segment is scored by ``log c + q . mean k`` (d numbers per segment, cheaper than random
-    features), the ``max(shortlist, factor * k)`` best of each KV group (by the group's summed mass)
+    features), the ``max(shortlist, factor * k)`` best of each KV group (by the group's summed mass; ``k`` being
+    the most segments one head may attend, :meth:`SegmentSearch.reach`)
     are rescored exactly from their keys, read once for the group's query heads, and each head
     attends the top ``k`` of those, plus 4 attention-sink tokens. On the default model it finds the
     segment exact search ranks first in 97-98% of layer-head-steps (raw Radar: 4-14%); see
@@ -70,6 +72,9 @@ def RadarPlus(
       (default 32) of its tokens drawn uniformly per step and query head, each weighted by ``n /
       samples``, counted against the budget, and a bound on the error at confidence ``1 - delta``
       (default 0.05) in each step's report;
+    * ``coarse`` (experimental): the shortlist's score, ``"centroid"`` (the mean key) or ``"spread"``
+      (:class:`CentroidSpread`: the mean key plus half the query-weighted per-channel variance of the keys, twice
+      the summary's memory; transformers and vLLM's generic path);
     * ``prefilter`` (experimental): groups of that many segments scored first by their mean key, only the
       best ``prefilter_keep`` (default 4) times the shortlist's segments scored one by one
       (:class:`Rerank`'s ``prefilter``: a page-level pass before the segments inside the pages).
@@ -92,7 +97,9 @@ def RadarPlus(
     if prefilter_keep is not None and not prefilter:
         raise ValueError(f"RadarPlus: prefilter_keep={prefilter_keep} changes nothing without prefilter (segments per group, >= 2)")
     extra = {"prefilter": prefilter, "prefilter_keep": 4.0 if prefilter_keep is None else prefilter_keep} if prefilter else {}
-    summary = Rerank(Centroid(centroid_dtype), shortlist, factor, per_group, **extra)
+    if coarse not in COARSE:
+        raise ValueError(f"RadarPlus: coarse must be one of {tuple(COARSE)}, got {coarse!r}")
+    summary = Rerank(COARSE[coarse](centroid_dtype), shortlist, factor, per_group, **extra)
     method = SegmentSearch(
         summary=summary, selector=TopK(), schedule=SqrtSchedule(aspect=aspect), top_k=top_k, sinks=sinks,
         window=window, budget=budget,
@@ -106,7 +113,7 @@ def RadarPlus(
 def RadarPlusAdaptive(
     top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
     cap: float = 2.0, floor: float = 0.25, merge: int = 128, plain_layers: int = 1, budget: int | None = None,
-    bf16_centroids: bool = False, prefilter: int = 0, prefilter_keep: float | None = None,
+    bf16_centroids: bool = False, prefilter: int = 0, prefilter_keep: float | None = None, coarse: str = "centroid",
 ) -> SplitLayers:  # fmt: skip
     """radar+ with the budget spent where attention is: the recommended method, in both engines.
 
@@ -116,7 +123,9 @@ def RadarPlusAdaptive(
       size in tokens;
     * each layer's segments split between its heads by their estimated attention shares
       (:class:`PooledMass`, a head between ``floor`` and ``cap`` times the uniform share; the total
-      per layer is radar+'s): diffuse heads get more, peaked heads fewer;
+      per layer is radar+'s): diffuse heads get more, peaked heads fewer; the KV group's shortlist is
+      ``factor`` times what its widest head may take (``cap x k``: :meth:`SegmentSearch.reach`), so the
+      exact rerank still corrects the ranking for a head at its cap;
     * centroids in float32 (``bf16_centroids=True``: stored in bfloat16, half their memory, scored in float32;
       the same quality on six unseen texts in both engines, no measurable speed difference in vLLM's fused
       step, docs/serving.md);
@@ -131,10 +140,13 @@ def RadarPlusAdaptive(
     merged = RadarPlus(
         top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget, split="pooled", cap=cap,
         floor=floor, bf16_centroids=bf16_centroids, rest="merged", merge=merge, prefilter=prefilter,
-        prefilter_keep=prefilter_keep,
+        prefilter_keep=prefilter_keep, coarse=coarse,
     )  # fmt: skip
     return plain_first(merged, plain_layers)
 
+
+#: The shortlist's scores ``RadarPlus(coarse=...)`` names, each built from the centroid storage dtype.
+COARSE = {"centroid": Centroid, "spread": CentroidSpread}
 
 #: ``RadarPlus`` options of the former ``radar+pooled`` (and of ``radar+merged`` before its rest).
 POOLED_OPTIONS = {"aspect": 16.0, "split": "pooled", "bf16_centroids": True}
@@ -206,6 +218,9 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
         Option("floor", float, help="fewest segments a head keeps, x the uniform share (split=pooled; None: 0.25)"),
     )  # fmt: skip
     bf16 = Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half their memory), scored in float32")
+    coarse = Option("coarse", str, help="experimental: the shortlist's score, the mean key (centroid) or the mean key plus "
+                    "the keys' query-weighted spread (spread: twice the memory; not in vLLM's fused step)",
+                    allowed=tuple(COARSE))  # fmt: skip
     prefilter = (
         Option("prefilter", int, help="experimental: groups of this many segments (a page's) scored first by their mean key; "
                "0: none", minimum=0),
@@ -215,7 +230,7 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
     if not variants:
         return (*shared, *pool, Option("merge", int, help="segments per merged token of the rest (0: one block)", minimum=0),
                 Option("plain_layers", int, help="first layers that drop the rest (the others merge it)", minimum=0), bf16,
-                *prefilter)  # fmt: skip
+                coarse, *prefilter)  # fmt: skip
     return (
         *shared,
         Option("split", str, help="a layer's segments between its heads: uniform, pooled by estimated attention share, "
@@ -232,6 +247,7 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
         Option("delta", float, help="the sampled rest's error bound holds with probability 1 - delta (rest=sampled; None: 0.05)"),
         Option("plain_layers", int, help="first layers that drop the rest even with rest=merged or sampled", minimum=0),
         *layer_options("segments"),
+        coarse,
         *prefilter,
     )  # fmt: skip
 
@@ -239,7 +255,8 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
 def _grid_options() -> tuple[Option, ...]:
     return (
         Option("aspect", float, help="segments of sqrt(t) / aspect tokens", allowed=Range(0.0, 1024.0, integer=False)),
-        Option("factor", float, help="segments shortlisted, x what the budget buys", allowed=Range(1.0, 1024.0, integer=False)),
+        Option("factor", float, help="segments shortlisted, x the most one head may attend (its split's width)",
+               allowed=Range(0.0, 1024.0, integer=False)),
     )
 
 

@@ -297,10 +297,11 @@ def add_merged_rest(
     attended segments' value sums weighted by their block's ``p_b / m_b``), so the work is two
     ``D``-vectors per attended segment and per block: O(budget / c + n) per query head.
 
-    When every KV head lists the same segments for all its query heads (a shared selection, or a pooled
-    split read off the group's shortlist) the rows are read once per KV head; otherwise once per
-    (query head, attended segment). The two paths agree to float32 rounding; the choice is made for the
-    whole batch, so a row's last bits can depend on whether the other rows' listings are shared.
+    When every KV head lists the same segments for all its query heads (a shared selection, or a listing
+    expanded from one row per KV head) the rows are read once per KV head; otherwise once per (query head,
+    listed segment), an unattended one weighted 0. Neither path reads anything back to the host (on a GPU:
+    no sync, and a step a CUDA graph captures); the choice is made from the listing's shape and strides,
+    never its values. The two paths agree to float32 rounding.
 
     Returns ``[B, H_kv, G, D]`` float32 (float64 for float64 ``q``). ``workspace``: where the segment rows
     are copied (a fresh multi-megabyte tensor per step costs page faults, see
@@ -318,31 +319,26 @@ def add_merged_rest(
     base = (torch.arange(B * H, device=q.device) * S).view(B, H, 1)  # each (b, h)'s first row of the sums
     # A listing expanded from one row per KV head (a pooled split read off the group's shortlist: Shortlist.top)
     # says so by its stride, with no comparison read back to the host (on a GPU: no sync, and a capturable step).
-    shared = segments.shape[2] == 1 or segments.stride(2) == 0 or bool((segments == segments[:, :, :1]).all())
+    shared = segments.shape[2] == 1 or segments.stride(2) == 0
+    weight = attended.to(sd)
     if shared:
         # One listing per KV head (a shared selection, or a pooled split read off the group's shortlist):
         # each listed segment's row is read once for the group's heads, and the sums are small products.
         listed = torch.index_select(flat_kv, 0, (base + segments[:, :, 0]).view(-1),
                                     out=ws.get("rest_rows", (B * H * w, 2 * D), sd, q.device)).view(B, H, w, 2 * D)  # fmt: skip
-        weight = attended.to(sd)
         block = segments[:, :, :1].div(per_block, rounding_mode="floor").expand(B, H, G, w)
         q_listed = torch.matmul(q.to(sd), listed[..., :D].transpose(-1, -2)) * weight  # [B, H, G, w]
-        q_taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, q_listed.double())
-        taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, weight.double() * c)
     else:
-        # One entry per (query head, attended listed segment): only what is attended is read.
-        head = torch.arange(B * H * G, device=q.device).view(B, H, G, 1).expand(B, H, G, w)[attended]  # [E]
-        seg = segments.expand(B, H, G, w)[attended]
-        cell = head * n + seg.div(per_block, rounding_mode="floor")  # the (query head, block) of each entry
-        E = len(seg)
-        rows = base.view(-1).index_select(0, head.div(G, rounding_mode="floor")) + seg
-        listed = torch.index_select(flat_kv, 0, rows, out=ws.get("rest_rows", (E, 2 * D), sd, q.device))  # [E, 2D]
-        listed_q = torch.index_select(q.reshape(B * H * G, D).to(sd), 0, head, out=ws.get("rest_queries", (E, D), sd, q.device))
-        q_listed = listed_q.mul_(listed[:, :D]).sum(-1)  # q . (sum of the segment's keys), [E]
-        q_taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(0, cell, q_listed.double())
-        taken = torch.zeros(B * H * G * n, dtype=torch.float64, device=q.device).index_add_(
-            0, cell, torch.full((E,), float(c), dtype=torch.float64, device=q.device))  # fmt: skip
-        q_taken, taken = q_taken.view(B, H, G, n), taken.view(B, H, G, n)
+        # One row per (query head, listed segment), weighted by whether that head attends it: G times the rows of
+        # a shared listing, the same shapes every step.
+        listed_segments = segments.expand(B, H, G, w)
+        rows = (base.unsqueeze(-1) + listed_segments).reshape(-1)
+        listed = torch.index_select(flat_kv, 0, rows, out=ws.get("rest_rows", (B * H * G * w, 2 * D), sd, q.device))
+        listed = listed.view(B, H, G, w, 2 * D)
+        block = listed_segments.div(per_block, rounding_mode="floor")
+        q_listed = (q.to(sd).unsqueeze(3) * listed[..., :D]).sum(-1) * weight  # [B, H, G, w]
+    q_taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, q_listed.double())
+    taken = torch.zeros(B, H, G, n, dtype=torch.float64, device=q.device).scatter_add_(3, block, weight.double() * c)
     extra = None
     tail_start, seg_end = layout.tail_start, layout.segment_end
     if tail_start < seg_end and S:  # the window reaches into segments: their tail tokens are attended anyway
@@ -369,13 +365,12 @@ def add_merged_rest(
     more = torch.exp(logits - top.unsqueeze(-1))  # [B, H, G, n]
     per_token = (more / m.to(cd)).double()  # p_b / m_b, up to the common normaliser
     rest_v = torch.einsum("bhgn,bhnd->bhgd", per_token, block_v)
+    coef = (per_token.gather(3, block) * weight.double()).to(sd)  # [B, H, G, w]
     if shared:
-        coef = (per_token.gather(3, block) * weight.double()).to(sd)  # [B, H, G, w]
         attended_v = torch.matmul(coef, listed[..., D:])  # [B, H, G, D]
     else:
-        coef = per_token.view(-1).index_select(0, cell).to(sd)  # [E]
-        attended_v = torch.zeros(B * H * G, D, dtype=sd, device=q.device).index_add_(0, head, listed[:, D:].mul_(coef.unsqueeze(-1)))
-    rest_v = rest_v - attended_v.view(B, H, G, D).double()
+        attended_v = (coef.unsqueeze(-1) * listed[..., D:]).sum(3)
+    rest_v = rest_v - attended_v.double()
     if extra is not None:
         reach_block, unchosen, part_v = extra
         rest_v = rest_v - torch.einsum("bhgo,bhod->bhgd", per_token.gather(3, reach_block) * unchosen, part_v)

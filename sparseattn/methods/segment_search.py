@@ -149,6 +149,19 @@ class SegmentSearch(StatefulMethod):
         """The part whose ``select_segments`` runs a step's select stage: ``refine`` if set, else ``allocation``."""
         return self.allocation if self.refine is None else self.refine
 
+    def reach(self, k: int, n_segments: int) -> int:
+        """The most segments one selection may attend in a step whose budget buys ``k`` each: the select stage's
+        ``width`` (``k`` under a uniform split, up to ``cap x k`` under :class:`~sparseattn.allocations.PooledMass`).
+
+        It is the ``top_k`` a summary that sizes its work by the step is told (:class:`~sparseattn.summaries.Rerank`'s
+        shortlist: ``factor x`` it), in both engines: a head the allocation gives more than ``k`` keeps a shortlist
+        larger than what it takes. Sized by ``k`` instead, a pooled head at its cap attended the whole shortlist,
+        and most of what the preset lost against the exact pooled oracle was lost there
+        (``benchmarks/selection_gap.py``, docs/methods.md).
+        """
+        width = getattr(self.select_stage, "width", None)
+        return k if width is None else max(k, min(n_segments, width(k, n_segments)))
+
     def segments_for(self, layout: SegmentLayout) -> int:
         """Segments one step attends under this layout: ``top_k``, or what the ``budget`` leaves room for."""
         if self.budget is None:

@@ -56,7 +56,7 @@ class SegmentStep(SearchStep):
     def best(self, n: int, with_scores: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Each selection's ``n`` best: off a shortlisting summary's shortlist when it holds them, else a
         top-n over the scores (see :meth:`~sparseattn.methods.segment_state.SegmentSearchState.best_segments`)."""
-        return self.state.best_segments(self.query, self.k, n, sorted=False, with_scores=with_scores)
+        return self.state.best_segments(self.query, self.reach, n, sorted=False, with_scores=with_scores)
 
     def head_always_log_mass(self) -> torch.Tensor:
         return self.state.always_log_mass(self.query, self.layout)

@@ -7,10 +7,12 @@ from sparseattn.summaries.exact import ExactScore
 from sparseattn.summaries.minmax import MinMaxBound
 from sparseattn.summaries.performer import PerformerFeatures
 from sparseattn.summaries.rerank import Rerank
+from sparseattn.summaries.spread import CentroidSpread
 
 __all__ = [
     "CenteredFeatures",
     "Centroid",
+    "CentroidSpread",
     "ExactScore",
     "GroupScoringSummary",
     "MinMaxBound",

@@ -32,9 +32,9 @@ class Rerank:
     Args:
         coarse: the shortlisting summary (default: Radar's random features, n = 256).
         shortlist: segments rescored exactly per query head, at least; 0 disables reranking.
-        factor: the shortlist grows to ``ceil(factor * top_k)`` when the step attends ``top_k``
-            segments (a budget gives more segments at longer contexts); 2 is the cost-neutral
-            choice described above.
+        factor: the shortlist grows to ``ceil(factor * top_k)`` when a selection of the step may attend
+            ``top_k`` segments (its reach: a budget gives more segments at longer contexts, and a pooled
+            split lets one head take up to ``cap x k``); 2 is the cost-neutral choice described above.
         per_group: one shortlist per KV group instead of per query head: the segments with the
             highest group mass ``logsumexp_g coarse_g``, whose keys are read once for the group's
             ``G`` query heads (G times fewer key bytes under grouped-query attention). Each head
@@ -83,6 +83,11 @@ class Rerank:
     def summarize(self, params: Any, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.coarse.summarize(params, keys)
 
+    def shortlist_size(self, top_k: int, n_segments: int) -> int:
+        """Segments rescored exactly when the step may attend ``top_k`` per selection (its reach): ``max(shortlist,
+        ceil(factor x top_k))``, at most ``n_segments``; 0 when reranking is disabled. Both engines size it here."""
+        return min(max(self.shortlist, math.ceil(self.factor * top_k)), n_segments) if self.shortlist else 0
+
     def score(
         self, params: Any, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
         segment_keys: torch.Tensor | None, segment_size: int, top_k: int = 0,
@@ -102,7 +107,7 @@ class Rerank:
             return None
         coarse_keys = segment_keys if self.coarse.reads_keys else None
         scores = self.coarse.score(params, summaries, queries, coarse_keys, segment_size)  # [B, H, G, S]
-        m = min(max(self.shortlist, math.ceil(self.factor * top_k)), scores.shape[-1])
+        m = self.shortlist_size(top_k, scores.shape[-1])
         if m == 0:  # no segment at all: an empty shortlist
             empty = scores[..., :0]
             return Shortlist(scores, empty.long(), empty)

@@ -110,7 +110,7 @@ def step_plan(policy: PagedPolicy, seq_lens: torch.Tensor, block_size: int) -> S
         n = layout.n_segments
         short = 0
         if not policy.fixed and isinstance(m.summary, Rerank) and 0 < k < n:
-            short = min(max(m.summary.shortlist, math.ceil(m.summary.factor * k)), n)
+            short = m.summary.shortlist_size(m.reach(k, n), n)
         rows.append((layout.sink_end // block_size, n, k, short))
     plan = torch.tensor(rows, dtype=torch.int32).view(-1, 4)
     kmax = int(torch.minimum(plan[:, 1], plan[:, 2]).max()) if rows else 0
@@ -593,8 +593,8 @@ def _python_allocation(
     shortlist = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm])
 
     def scorer(top_k: int) -> torch.Tensor:
-        if top_k != k:
-            raise ValueError(f"the split step scored for top_k={k}; the allocation asked for {top_k}")
+        if top_k != m.reach(k, n_cand):
+            raise ValueError(f"the split step scored for top_k={m.reach(k, n_cand)}; the allocation asked for {top_k}")
         return shortlist.scores
 
     layout = policy.layout(int(lens[members[0]]), bs)

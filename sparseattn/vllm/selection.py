@@ -191,7 +191,7 @@ class PageStep(SearchStep):
         sl = self._shortlist
         if sl is None or self.shared == 1 or n > sl.exact.shape[-1]:
             return None
-        return (self.scores(self.k) if with_scores else None, *sl.top(n, sorted=False))
+        return (self.scores() if with_scores else None, *sl.top(n, sorted=False))
 
     def head_always_log_mass(self) -> torch.Tensor:
         return self._always()  # [b, H, G]
