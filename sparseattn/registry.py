@@ -82,21 +82,25 @@ MAX_COUNT = 2**31 - 1
 
 @dataclass(frozen=True)
 class Range:
-    """The values a numeric option may take: integers in ``[low, high]``, or floats in ``(low, high)``."""
+    """The values a numeric option may take: integers in ``[low, high]``, or floats in ``(low, high)`` (``[low, high)``
+    with ``closed``: where the part itself takes ``low``)."""
 
     low: float
     high: float
     integer: bool = True
+    closed: bool = False
 
     def __contains__(self, value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False
         if self.integer:
             return isinstance(value, int) and self.low <= value <= self.high
-        return self.low < value < self.high  # False for NaN
+        return (self.low <= value if self.closed else self.low < value) and value < self.high  # False for NaN
 
     def __str__(self) -> str:
-        return f"an integer in [{self.low}, {self.high}]" if self.integer else f"a number in ({self.low:g}, {self.high:g})"
+        if self.integer:
+            return f"an integer in [{self.low}, {self.high}]"
+        return f"a number in {'[' if self.closed else '('}{self.low:g}, {self.high:g})"
 
 
 #: An option's default read from its builder's signature when the entry is registered.

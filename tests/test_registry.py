@@ -241,3 +241,14 @@ def test_a_plugin_taking_a_built_in_name_is_refused_naming_both(plugins):
     """})  # fmt: skip
     with pytest.raises(PluginError, match="entry point 'clash'.*'radar' is already registered by sparseattn.methods.segment_search"):
         registry.get("radar")
+
+
+def test_a_range_closed_below_takes_its_low_end_where_the_part_does():
+    """cap and prefilter_keep take 1 in the parts (PooledMass, Rerank), so their specs do too; below 1 is refused."""
+    from sparseattn.registry import Range
+
+    assert 1.0 in Range(1.0, 4.0, integer=False, closed=True) and 1.0 not in Range(1.0, 4.0, integer=False)
+    assert str(Range(1.0, 4.0, integer=False, closed=True)) == "a number in [1, 4)"
+    assert registry.parse("radar+adaptive:cap=1,prefilter=8,prefilter_keep=1", 512).options["cap"] == 1.0
+    with pytest.raises(ValueError, match=r"cap 0.99 is out of range; allowed: a number in \[1, 1024\)"):
+        registry.parse("radar+adaptive:cap=0.99", 512)

@@ -356,7 +356,7 @@ for _entry in (
                    "or topp (each head the fewest reaching share p)", allowed=("uniform", "pooled", "topp")),
             Option("p", float, help="share of attention mass each head reaches (split=topp; None: 0.95)"),
             Option("cap", float, help="most tokens one head may get, x the uniform share (split=pooled; None: 4)",
-                   allowed=Range(1.0, 1024.0, integer=False)),
+                   allowed=Range(1.0, 1024.0, integer=False, closed=True)),
             Option("floor", float, help="fewest tokens a head keeps, x the uniform share (split=pooled; None: 0.25)"),
             *layer_options("tokens"),
         ),

@@ -38,7 +38,7 @@ def RadarPlus(
     cap: float | None = None, floor: float | None = None, bf16_centroids: bool = False, rest: str = "dropped",
     merge: int | None = None, allocation: Allocation | None = None, centroid_dtype: torch.dtype | None = None,
     p: float | None = None, samples: int | None = None, delta: float | None = None, prefilter: int = 0,
-    prefilter_keep: float | None = None, coarse: str = "centroid",
+    prefilter_keep: float | None = None, coarse: str = "centroid", unit: int = 0,
 ) -> SegmentSearch:  # fmt: skip
     """Radar's segment search with a sharper ranking: a centroid shortlist, reranked exactly.
 
@@ -77,7 +77,9 @@ def RadarPlus(
       the summary's memory; transformers and vLLM's generic path);
     * ``prefilter`` (experimental): groups of that many segments scored first by their mean key, only the
       best ``prefilter_keep`` (default 4) times the shortlist's segments scored one by one
-      (:class:`Rerank`'s ``prefilter``: a page-level pass before the segments inside the pages).
+      (:class:`Rerank`'s ``prefilter``: a page-level pass before the segments inside the pages);
+    * ``unit`` (experimental): the shortlist made of whole units of about that many tokens (whole segments), ranked
+      by their segments' coarse mass (:class:`Rerank`'s ``unit``: 32, a paged cache's line of bf16 keys, read whole).
 
     ``per_group=False`` gives each query head its own shortlist (G times the key reads under
     grouped-query attention). ``allocation`` is ``split`` given as a part.
@@ -97,6 +99,7 @@ def RadarPlus(
     if prefilter_keep is not None and not prefilter:
         raise ValueError(f"RadarPlus: prefilter_keep={prefilter_keep} changes nothing without prefilter (segments per group, >= 2)")
     extra = {"prefilter": prefilter, "prefilter_keep": 4.0 if prefilter_keep is None else prefilter_keep} if prefilter else {}
+    extra.update({"unit": unit} if unit else {})
     if coarse not in COARSE:
         raise ValueError(f"RadarPlus: coarse must be one of {tuple(COARSE)}, got {coarse!r}")
     summary = Rerank(COARSE[coarse](centroid_dtype), shortlist, factor, per_group, **extra)
@@ -114,6 +117,7 @@ def RadarPlusAdaptive(
     top_k: int | None = None, *, sinks: int = 4, window: int = 0, aspect: float = 16.0, factor: float = 2.0,
     cap: float = 2.0, floor: float = 0.25, merge: int = 128, plain_layers: int = 1, budget: int | None = None,
     bf16_centroids: bool = False, prefilter: int = 0, prefilter_keep: float | None = None, coarse: str = "centroid",
+    unit: int = 0,
 ) -> SplitLayers:  # fmt: skip
     """radar+ with the budget spent where attention is: the recommended method, in both engines.
 
@@ -140,7 +144,7 @@ def RadarPlusAdaptive(
     merged = RadarPlus(
         top_k, sinks=sinks, window=window, aspect=aspect, factor=factor, budget=budget, split="pooled", cap=cap,
         floor=floor, bf16_centroids=bf16_centroids, rest="merged", merge=merge, prefilter=prefilter,
-        prefilter_keep=prefilter_keep, coarse=coarse,
+        prefilter_keep=prefilter_keep, coarse=coarse, unit=unit,
     )  # fmt: skip
     return plain_first(merged, plain_layers)
 
@@ -214,7 +218,7 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
     shared = (*segment_options(top_k_none="64 x aspect"), *_grid_options())
     pool = (
         Option("cap", float, help="most segments one head may get, x the uniform share (split=pooled; None: 2)",
-               allowed=Range(1.0, 1024.0, integer=False)),
+               allowed=Range(1.0, 1024.0, integer=False, closed=True)),
         Option("floor", float, help="fewest segments a head keeps, x the uniform share (split=pooled; None: 0.25)"),
     )  # fmt: skip
     bf16 = Option("bf16_centroids", bool, help="mean keys stored in bfloat16 (half their memory), scored in float32")
@@ -225,7 +229,10 @@ def _radar_plus_options(*, variants: bool) -> tuple[Option, ...]:
         Option("prefilter", int, help="experimental: groups of this many segments (a page's) scored first by their mean key; "
                "0: none", minimum=0),
         Option("prefilter_keep", float, help="groups whose segments are scored, x the shortlist in segments (with prefilter; "
-               "None: 4)", allowed=Range(1.0, 1024.0, integer=False)),
+               "None: 4)", allowed=Range(1.0, 1024.0, integer=False, closed=True)),
+        Option("unit", int, help="experimental: the shortlist made of whole units of about this many tokens (whole "
+               "segments; 32: a paged cache's line of bf16 keys), ranked by their segments' coarse mass; 0: single "
+               "segments", minimum=0),
     )  # fmt: skip
     if not variants:
         return (*shared, *pool, Option("merge", int, help="segments per merged token of the rest (0: one block)", minimum=0),

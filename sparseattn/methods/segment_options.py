@@ -33,5 +33,5 @@ def layer_options(what: str) -> tuple[Option, ...]:
     """The registry options of a per-layer budget (:class:`~sparseattn.methods.layers.FirstLayers`): ``first_layers``, ``layer_factor``."""
     return (
         Option("first_layers", int, help=f"first layers given more {what} (FirstLayers)", minimum=0),
-        Option("layer_factor", float, help="their budget, x --budget (with first_layers; None: 4)", allowed=Range(1.0, 1024.0, integer=False)),
+        Option("layer_factor", float, help="their budget, x --budget (with first_layers; None: 4)", allowed=Range(1.0, 1024.0, integer=False, closed=True)),
     )

@@ -48,6 +48,12 @@ class Rerank:
             mean``, the group's bound split evenly). The scoring then reads about ``S / prefilter +
             prefilter_keep x m`` centroids instead of ``S``. Needs a :class:`Centroid` coarse summary.
         prefilter_keep: groups kept, as segments over the shortlist (>= 1).
+        unit: 0, or the shortlist made of whole units of about that many tokens (``max(1, unit // c)``
+            consecutive segments of ``c`` tokens: a paged cache's line of keys, which a segment inside it
+            costs whole): units ranked by their segments' coarse log mass (``logsumexp`` of the ranked
+            scores), every segment of the best ``m // n`` units (``n`` segments each) shortlisted, then the
+            best segments of the next unit up to ``m``. The rerank then reads about ``m`` segments' keys
+            rather than every unit a scattered shortlist touches.
     """
 
     coarse: Summary = field(default_factory=lambda: PerformerFeatures(n_features=256))
@@ -56,6 +62,7 @@ class Rerank:
     per_group: bool = False
     prefilter: int = field(default=0, repr=False)
     prefilter_keep: float = field(default=4.0, repr=False)
+    unit: int = field(default=0, repr=False)
 
     reads_keys = True  # only the shortlisted segments' keys are read (a view is passed)
     #: vLLM's fused step reranks a per-group centroid shortlist so (:data:`sparseattn.vllm.route.KERNELS`).
@@ -70,11 +77,13 @@ class Rerank:
         check_bool("Rerank", "per_group", self.per_group)
         check_int("Rerank", "prefilter", self.prefilter, 0)
         check_real("Rerank", "prefilter_keep", self.prefilter_keep, at_least=1)
+        check_int("Rerank", "unit", self.unit, 0)
         if self.prefilter and not isinstance(self.coarse, Centroid):
             raise ValueError(f"Rerank.prefilter={self.prefilter} needs a Centroid coarse summary (its groups' mean keys), got {self.coarse!r}")
 
     def __repr__(self) -> str:  # the prefilter is shown when set: Rerank(...) as before the option existed otherwise
         extra = f", prefilter={self.prefilter}, prefilter_keep={self.prefilter_keep}" if self.prefilter else ""
+        extra += f", unit={self.unit}" if self.unit else ""
         return f"Rerank(coarse={self.coarse!r}, shortlist={self.shortlist}, factor={self.factor}, per_group={self.per_group}{extra})"
 
     def prepare(self, kv_heads: int, head_dim: int, *, layer_idx: int, device: torch.device, dtype: torch.dtype) -> Any:
@@ -87,6 +96,10 @@ class Rerank:
         """Segments rescored exactly when the step may attend ``top_k`` per selection (its reach): ``max(shortlist,
         ceil(factor x top_k))``, at most ``n_segments``; 0 when reranking is disabled. Both engines size it here."""
         return min(max(self.shortlist, math.ceil(self.factor * top_k)), n_segments) if self.shortlist else 0
+
+    def unit_segments(self, segment_size: int) -> int:
+        """Segments of ``segment_size`` tokens per unit of the shortlist (1: single segments)."""
+        return max(1, self.unit // segment_size) if self.unit else 1
 
     def score(
         self, params: Any, summaries: tuple[torch.Tensor, ...], queries: torch.Tensor,
@@ -117,9 +130,10 @@ class Rerank:
         if self.prefilter > 1:
             scores, ranked = self._prefiltered(summaries[0], queries, scores, segment_size, m)
         if self.per_group:  # one shortlist per KV group: its keys are read once for the G query heads
-            short = torch.logsumexp(ranked, dim=2).topk(m, dim=-1, sorted=False).indices.unsqueeze(2)  # [B, H, 1, m]
-        else:
-            short = ranked.topk(m, dim=-1, sorted=False).indices  # [B, H, G, m]
+            ranked = torch.logsumexp(ranked, dim=2, keepdim=True)  # [B, H, 1, S]
+        if self.unit_segments(segment_size) > 1:
+            ranked = unit_order(ranked, self.unit_segments(segment_size))
+        short = ranked.topk(m, dim=-1, sorted=False).indices  # [B, H, G', m]
         exact = segment_log_mass(segment_keys, queries, short)  # [B, H, G, m]
         # The coarse scores are shifted below the exact ones only when asked for (Shortlist.scores).
         return Shortlist(scores, short, exact)
@@ -147,3 +161,30 @@ class Rerank:
         kept = kept.repeat_interleave(fan, dim=-1)[..., :S].expand_as(scores)  # [B, H, G, S]
         estimate = (per_segment + math.log(segment_size)).repeat_interleave(fan, dim=-1)[..., :S]
         return torch.where(kept, scores, estimate), scores.masked_fill(~kept, float("-inf"))
+
+
+def unit_order(ranked: torch.Tensor, unit: int) -> torch.Tensor:
+    """Scores whose top ``m`` are whole units: every segment of the best ``m // unit`` units of ``unit``
+    consecutive segments (ranked by ``logsumexp`` of their scores; a short last unit as it is), then the
+    best segments of the next unit. ``ranked [..., S]`` -> ``[..., S]`` of distinct whole numbers (float32,
+    exact below 2^24 segments), larger first; ties to the earlier unit and segment.
+
+    >>> unit_order(torch.tensor([0.0, 5.0, 1.0, 1.0, 4.5]), 2).topk(3).indices.tolist()  # units {0,1}, {2,3}, {4}
+    [1, 0, 4]
+    """
+    S = ranked.shape[-1]
+    n_units = -(-S // unit)
+    padded = torch.nn.functional.pad(ranked.float(), (0, n_units * unit - S), value=float("-inf"))
+    grouped = padded.unflatten(-1, (n_units, unit))  # [..., U, unit]
+    mass = torch.logsumexp(grouped, dim=-1).nan_to_num(nan=float("-inf"))  # [..., U]
+    unit_rank = _ranks(mass)  # 0: the best unit
+    within = _ranks(grouped.nan_to_num(nan=float("-inf")))  # each segment's place in its unit
+    place = (unit_rank.unsqueeze(-1) * unit + within).flatten(-2)[..., :S]
+    return -place.to(torch.float32)
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Each entry's place along the last dim, 0 for the largest; ties to the earlier."""
+    order = x.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    return ranks.scatter_(-1, order, torch.arange(x.shape[-1], device=x.device).expand_as(order))

@@ -68,9 +68,10 @@ def _centroid(summary: Any) -> str | None:
 def _rerank(summary: Any) -> str | None:
     if declared(summary.coarse) != "centroid":
         return f"it shortlists with {type(summary.coarse).__name__}; the fused step shortlists with centroids"
-    if not summary.per_group or summary.shortlist <= 0 or summary.prefilter:
-        return ("the fused step reranks one shortlist per KV group (per_group=True, shortlist > 0, no prefilter); this is "
-                f"per_group={summary.per_group}, shortlist={summary.shortlist}, prefilter={summary.prefilter}")  # fmt: skip
+    if not summary.per_group or summary.shortlist <= 0 or summary.prefilter or summary.unit:
+        return ("the fused step reranks one shortlist of single segments per KV group (per_group=True, shortlist > 0, no "
+                f"prefilter, no unit); this is per_group={summary.per_group}, shortlist={summary.shortlist}, "
+                f"prefilter={summary.prefilter}, unit={summary.unit}")  # fmt: skip
     return _centroid(summary.coarse)
 
 
