@@ -636,8 +636,10 @@ def compile(fn, pointers, constexprs):
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in FLOATS else "i32") for n in fn.arg_names}
     triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 for dtype, softcap, masked in [("fp16", True, False), ("bf16", False, True), ("fp32", False, False)]:
-    ptrs = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, SEG="*i64", VALID="*u8", OUT="*fp32", LSE="*fp32")
-    compile(ks.segment_decode, ptrs, dict(HAS_SOFTCAP=softcap, MASKED=masked, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
+    ptrs = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, SEG="*i64", VALID="*u8", COUNT="*i64", OUT="*fp32", LSE="*fp32")
+    compile(ks.segment_decode, ptrs, dict(HAS_SOFTCAP=softcap, MASKED=masked, ROW_BITS=False, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
+    if masked:  # a KV group's per-head selections as their union: int32 bit sets of the rows per listed segment
+        compile(ks.segment_decode, {**ptrs, "VALID": "*i32", "COUNT": "*i32"}, dict(HAS_SOFTCAP=softcap, MASKED=True, ROW_BITS=True, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
     for rows in (1, 4):  # one list per query row, and one shared by a KV group of 4
         compile(ks.segment_log_mass, dict(Q="*fp32", K="*" + dtype, IDX="*i64", OUT="*fp32"), dict(BLOCK_R=rows, BLOCK_C=64 // rows, BLOCK_D=128))
         compile(ks.bound_scores, dict(Q="*fp32", LOW="*" + dtype, HIGH="*" + dtype, OUT="*fp32"), dict(BLOCK_G=rows, BLOCK_S=64 // rows, BLOCK_D=128))

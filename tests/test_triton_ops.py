@@ -21,6 +21,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import that could i
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from sparseattn.backends import REFERENCES, TorchBackend, TritonBackend  # noqa: E402
 from sparseattn.ops.attention import attention_ref, segment_mask  # noqa: E402
@@ -187,6 +189,61 @@ def test_masked_kernel_attends_only_the_flagged_segments_and_returns_each_heads_
     assert_close(lse.cpu(), want, torch.float32 if dtype == torch.float32 else dtype, what="lse")
     masked = backend.segment_attention_masked(*on_device(q, pk, pv), lay, *on_device(segments, valid), 0.3, softcap)
     assert torch.equal(masked, out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), G=st.integers(1, 6), k=st.integers(0, 6), S=st.integers(1, 12), flags=st.booleans())
+def test_the_union_of_a_groups_selections_lists_each_attended_segment_once_with_its_heads(seed, G, k, S, flags):
+    """union_selection against a loop: the segments some head attends, ascending, each once, bit g for head g."""
+    from sparseattn.backends.triton_backend import union_selection
+
+    gen = generator(seed)
+    k = min(k, S)
+    segments = torch.stack([torch.randperm(S, generator=gen)[:k] for _ in range(2 * G)]).view(1, 2, G, k)
+    valid = torch.rand(1, 2, G, k, generator=gen) < 0.5 if flags else None
+    union, bits, count = union_selection(segments, valid, S)
+    assert union.shape == bits.shape == (1, 2, 1, min(G * k, S)) and bits.dtype == count.dtype == torch.int32
+    for h in range(2):
+        heads = {}
+        for g in range(G):
+            for i in range(k):
+                if valid is None or valid[0, h, g, i]:
+                    heads[int(segments[0, h, g, i])] = heads.get(int(segments[0, h, g, i]), 0) | 1 << g
+        n = len(heads)
+        assert int(count[0, h]) == n
+        assert union[0, h, 0, :n].tolist() == sorted(heads)
+        assert bits[0, h, 0, :n].tolist() == [heads[s] for s in sorted(heads)]
+        assert not bits[0, h, 0, n:].any()  # the unused entries: nothing read, nobody attends
+
+
+@needs_kernels
+@pytest.mark.parametrize("overlap", ["same", "disjoint", "one head empty"])
+def test_per_head_selections_are_attended_as_their_union_read_once(overlap, monkeypatch):
+    """One program per KV group reads the union (a spy on the launch), and each head still attends its own
+    segments only (keys and values no head attends are NaN), as the float64 reference says."""
+    import sparseattn.backends.triton_backend as tb
+
+    lay, q, keys, values, *_ = masked_call(21, torch.float32, shared=False, G=3, k=3)
+    B, H, G, k = 2, 2, 3, 3
+    base = torch.tensor([1, 4, 6])
+    if overlap == "same":  # every head the same three segments, in another order each
+        segments = torch.stack([base[torch.randperm(3, generator=generator(i))] for i in range(B * H * G)]).view(B, H, G, k)
+    else:
+        segments = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]]).expand(B, H, G, k)
+    valid = torch.ones(B, H, G, k, dtype=torch.bool)
+    if overlap == "one head empty":
+        valid[:, :, 1] = False
+    attended = segment_mask(lay, segments, G, valid)
+    pk, pv = (x.masked_fill(~attended.any(2).unsqueeze(-1), float("nan")) for x in (keys, values))
+    launches = []
+    launch = tb.segment_decode_partials
+    monkeypatch.setattr(tb, "segment_decode_partials", lambda *a, **kw: launches.append((a[4].shape, kw["count"].tolist())) or launch(*a, **kw))
+    out, lse = TritonBackend(block_n=16, num_splits=2).segment_attention_lse(*on_device(q, pk, pv), lay, *on_device(segments, valid), 0.3, None)
+    used = {"same": 3, "disjoint": 9, "one head empty": 6}[overlap]  # of a static G k = 9 entries per KV group
+    assert launches == [((B, H, 1, G * k), [[used] * H] * B)]
+    assert_close(out.cpu(), attention_ref(q, keys, values, attended, 0.3, None), torch.float32)
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys.double()) * 0.3
+    assert_close(lse.cpu(), torch.logsumexp(logits.masked_fill(~attended, float("-inf")), dim=-1), torch.float32, what="lse")
 
 
 @needs_kernels

@@ -7,8 +7,10 @@ Design (kernels in :mod:`sparseattn.backends.triton_kernels`):
 
 * grid ``(B * H_kv * G', n_splits)``: one program per (batch, KV head, selection) and split. With a
   shared selection (``G' = 1``) one program holds all ``G`` query heads of the KV group as the M
-  dimension of ``tl.dot``, so each K/V block is loaded once for the whole group; with one selection
-  per query head (``G' = G``) each query head has its own program.
+  dimension of ``tl.dot``, so each K/V block is loaded once for the whole group. One selection per
+  query head (``G' = G``) is attended as the union of the group's selections (:func:`union_selection`):
+  one program per KV group again, each segment any of its heads listed read once, each head's logits
+  masked to its own segments (the kernel's ``ROW_BITS``), where ``G`` programs read the overlap ``G`` times.
 * each program walks its chunk of the attended tokens (sinks, selected segments read from the cache
   by index, tail) in blocks of ``block_n`` with an online softmax, and writes its split's normalised
   output and log-sum-exp (float32);
@@ -165,6 +167,46 @@ def triton_block(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+#: Query heads of a KV group whose selections :func:`union_selection` can join (their bit sets are int32).
+MAX_UNION_ROWS = 31
+
+
+class UnionSelection(NamedTuple):
+    """A KV group's per-head selections as one list (:func:`union_selection`)."""
+
+    segments: torch.Tensor  #: ``[B, H_kv, 1, U]`` int64: the segments some head attends, ascending, then unused entries
+    bits: torch.Tensor  #: ``[B, H_kv, 1, U]`` int32: bit ``g`` set where query head ``g`` attends the segment (0: unused)
+    count: torch.Tensor  #: ``[B, H_kv]`` int32: the segments in use (the kernel walks only these)
+
+
+def union_selection(segments: torch.Tensor, valid: torch.Tensor | None, n_segments: int) -> UnionSelection:
+    """The union of a KV group's per-head selections, and which heads attend each of its segments.
+
+    ``segments [B, H_kv, G, k]`` (each head's list of distinct segments, as every selector gives), ``valid`` (None,
+    or flags broadcastable to it: a listed segment is attended only where flagged) -> :class:`UnionSelection` of
+    ``U = min(G k, n_segments)`` entries: the segments some head attends in ascending order, then unused entries
+    (bits 0: the kernel walks and reads none of them). Static shapes, no read back to the host (a CUDA graph can
+    capture it).
+
+    >>> union = union_selection(torch.tensor([[[[3, 0], [0, 2]]]]), None, 5)
+    >>> union.segments.flatten().tolist(), union.bits.flatten().tolist(), union.count.tolist()  # 0: both heads (0b11)
+    ([0, 2, 3, 1], [3, 2, 1, 0], [[3]])
+    """
+    B, H, G, k = segments.shape
+    if G > MAX_UNION_ROWS:
+        raise ValueError(f"union_selection: {G} query heads per KV group; allowed: at most {MAX_UNION_ROWS} (int32 bit sets)")
+    listed = segments.long()
+    flagged = torch.ones_like(listed, dtype=torch.bool) if valid is None else valid.bool().expand_as(listed)
+    # Presence per head (a set: a segment listed twice by one head is still one bit), slot n_segments for the unflagged.
+    present = torch.zeros(B, H, G, n_segments + 1, dtype=torch.int32, device=listed.device)
+    present.scatter_(-1, torch.where(flagged, listed, n_segments), 1)
+    row_bit = torch.bitwise_left_shift(torch.ones(G, dtype=torch.int32, device=listed.device), torch.arange(G, dtype=torch.int32, device=listed.device))
+    bits = (present[..., :n_segments] * row_bit.view(G, 1)).sum(2, dtype=torch.int32)  # [B, H, S]: distinct bits, so the sum is their union
+    U = min(G * k, n_segments)
+    union = (bits == 0).to(torch.uint8).argsort(dim=-1, stable=True)[..., :U]  # attended segments first, ascending
+    return UnionSelection(union.unsqueeze(2), bits.gather(-1, union).unsqueeze(2), (bits != 0).sum(-1, dtype=torch.int32))
+
+
 def segment_decode_partials(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -177,6 +219,7 @@ def segment_decode_partials(
     scale: float | None = None,
     softcap: float | None = None,
     valid: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
 ) -> None:
@@ -184,8 +227,9 @@ def segment_decode_partials(
 
     ``S = out.shape[3]`` splits share the ``n_virtual = sinks + k * segment_size + tail`` attended
     tokens in chunks of whole blocks; a split past the end writes ``lse = -inf`` and a zero output.
-    ``valid [B, H_kv, G', k]`` (optional): only the flagged listed segments are attended. Inputs are
-    not checked here (:class:`TritonBackend` does that).
+    ``valid [B, H_kv, G', k]`` (optional): only the flagged listed segments are attended; with ``count [B, H_kv]``
+    (int32), a union's bit sets of the rows attending each listed segment and the segments in use
+    (:func:`union_selection`). Inputs are not checked here (:class:`TritonBackend` does that).
     """
     B, H, G, D = q.shape
     Gs, k = segments.shape[2], segments.shape[3]
@@ -201,13 +245,14 @@ def segment_decode_partials(
         flags = flags.view(torch.uint8)  # the same bytes; triton loads bool as int1
     with on_device(q.device):
         launch(
-            q, keys, values, segments, flags, out, lse,
+            q, keys, values, segments, flags, segments if count is None else count, out, lse,  # COUNT: a stand-in, unread, without a union
             *q.stride(), *keys.stride(), *values.stride(), *segments.stride(), *flags.stride(), *out.stride(), *lse.stride(),
             H, Gs, rows, D,
             layout.sink_end, layout.segment_size, k, layout.tail_start, n_virtual, tokens_per_split,
             float(scale), float(softcap or 0.0),
             HAS_SOFTCAP=softcap is not None,
             MASKED=valid is not None,
+            ROW_BITS=count is not None,
             # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): upcast there.
             UPCAST_DOT=interpret and q.dtype == torch.bfloat16,
             BLOCK_G=triton_block(rows, 16), BLOCK_N=block_n, BLOCK_D=triton_block(D, 16),
@@ -365,13 +410,16 @@ class TritonBackend(BackendBase):
     def _attend(self, q, keys, values, layout, segments, valid, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, G, D = q.shape
         interpret = interpreting()
+        count = None
+        if 1 < segments.shape[2] <= MAX_UNION_ROWS:  # one selection per query head: their union, read once
+            segments, valid, count = union_selection(segments, valid, layout.n_segments)
         n_virtual = layout.sink_end + segments.shape[-1] * layout.segment_size + layout.tail_size
         S = self.splits(B * H * segments.shape[2], math.ceil(n_virtual / self.block_n), q.device, interpret)
         out = torch.empty(B, H, G, S, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, G, S, dtype=torch.float32, device=q.device)
         segment_decode_partials(
             q, keys, values, layout, segments, out, lse,
-            scale=scale, softcap=softcap, valid=valid, block_n=self.block_n, num_warps=self.num_warps,
+            scale=scale, softcap=softcap, valid=valid, count=count, block_n=self.block_n, num_warps=self.num_warps,
         )  # fmt: skip
         if S == 1:
             return out.view(B, H, G, D), lse.view(B, H, G)

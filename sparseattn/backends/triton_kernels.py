@@ -70,7 +70,7 @@ def slot_logits(
 
 
 def segment_decode_kernel(
-    Q, K, V, SEG, VALID, OUT, LSE,
+    Q, K, V, SEG, VALID, COUNT, OUT, LSE,
     stride_qb, stride_qh, stride_qg, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -83,6 +83,7 @@ def segment_decode_kernel(
     scale, softcap,
     HAS_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr,
+    ROW_BITS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -94,7 +95,11 @@ def segment_decode_kernel(
     (float32) and the log-sum-exp of its logits ``LSE[b, h, g, split]`` (``-inf`` and a zero output
     when the split saw no token), for :func:`merge_partials_kernel`. ``MASKED``: listed segment ``i``
     is attended only where ``VALID[b, h, sel, i]`` is nonzero (a budget allocation lists more than a
-    head attends); the others are not read.
+    head attends); the others are not read. ``ROW_BITS`` (with ``MASKED``): ``VALID`` holds int32 bit sets
+    instead, bit ``r`` for the selection's row ``r``: a listed segment is read once and attended by the rows
+    whose bit is set (the union of a KV group's per-head selections, :func:`~sparseattn.backends.triton_backend.union_selection`),
+    and only the first ``COUNT[b, h]`` listed segments are walked (the others carry no bit): the tail follows
+    them in the virtual sequence. Without ``ROW_BITS`` ``COUNT`` is not read.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -121,13 +126,18 @@ def segment_decode_kernel(
     v_base = V + b * stride_vb + h * stride_vh
     seg_base = SEG + b * stride_sb + h * stride_sh + sel * stride_sg
     valid_base = VALID + b * stride_fb + h * stride_fh + sel * stride_fg
-    sel_end = sink_end + n_sel * seg_size
+    if ROW_BITS:  # the union's segments in use: the virtual sequence ends earlier by the unused ones
+        n_used = tl.load(COUNT + b * n_kv_heads + h)
+    else:
+        n_used = n_sel
+    sel_end = sink_end + n_used * seg_size
+    n_live = n_virtual - (n_sel - n_used) * seg_size
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     lo = split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, n_virtual)
+    hi = tl.minimum(lo + tokens_per_split, n_live)
     for start in range(lo, hi, BLOCK_N):
         u = start + offs_n
         in_sel = (u >= sink_end) & (u < sel_end)
@@ -139,8 +149,16 @@ def segment_decode_kernel(
         # sinks lie before tail_start, tail tokens past sel_end: only selected tokens can be cut.
         valid = (u < hi) & ((pos < tail_start) | (u >= sel_end))
         if MASKED:
-            flagged = tl.load(valid_base + slot * stride_fk, mask=in_sel, other=1)
+            if ROW_BITS:  # int32 bit sets; the sinks and the tail: every row
+                flagged = tl.load(valid_base + slot * stride_fk, mask=in_sel, other=-1)
+            else:
+                flagged = tl.load(valid_base + slot * stride_fk, mask=in_sel, other=1)
             valid = valid & (flagged != 0)
+        # Which rows attend each token: all of them, or (ROW_BITS) those whose bit its segment carries.
+        if ROW_BITS:
+            row_ok = ((flagged[None, :] >> offs_g[:, None]) & 1) != 0
+        else:
+            row_ok = offs_g[:, None] >= 0
 
         kt = tl.load(
             k_base + pos[None, :] * stride_kt + offs_d[:, None] * stride_kd,
@@ -154,7 +172,7 @@ def segment_decode_kernel(
         s = s * scale
         if HAS_SOFTCAP:
             s = soft_cap_logits(s, softcap)
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(valid[None, :] & row_ok, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no valid token yet
