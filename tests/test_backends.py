@@ -641,7 +641,7 @@ for dtype, softcap, masked in [("fp16", True, False), ("bf16", False, True), ("f
     if masked:  # a KV group's per-head selections as their union: int32 bit sets of the rows per listed segment
         compile(ks.segment_decode, {**ptrs, "VALID": "*i32", "COUNT": "*i32"}, dict(HAS_SOFTCAP=softcap, MASKED=True, ROW_BITS=True, UPCAST_DOT=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128))
     for rows in (1, 4):  # one list per query row, and one shared by a KV group of 4
-        compile(ks.segment_log_mass, dict(Q="*fp32", K="*" + dtype, IDX="*i64", OUT="*fp32"), dict(BLOCK_R=rows, BLOCK_C=64 // rows, BLOCK_D=128))
+        compile(ks.segment_log_mass, dict(Q="*fp32", K="*" + dtype, IDX="*i64", OUT="*fp32"), dict(BLOCK_R=rows, BLOCK_C=64 // rows, BLOCK_D=128, SEGS=4))
         compile(ks.bound_scores, dict(Q="*fp32", LOW="*" + dtype, HIGH="*" + dtype, OUT="*fp32"), dict(BLOCK_G=rows, BLOCK_S=64 // rows, BLOCK_D=128))
     for weighted, floor in [(False, False), (True, True)]:
         slots = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, A="*fp32", BW="*fp32", F="*fp32", OUT="*fp32", PROBS="*fp32")

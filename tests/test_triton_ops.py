@@ -98,6 +98,29 @@ def test_segment_log_mass_kernel_is_the_float64_logsumexp_of_each_listed_segment
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+def test_each_program_of_the_log_mass_kernel_takes_several_listed_segments_and_no_slot_past_the_list(m):
+    """Programs of SEGMENTS_PER_PROGRAM (4) slots: a list of m slots ends inside a program or on its edge, and
+    every listed slot is written (the output starts as NaN), none past the list (a wider buffer's tail stays NaN)."""
+    from sparseattn.backends import triton_backend as tb
+
+    view, queries, index, clean = log_mass_call(2, 2, 3, 11, 3, 16, m, False, torch.float32, seed=m)
+    wide = torch.full((2, 2, 3, m + 4), float("nan"))
+    got = wide[..., :m]  # the kernel writes through the strides of a view: slots past m would land in the tail
+    raw, q, idx = on_device(view, queries, index)
+    out = torch.full_like(got, float("nan")) if DEVICE == "cuda" else got
+    with tb.on_device(q.device):
+        tb.kernels(tb.interpreting()).segment_log_mass[(2 * 2 * 3, -(-m // tb.SEGMENTS_PER_PROGRAM))](
+            q, raw, idx, out, *q.stride(), *raw.stride(), *idx.stride(), *out.stride(),
+            2, 3, 1, 11, 3, 16, m, 0.5, BLOCK_R=1, BLOCK_C=4, BLOCK_D=16, SEGS=tb.SEGMENTS_PER_PROGRAM,
+        )  # fmt: skip
+    want = REFERENCES["segment_log_mass"](SegmentKeys(clean, 0.5, torch.float32), queries, index)
+    assert_close(out.cpu(), want, torch.float32, what="log mass")
+    if DEVICE == "cpu":
+        assert wide[..., m:].isnan().all()
+
+
+@needs_kernels
 def test_segment_log_mass_kernel_writes_nan_for_an_index_outside_the_grid_and_reads_nothing_there():
     view, queries, index, clean = log_mass_call(1, 2, 3, 6, 4, 16, 3, True, torch.float32, seed=1)
     index[0, 1, 0, 2] = 6  # one past the grid

@@ -241,26 +241,29 @@ def segment_log_mass_kernel(
     stride_kb, stride_kh, stride_ks, stride_kc, stride_kd,
     stride_ib, stride_ih, stride_ir, stride_im,
     stride_ob, stride_oh, stride_or, stride_om,
-    n_heads, n_lists, rows, n_segments, seg_size, head_dim,
+    n_heads, n_lists, rows, n_segments, seg_size, head_dim, n_listed,
     factor,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SEGS: tl.constexpr,
 ):  # fmt: skip
-    """``logsumexp_{j in segment} q . (factor k_j)`` of one listed segment for the ``rows`` query rows of its list.
+    """``logsumexp_{j in segment} q . (factor k_j)`` of listed segments for the ``rows`` query rows of their list.
 
-    Grid ``(B * H * R', m)``: program ``(list, slot)`` reads the ``c`` keys of segment
-    ``IDX[b, h, list, slot]`` once (in place, through the cache's strides) for every row the list
-    serves (all ``R`` rows of a shared list, ``R' = 1``; row ``list`` alone otherwise) and writes
-    ``OUT[b, h, row, slot]`` (float32). An index outside ``[0, n_segments)`` reads nothing and
-    writes NaN: a wrong list shows, it is never a read out of bounds.
+    Grid ``(B * H * R', ceil(m / SEGS))``: program ``(list, p)`` takes the list's slots ``p SEGS`` to
+    ``p SEGS + SEGS - 1`` below ``n_listed = m`` (unrolled: their key loads are in flight together, and the
+    query rows are loaded once for them), reads the ``c`` keys of each segment ``IDX[b, h, list, slot]``
+    once (in place, through the cache's strides) for every row the list serves (all ``R`` rows of a shared
+    list, ``R' = 1``; row ``list`` alone otherwise) and writes ``OUT[b, h, row, slot]`` (float32). An index
+    outside ``[0, n_segments)`` reads nothing and writes NaN: a wrong list shows, it is never a read out of
+    bounds.
 
     The logits are float32 products summed over the head dim (``[rows, c, d]`` in registers), not a
     ``tl.dot``: a float32 dot runs on the FMA units through shared memory, and with a handful of rows
     it made this kernel 7x slower than the attention that follows it (an H200, 128k tokens, batch 8).
     """
     pid = tl.program_id(0)
-    slot = tl.program_id(1)
+    first = tl.program_id(1) * SEGS
     lst = pid % n_lists
     bh = pid // n_lists
     h = (bh % n_heads).to(tl.int64)
@@ -277,30 +280,34 @@ def segment_log_mass_kernel(
         mask=r_mask[:, None] & d_mask[None, :],
         other=0.0,
     ).to(tl.float32) * factor  # [BLOCK_R, BLOCK_D]
-    seg = tl.load(IDX + b * stride_ib + h * stride_ih + lst * stride_ir + slot * stride_im).to(tl.int64)
-    in_range = (seg >= 0) & (seg < n_segments)
-    k_base = K + b * stride_kb + h * stride_kh + tl.where(in_range, seg, 0) * stride_ks
-    n_read = tl.where(in_range, seg_size, 0)  # a bad index reads no key
+    for i in tl.static_range(SEGS):
+        slot = first + i
+        listed = slot < n_listed
+        at = tl.minimum(slot, n_listed - 1)  # a slot past the list reads the last listed index, and stores nothing
+        seg = tl.load(IDX + b * stride_ib + h * stride_ih + lst * stride_ir + at * stride_im).to(tl.int64)
+        in_range = (seg >= 0) & (seg < n_segments)
+        k_base = K + b * stride_kb + h * stride_kh + tl.where(in_range, seg, 0) * stride_ks
+        n_read = tl.where(in_range & listed, seg_size, 0)  # a bad index, or a slot past the list, reads no key
 
-    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, seg_size, BLOCK_C):
-        c = start + offs_c
-        c_mask = c < n_read
-        k = tl.load(
-            k_base + c[:, None] * stride_kc + offs_d[None, :] * stride_kd,
-            mask=c_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_C, BLOCK_D], the head dim contiguous
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_R, BLOCK_C]
-        s = tl.where(c_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-        m_i = m_new
-    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    lse = tl.where(in_range, lse, float("nan"))
-    tl.store(OUT + b * stride_ob + h * stride_oh + r * stride_or + slot * stride_om, lse, mask=r_mask)
+        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for start in range(0, seg_size, BLOCK_C):
+            c = start + offs_c
+            c_mask = c < n_read
+            k = tl.load(
+                k_base + c[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+                mask=c_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_C, BLOCK_D], the head dim contiguous
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_R, BLOCK_C]
+            s = tl.where(c_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+            m_i = m_new
+        lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        lse = tl.where(in_range, lse, float("nan"))
+        tl.store(OUT + b * stride_ob + h * stride_oh + r * stride_or + at * stride_om, lse, mask=r_mask & (offs_r * 0 + slot < n_listed))
 
 
 def bound_scores_kernel(
