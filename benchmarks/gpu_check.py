@@ -51,6 +51,12 @@ STEPS = ("kernels", "contract", "attention", "generate")
 
 #: The rows of the attention step, by their names in benchmarks/attention.py (dense SDPA always runs).
 ATTENTION_ROWS = ("radar (budget 4096)", "radar+ (budget 4096)", "quest (budget 4096)")
+#: On the GPU also: per-head selections read as their union (issue 48) against a program per head, for radar+ and
+#: the preset's layers 1-29, interleaved with the same dense baselines.
+UNION_ROWS = (
+    "radar+ (budget 4096, per head)", "radar+ (budget 4096, per head, a program per head)",
+    "radar+adaptive (budget 4096, layers 1-29)", "radar+adaptive (budget 4096, layers 1-29, a program per head)",
+)  # fmt: skip
 
 
 def step_commands(cpu: bool, out: Path) -> dict[str, tuple[list[str], dict[str, str], int]]:
@@ -74,7 +80,7 @@ def step_commands(cpu: bool, out: Path) -> dict[str, tuple[list[str], dict[str, 
         contract = [*pytest, *parallel, "tests/test_contract_device.py", "-m", "gpu"]
         attention = [py, "benchmarks/attention.py", "--device", "cuda", "--dtype", "bfloat16", "--lengths", "32768", "131072",
                      "--batches", "1", "8", "--repeats", "30", "--warmup", "5", "--methods", "dense (triton kernel)",
-                     "dense (triton kernel, 2 programs/SM)", *ATTENTION_ROWS]  # fmt: skip
+                     "dense (triton kernel, 2 programs/SM)", *ATTENTION_ROWS, *UNION_ROWS]  # fmt: skip
         generate = [py, "benchmarks/e2e_generate.py", "--device", "cuda"]
         limits = (120, 90, 120, 150)
     attention += ["--out", str(out / "attention.json")]

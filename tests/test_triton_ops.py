@@ -270,6 +270,21 @@ def test_per_head_selections_are_attended_as_their_union_read_once(overlap, monk
 
 
 @needs_kernels
+def test_a_program_per_head_and_the_union_give_one_answer():
+    """TritonBackend(union=False), the A/B row of benchmarks/attention.py, runs a program per query head: the same
+    attention and log-sum-exp as the union (float32 sums in another order), both the float64 reference's."""
+    lay, q, keys, values, pk, pv, segments, valid, attended = masked_call(5, torch.float32, shared=False)
+    args = (*on_device(q, pk, pv), lay, *on_device(segments, valid), 0.3, None)
+    union = TritonBackend(block_n=16, num_splits=2).segment_attention_lse(*args)
+    apart = TritonBackend(block_n=16, num_splits=2, union=False).segment_attention_lse(*args)
+    for a, b in zip(union, apart):
+        assert_close(a.cpu(), b.cpu().double(), torch.float32)
+    assert_close(apart[0].cpu(), attention_ref(q, keys, values, attended, 0.3, None), torch.float32)
+    with pytest.raises(ValueError, match="union must be True or False"):
+        TritonBackend(union=1)
+
+
+@needs_kernels
 def test_the_log_sum_exp_over_an_empty_selection_is_the_mass_of_the_sinks_and_tail():
     lay, q, keys, values, *_ = masked_call(3, torch.float32, True)
     none = torch.zeros(2, 2, 1, 0, dtype=torch.long)

@@ -341,6 +341,9 @@ class TritonBackend(BackendBase):
             ``programs_per_sm`` per multiprocessor; one split in the interpreter).
         num_warps: warps per program.
         programs_per_sm: the occupancy ``num_splits=None`` aims at.
+        union: selections per query head attended as their union, one program per KV group reading each
+            segment once (:func:`union_selection`); False: one program per query head (each reads its own
+            segments: the overlap once per head), kept for the A/B row of ``benchmarks/attention.py``.
 
     With ``TRITON_INTERPRET=1`` set before triton is first imported, kernels run in the Triton
     interpreter, which also accepts CPU tensors when the backend is named (slow: for tests; ``auto``
@@ -351,6 +354,7 @@ class TritonBackend(BackendBase):
     num_splits: int | None = None
     num_warps: int = 4
     programs_per_sm: int = PROGRAMS_PER_SM
+    union: bool = True
 
     name: ClassVar[str] = "triton"
     REQUIRES: ClassVar[tuple[str, ...]] = ("triton",)
@@ -371,6 +375,8 @@ class TritonBackend(BackendBase):
             raise ValueError(f"TritonBackend.num_warps must be a power of two, got {self.num_warps}")
         if not isinstance(self.programs_per_sm, int) or self.programs_per_sm < 1:
             raise ValueError(f"TritonBackend.programs_per_sm must be an int >= 1, got {self.programs_per_sm!r}")
+        if not isinstance(self.union, bool):
+            raise ValueError(f"TritonBackend.union must be True or False, got {self.union!r}")
 
     def refusal(self, op: str, q: torch.Tensor, keys: torch.Tensor, softcap: float | None = None) -> str | None:
         if not triton_installed():
@@ -417,7 +423,7 @@ class TritonBackend(BackendBase):
         B, H, G, D = q.shape
         interpret = interpreting()
         count = None
-        if 1 < segments.shape[2] <= MAX_UNION_ROWS:  # one selection per query head: their union, read once
+        if self.union and 1 < segments.shape[2] <= MAX_UNION_ROWS:  # one selection per query head: their union, read once
             segments, valid, count = union_selection(segments, valid, layout.n_segments)
         n_virtual = layout.sink_end + segments.shape[-1] * layout.segment_size + layout.tail_size
         S = self.splits(B * H * segments.shape[2], math.ceil(n_virtual / self.block_n), q.device, interpret)
