@@ -14,19 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparseattn import Centroid, Rerank, registry
-from sparseattn.summaries.base import SegmentKeys
 from sparseattn.summaries.rerank import unit_order
 from sparseattn.vllm.policy import PagedPolicy
 from sparseattn.vllm.route import route
+from tests.test_rerank_prefilter import shortlist_of
 
-CPU = torch.device("cpu")
 F64 = torch.float64
-
-
-def shortlist_of(rerank, keys, queries, top_k):
-    params = rerank.prepare(keys.shape[1], keys.shape[-1], layer_idx=0, device=CPU, dtype=keys.dtype)
-    return rerank.score_shortlist(params, rerank.summarize(params, keys), queries, SegmentKeys(keys, 1.0, keys.dtype),
-                                  keys.shape[-2], top_k)  # fmt: skip
 
 
 def unit_rule(row, n, m):
