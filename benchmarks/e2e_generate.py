@@ -9,7 +9,11 @@ values; nothing is downloaded), bfloat16 on CUDA:
 For each context length and batch: one prompt of random token ids is prefilled once by the model
 with transformers' own ``sdpa`` attention and ``DynamicCache`` (what a user runs); each sparse
 method's cache is then built from that cache's keys and values (a segment search builds its
-segments from the keys alone, so this is the state its own prefill would give: asserted below), and
+segments from the keys alone, so this is the state its own prefill would give: asserted below). With
+``--own-prefill`` each method prefills its own cache instead, one after another, and no dense copy is kept
+beside it (the row says ``prefill: own``): what fits 128k tokens x 4 of the 8B shape on a 141 GB H200
+(about 97 GB against 166 with the shared prefill), a row that is skipped without it; its four prefills of
+512k tokens take minutes, so ``scripts/gpu-check.sh`` leaves it to a run of its own. Then
 ``model.generate`` continues the prompt for ``--new-tokens`` tokens with each cache in turn: dense
 (transformers' ``sdpa`` over a ``DynamicCache``, the baseline), then the sparse methods through
 ``sparseattn.apply``. ``Dense()`` (the toolkit's own dense state, SDPA over capacity-doubling storage) runs as a sparse
@@ -115,32 +119,55 @@ def timed_generate(model, ids: torch.Tensor, cache, new_tokens: int, device: tor
     return out, time.perf_counter() - begin
 
 
-def needed_bytes(model, batch: int, length: int) -> int:
-    """A rough peak for one row: weights, the dense cache, one sparse cache grown by doubling (2x), prefill activations."""
+def needed_bytes(model, batch: int, length: int, shared: bool, chunk: int = 0) -> int:
+    """A rough peak for one row: weights, prefill activations (of ``chunk`` tokens at a time; 0: the whole prompt), and
+    the caches held at once: a sparse cache (the prompt and an eighth more: its storage's first block,
+    :class:`~sparseattn.ops.buffers.GrowableBuffer`), and with ``shared`` the dense prefill's cache beside it (each
+    sparse cache built from it)."""
     c = model.config
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * batch * length
-    activations = 4 * batch * length * c.intermediate_size * 2
-    return weight_bytes(model) + 3 * kv + activations
+    activations = 4 * batch * (min(chunk, length) if chunk else length) * c.intermediate_size * 2
+    return weight_bytes(model) + kv * 9 // 8 + (kv if shared else 0) + activations
 
 
-def run_row(model, methods: dict, batch: int, length: int, new_tokens: int, rounds: int, device: torch.device) -> list[dict]:
-    """One context length and batch: prefill once, then every method's warm-up and timed ``generate`` calls."""
+def prefill(model, prompt: torch.Tensor, cache, device: torch.device, chunk: int = 0) -> float:
+    """Fill ``cache`` with the prompt's keys and values but its last token's (``generate`` feeds that one), ``chunk``
+    tokens per forward pass (0: one pass; a chunk's MLP activations are what a long prompt's peak is made of); seconds."""
+    synchronize(device)
+    begin = time.perf_counter()
+    fed = prompt[:, :-1]
+    step = chunk or fed.shape[1]
+    with torch.no_grad():
+        for start in range(0, fed.shape[1], step):
+            model(fed[:, start : start + step], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    synchronize(device)
+    return time.perf_counter() - begin
+
+
+def run_row(
+    model, methods: dict, batch: int, length: int, new_tokens: int, rounds: int, device: torch.device, own_prefill: bool = False,
+    chunk: int = 0,
+) -> list[dict]:  # fmt: skip
+    """One context length and batch: prefill once (``own_prefill``: once per method, into its own cache; ``chunk``
+    tokens a pass), then every method's warm-up and timed ``generate`` calls."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(length + batch)
     prompt = torch.randint(1, model.config.vocab_size, (batch, length), generator=gen).to(device)
-    dense_cache = DynamicCache(config=model.config)
-    synchronize(device)
-    begin = time.perf_counter()
-    with torch.no_grad():
-        model(prompt[:, :-1], **cache_kwargs(model, dense_cache), use_cache=True, logits_to_keep=1)
-    synchronize(device)
-    prefill_s = time.perf_counter() - begin
+    dense_cache = None
+    if not own_prefill:
+        dense_cache = DynamicCache(config=model.config)
+        prefill_s = prefill(model, prompt, dense_cache, device, chunk)
     rows = []
     attended_kv = {}
-    # The sparse methods first, each built from the prefilled cache and freed after its calls; dense last, on that cache.
+    # The sparse methods first, each built from the prefilled cache (or prefilled into its own) and freed after its calls;
+    # dense last, on that cache (or on its own prefill, once no sparse cache is held).
     for name, method in [*((n, m) for n, m in methods.items()), ("dense (transformers sdpa)", None)]:
-        cache = dense_cache if method is None else sparse_cache_from(model, dense_cache, method)
+        if own_prefill:
+            cache = DynamicCache(config=model.config) if method is None else SparseCache(method, config=model.config)
+            prefill_s = prefill(model, prompt, cache, device, chunk)
+        else:
+            cache = dense_cache if method is None else sparse_cache_from(model, dense_cache, method)
         ids = prompt
         ids, _ = timed_generate(model, ids, cache, 2, device)  # compiles the kernels; untimed
         if device.type == "cuda":
@@ -152,7 +179,7 @@ def run_row(model, methods: dict, batch: int, length: int, new_tokens: int, roun
         row = {
             "method": name, "params": repr(method) if method is not None else "DynamicCache + sdpa",
             "batch": batch, "context": length, "new_tokens": new_tokens, "rounds": rounds,
-            "prefill_s": prefill_s, "seconds": seconds,
+            "prefill": "own" if own_prefill else "shared", "prefill_chunk": chunk, "prefill_s": prefill_s, "seconds": seconds,
             "tokens_per_second": batch * new_tokens * rounds / sum(seconds),
             "cache_bytes": cache_bytes(cache), "weight_bytes": weight_bytes(model),
         }  # fmt: skip
@@ -166,6 +193,8 @@ def run_row(model, methods: dict, batch: int, length: int, new_tokens: int, roun
         rows.append(row)
         if cache is not dense_cache:
             del cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the next method's own prefill needs this one's memory
     dense = rows[-1]
     c = model.config
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * batch  # bytes one token adds
@@ -187,12 +216,19 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=4096, help="the sparse methods' token budget")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per timed generate call")
     parser.add_argument("--rounds", type=int, default=2, help="timed generate calls per method")
+    parser.add_argument("--own-prefill", action="store_true", help="every method prefills its own cache (else only "
+                        "where the dense cache and a sparse one do not fit together)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill pass (0: the whole "
+                        "prompt at once; default: 8192 on CUDA, 0 on the CPU)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     for name in ("budget", "new_tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 0:
+        parser.error(f"--prefill-chunk must be >= 0 (0: one pass), got {args.prefill_chunk}")
     device = torch.device(args.device)
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else (8192 if device.type == "cuda" else 0)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA device is available")
     dtype = torch.bfloat16
@@ -218,13 +254,15 @@ def main() -> None:
     with apply(model, next(iter(methods.values()))):  # routes attention through sparseattn; a DynamicCache stays dense sdpa
         for length in args.lengths:
             for batch in args.batches:
-                need = needed_bytes(model, batch, length)
+                own = args.own_prefill
+                need = needed_bytes(model, batch, length, shared=not own, chunk=chunk)
                 if device.type == "cuda" and need > 0.92 * info["memory_bytes"]:
-                    skipped.append({"batch": batch, "context": length, "reason": f"needs about {need / 1e9:.0f} GB of {info['memory_bytes'] / 1e9:.0f}"})
+                    hint = "" if own else f" (about {needed_bytes(model, batch, length, shared=False, chunk=chunk) / 1e9:.0f} GB with --own-prefill)"
+                    skipped.append({"batch": batch, "context": length, "reason": f"needs about {need / 1e9:.0f} GB of {info['memory_bytes'] / 1e9:.0f}{hint}"})
                     print(f"skipped batch {batch} at {length}: {skipped[-1]['reason']}", flush=True)
                     continue
                 try:
-                    measured = run_row(model, methods, batch, length, args.new_tokens, args.rounds, device)
+                    measured = run_row(model, methods, batch, length, args.new_tokens, args.rounds, device, own_prefill=own, chunk=chunk)
                 except Exception as error:  # noqa: BLE001 (reported; the next row still runs)
                     skipped.append({"batch": batch, "context": length, "reason": f"failed: {type(error).__name__}: {str(error)[:400]}"})
                     print(f"batch {batch} at {length} failed: {skipped[-1]['reason']}", flush=True)

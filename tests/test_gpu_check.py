@@ -83,3 +83,23 @@ def test_building_from_a_dense_prefill_refuses_a_method_that_learns_from_the_pro
     model = random_model("tiny", torch.device("cpu"), torch.float32, 64)
     with pytest.raises(ValueError, match=r"only a segment search without an always-kept part \(or Dense\)"):
         sparse_cache_from(model, None, H2O(budget=16))
+
+
+def test_rows_too_large_to_share_a_dense_prefill_prefill_each_method_into_its_own_cache():
+    """Issue 48, memory: where the dense prefill's cache and a sparse one do not fit together, each method prefills its
+    own cache (no dense copy beside it); its rows attend as the shared prefill's do, and the estimate drops by the dense cache."""
+    from e2e_generate import needed_bytes, random_model, run_row
+
+    from sparseattn import Dense, RadarPlus, apply
+
+    model = random_model("tiny", torch.device("cpu"), torch.float32, 512)
+    methods = {"radar+": RadarPlus(budget=48), "dense (sparseattn Dense)": Dense()}
+    with apply(model, methods["radar+"]):
+        shared = run_row(model, methods, 2, 200, 3, 1, torch.device("cpu"))
+        own = run_row(model, methods, 2, 200, 3, 1, torch.device("cpu"), own_prefill=True)
+    assert [r["prefill"] for r in shared] == ["shared"] * 3 and [r["prefill"] for r in own] == ["own"] * 3
+    assert [r["method"] for r in own] == [r["method"] for r in shared]
+    assert [r["mean_attended_tokens"] for r in own] == [r["mean_attended_tokens"] for r in shared]
+    c = model.config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 4 * 1000
+    assert needed_bytes(model, 4, 1000, shared=True) - needed_bytes(model, 4, 1000, shared=False) == kv
