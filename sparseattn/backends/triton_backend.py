@@ -197,11 +197,14 @@ def union_selection(segments: torch.Tensor, valid: torch.Tensor | None, n_segmen
         raise ValueError(f"union_selection: {G} query heads per KV group; allowed: at most {MAX_UNION_ROWS} (int32 bit sets)")
     listed = segments.long()
     flagged = torch.ones_like(listed, dtype=torch.bool) if valid is None else valid.bool().expand_as(listed)
-    # Presence per head (a set: a segment listed twice by one head is still one bit), slot n_segments for the unflagged.
-    present = torch.zeros(B, H, G, n_segments + 1, dtype=torch.int32, device=listed.device)
-    present.scatter_(-1, torch.where(flagged, listed, n_segments), 1)
-    row_bit = torch.bitwise_left_shift(torch.ones(G, dtype=torch.int32, device=listed.device), torch.arange(G, dtype=torch.int32, device=listed.device))
-    bits = (present[..., :n_segments] * row_bit.view(G, 1)).sum(2, dtype=torch.int32)  # [B, H, S]: distinct bits, so the sum is their union
+    # Head by head, its bit written where it attends (a set: a segment listed twice by one head is one bit) and or-ed in;
+    # slot n_segments takes the unflagged. Two [B, H, S] buffers whatever G (a bit per head, not a row per head).
+    slots = torch.where(flagged, listed, n_segments)
+    bits = torch.zeros(B, H, n_segments + 1, dtype=torch.int32, device=listed.device)
+    mine = torch.empty_like(bits)
+    for g in range(G):
+        bits.bitwise_or_(mine.zero_().scatter_(-1, slots[:, :, g], 1 << g))
+    bits = bits[..., :n_segments]
     U = min(G * k, n_segments)
     union = (bits == 0).to(torch.uint8).argsort(dim=-1, stable=True)[..., :U]  # attended segments first, ascending
     return UnionSelection(union.unsqueeze(2), bits.gather(-1, union).unsqueeze(2), (bits != 0).sum(-1, dtype=torch.int32))
