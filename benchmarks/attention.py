@@ -441,8 +441,8 @@ def main() -> None:
     against = None
     if args.against is not None:
         known = {**methods, **optional}
-        if args.against not in known or known[args.against] is None:
-            parser.error(f"unknown --against {args.against!r}; choose a sparse row from {[n for n, m in known.items() if m is not None]}")
+        if args.against not in known or known[args.against] is None or isinstance(known[args.against], OnBackend):
+            parser.error(f"unknown --against {args.against!r}; choose a sparse row without backend options from {[n for n, m in known.items() if m is not None and not isinstance(m, OnBackend)]}")
         against = known[args.against]
     info = machine(device)
     info["bandwidth_GBps"] = memory_bandwidth(device)

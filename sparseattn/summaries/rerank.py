@@ -131,8 +131,8 @@ class Rerank:
             scores, ranked = self._prefiltered(summaries[0], queries, scores, segment_size, m)
         if self.per_group:  # one shortlist per KV group: its keys are read once for the G query heads
             ranked = torch.logsumexp(ranked, dim=2, keepdim=True)  # [B, H, 1, S]
-        if self.unit_segments(segment_size) > 1:
-            ranked = unit_order(ranked, self.unit_segments(segment_size))
+        if (per_unit := self.unit_segments(segment_size)) > 1:
+            ranked = unit_order(ranked, per_unit)
         short = ranked.topk(m, dim=-1, sorted=False).indices  # [B, H, G', m]
         exact = segment_log_mass(segment_keys, queries, short)  # [B, H, G, m]
         # The coarse scores are shifted below the exact ones only when asked for (Shortlist.scores).

@@ -591,10 +591,11 @@ def _python_allocation(
     _, n_cand, k, mm = row
     idx = torch.tensor(members)
     shortlist = Shortlist(coarse[idx, :, :, :n_cand], short[idx, :, :mm].long().unsqueeze(2), exact[idx, :, :, :mm])
+    reach = m.reach(k, n_cand)  # the top_k the split step scored for
 
     def scorer(top_k: int) -> torch.Tensor:
-        if top_k != m.reach(k, n_cand):
-            raise ValueError(f"the split step scored for top_k={m.reach(k, n_cand)}; the allocation asked for {top_k}")
+        if top_k != reach:
+            raise ValueError(f"the split step scored for top_k={reach}; the allocation asked for {top_k}")
         return shortlist.scores
 
     layout = policy.layout(int(lens[members[0]]), bs)
