@@ -20,11 +20,16 @@ finishes (a later step's failure, a crash or the run's time limit loses nothing 
 ``generate``
     ``benchmarks/e2e_generate.py``: a random-weight Llama-3.1-8B-shaped model in bfloat16, 32k and
     128k tokens, batch 1 and 4 where memory allows: dense vs radar+ vs quest tokens/s and peak memory.
+``loop``
+    ``benchmarks/loop.py``: the same model through the fixed-shape decode loop (``sparseattn.hf.loop.generate``),
+    eager and captured as CUDA graphs, dense (the Triton kernel) vs radar+ vs quest at 32k and 128k, batch 1:
+    ms per step graph against graph, and the captured loop's tokens against the eager loop's.
 
 Then ``report.json`` and ``report.md``: each step's status and numbers, and the issue's targets, each
 met or missed: one layer at 128k x batch 8, radar+ >= 8x SDPA's step and >= 50% of its own bandwidth
 floor; end to end at 128k, batch 1, radar+ >= 1.8x dense tokens/s (with the byte model's ceiling
-beside it); radar+'s step grows no faster than t^0.3 over 32k..128k.
+beside it); radar+'s step grows no faster than t^0.3 over 32k..128k; through the captured loop, radar+ >= 1.7x
+dense at 128k x 1 and >= 1.3x at 32k x 1 (issue 48), its tokens those of the eager loop.
 
 ``--cpu`` runs the same steps at toy sizes on the CPU, the kernels in Triton's interpreter, so that
 the check cannot rot before a GPU is lent (tests/test_gpu_check.py runs it in CI).
@@ -47,7 +52,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ("kernels", "contract", "attention", "generate")
+STEPS = ("kernels", "contract", "attention", "generate", "loop")
 
 #: The rows of the attention step, by their names in benchmarks/attention.py (dense SDPA always runs).
 ATTENTION_ROWS = ("radar (budget 4096)", "radar+ (budget 4096)", "quest (budget 4096)")
@@ -71,7 +76,9 @@ def step_commands(cpu: bool, out: Path) -> dict[str, tuple[list[str], dict[str, 
                      "--repeats", "3", "--warmup", "1", "--methods", "dense (cpu kernel)", *ATTENTION_ROWS]  # fmt: skip
         generate = [py, "benchmarks/e2e_generate.py", "--device", "cpu", "--shape", "tiny", "--lengths", "300",
                     "--batches", "1", "--new-tokens", "4", "--budget", "64"]  # fmt: skip
-        limits = (300, 300, 300, 300)
+        loop = [py, "benchmarks/loop.py", "--device", "cpu", "--shape", "tiny", "--lengths", "300", "--batches", "1",
+                "--modes", "generate", "loop", "--rounds", "1", "--new-tokens", "8", "--budget", "64"]  # fmt: skip
+        limits = (300, 300, 300, 300, 300)
     else:
         kernel_env = {"TRITON_INTERPRET": "0"}
         parallel = ["-n", "8"] if _has_xdist() else []  # compiling the kernels' variants dominates: spread it
@@ -82,11 +89,16 @@ def step_commands(cpu: bool, out: Path) -> dict[str, tuple[list[str], dict[str, 
                      "--batches", "1", "8", "--repeats", "30", "--warmup", "5", "--methods", "dense (triton kernel)",
                      "dense (triton kernel, 2 programs/SM)", *ATTENTION_ROWS, *UNION_ROWS]  # fmt: skip
         generate = [py, "benchmarks/e2e_generate.py", "--device", "cuda"]
-        limits = (120, 90, 120, 150)
+        # The fixed-shape loop, eager and captured, dense and sparse; each call prefills its own cache (12 prefills).
+        loop = [py, "benchmarks/loop.py", "--device", "cuda", "--lengths", "32768", "131008", "--batches", "1",
+                "--modes", "loop", "graphs", "--rounds", "1", "--new-tokens", "32"]  # fmt: skip
+        limits = (120, 90, 120, 150, 180)
     attention += ["--out", str(out / "attention.json")]
     generate += ["--out", str(out / "generate.json")]
-    envs = (kernel_env, kernel_env, {}, {})
-    return {name: (cmd, env, limit) for name, cmd, env, limit in zip(STEPS, (kernels, contract, attention, generate), envs, limits)}
+    loop += ["--out", str(out / "loop.json")]
+    envs = (kernel_env, kernel_env, {}, {}, {})
+    commands = (kernels, contract, attention, generate, loop)
+    return {name: (cmd, env, limit) for name, cmd, env, limit in zip(STEPS, commands, envs, limits)}
 
 
 def _has_xdist() -> bool:
@@ -190,7 +202,31 @@ def targets(out: Path, cpu: bool) -> list[dict]:
         })  # fmt: skip
     else:
         verdicts.append({"target": "end to end radar+ >= 1.8x dense at 128k, batch 1", "value": "not measured", "met": None})
+    verdicts += loop_targets(_rows(out / "loop.json"), cpu)
     return verdicts
+
+
+def loop_targets(rows: list[dict], cpu: bool) -> list[dict]:
+    """Issue 48's end-to-end targets, graph against graph: radar+ >= 1.7x dense at 128k x 1 and >= 1.3x at 32k x 1
+    (the eager loop on the CPU check), and the captured loop's greedy tokens equal to the eager loop's."""
+    mode, budget = ("loop", 64) if cpu else ("graphs", 4096)
+    found = []
+    for context, goal in ((300, 1.0),) if cpu else ((131008, 1.7), (32768, 1.3)):
+        plus = _row(rows, f"radar+ (budget {budget})", context=context, batch=1, mode=mode)
+        dense = next((r for r in rows if r["method"].startswith("dense") and r["context"] == context and r["batch"] == 1 and r["mode"] == mode), None)
+        target = f"end to end through the {mode} loop, {context} tokens, batch 1: radar+ >= {goal}x dense"
+        if plus and dense:
+            found.append({"target": target, "met": plus["vs_dense_same_mode"] >= goal,
+                          "value": f"{plus['vs_dense_same_mode']:.2f}x ({plus['ms_per_step']:.2f} vs {dense['ms_per_step']:.2f} ms/step)"})  # fmt: skip
+        else:
+            found.append({"target": target, "value": "not measured", "met": None})
+    captured = [r for r in rows if r["mode"] == mode]
+    if captured:
+        key = next(k for k in captured[0] if k.startswith("tokens_equal_"))
+        unequal = [f"{r['method']} at {r['context']}" for r in captured if not r[key]]
+        found.append({"target": f"the {mode} loop's greedy tokens equal the {key.removeprefix('tokens_equal_')} mode's",
+                      "value": "all equal" if not unequal else f"differ: {', '.join(unequal)}", "met": not unequal})  # fmt: skip
+    return found
 
 
 def markdown(report: dict) -> str:
@@ -241,6 +277,14 @@ def markdown(report: dict) -> str:
             )
     for skip in report.get("generate_skipped") or []:
         lines.append(f"\ngenerate, batch {skip['batch']} at {skip['context']} tokens: {skip['reason']}")
+    loop = report.get("loop_rows") or []
+    if loop:
+        lines += ["", "| method | mode | batch | context | ms/step | vs dense (same mode) | phases | graphs | tokens as the first mode's |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in loop:
+            same = next(v for k, v in r.items() if k.startswith("tokens_equal_"))
+            lines.append(f"| {r['method']} | {r['mode']} | {r['batch']} | {r['context']} | {r['ms_per_step']:.2f} | "
+                         f"{r['vs_dense_same_mode']:.2f} | {r.get('phases') or '-'} | {r.get('captures') or '-'} | {'yes' if same else 'NO'} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -248,6 +292,7 @@ def write_report(out: Path, info: dict, results: list[dict], cpu: bool) -> dict:
     report = {"machine": info, "steps": results, "targets": targets(out, cpu)}
     report["attention_rows"] = _rows(out / "attention.json")
     report["generate_rows"] = _rows(out / "generate.json")
+    report["loop_rows"] = _rows(out / "loop.json")
     try:
         report["generate_skipped"] = json.loads((out / "generate.json").read_text()).get("skipped", [])
     except (OSError, ValueError):

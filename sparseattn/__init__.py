@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 # The transformers integration is imported on first use, so `import sparseattn` stays light.
-_HF_NAMES = ("apply", "cache_kwargs", "SparseAttention", "SparseCache", "load_model")
+_HF_NAMES = ("apply", "cache_kwargs", "generate", "SparseAttention", "SparseCache", "load_model")
 
 
 def __getattr__(name: str):

@@ -40,6 +40,7 @@ from sparseattn.ops.attention import segment_attention_ref, segment_mask  # noqa
 from sparseattn.ops.layout import SegmentLayout  # noqa: E402
 from sparseattn.ops.segments import RestSums  # noqa: E402
 from sparseattn.testing import assert_close  # noqa: E402
+from host_reads import host_reads  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = HAS_TRITON and interpreting()
@@ -670,7 +671,8 @@ def test_interpreter_tests_in_a_fresh_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     skip = "not fresh_process and not compile_for and not without_the_interpreter"
     ops = os.path.join(os.path.dirname(__file__), "test_triton_ops.py")  # every other kernel, likewise
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", "-k", skip, __file__, ops]
+    loop = os.path.join(os.path.dirname(__file__), "test_static_loop.py::test_the_fixed_shape_step_runs_the_triton_kernels")
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", "-k", skip, __file__, ops, loop]
     root = os.path.dirname(os.path.dirname(__file__))
     done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
@@ -1158,33 +1160,6 @@ def test_the_slot_attention_backend_is_slot_attention_bit_for_bit():
     got = backend.slot_attention(*args, checked=False)
     want = slot_attention(*args)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-
-
-#: What reads a device tensor back to the host, or copies Python data to the device (``lift_fresh``: a tensor made
-#: from a Python number, e.g. ``t[i] = n``): on a GPU a sync, and a step no CUDA graph can capture.
-HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
-              "aten.masked_scatter.default", "aten.repeat_interleave.Tensor", "aten._unique2.default",
-              "aten.lift_fresh.default"}  # fmt: skip
-
-
-def host_reads(fn) -> list[str]:
-    """The aten calls of ``fn()`` that cross between host and device: those above, and indexing with a bool mask."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    found = []
-
-    class Spy(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func)
-            masked = name.startswith("aten.index") and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()))
-            if name in HOST_READS and not (name == "aten.repeat_interleave.Tensor" and (kwargs or {}).get("output_size") is not None) or masked:
-                found.append(name)
-            return func(*args, **(kwargs or {}))
-
-    with Spy():
-        fn()
-    return found
 
 
 class CheckedSplit:

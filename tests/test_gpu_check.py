@@ -1,7 +1,7 @@
 """The prepared GPU check runs end to end on the CPU at toy sizes, so it cannot rot before a GPU is lent.
 
-``scripts/gpu-check.sh --cpu`` runs the same four steps as on a GPU (kernel tests, the method contract,
-one layer's decode step, ``model.generate`` end to end) with toy sizes and the kernels in Triton's
+``scripts/gpu-check.sh --cpu`` runs the same five steps as on a GPU (kernel tests, the method contract,
+one layer's decode step, ``model.generate`` end to end, the fixed-shape loop) with toy sizes and the kernels in Triton's
 interpreter, and writes the same report. Beside it, the end-to-end benchmark's shortcut is checked:
 a segment search's cache built from a dense prefill is the cache its own prefill gives.
 """
@@ -31,13 +31,17 @@ def test_the_gpu_check_runs_every_step_on_the_cpu_and_writes_its_report(tmp_path
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [s["step"] for s in report["steps"]] == ["kernels", "contract", "attention", "generate"]
+    assert [s["step"] for s in report["steps"]] == ["kernels", "contract", "attention", "generate", "loop"]
     assert all(s["status"] == "passed" for s in report["steps"]), [(s["step"], s["status"], s["tail"][-5:]) for s in report["steps"]]
     assert " passed" in report["steps"][0]["summary"] and " failed" not in report["steps"][0]["summary"]
     methods = {r["method"] for r in report["attention_rows"]}
     assert {"dense", "dense (cpu kernel)", "radar (budget 4096)", "radar+ (budget 4096)", "quest (budget 4096)"} <= methods
     assert all(r["correct"] for r in report["attention_rows"])  # every row checked against its float64 reference
     assert {r["method"] for r in report["generate_rows"]} == {"dense (transformers sdpa)", "dense (sparseattn Dense)", "radar+ (budget 64)", "quest (budget 64)"}
+    assert {(r["method"], r["mode"]) for r in report["loop_rows"]} == {
+        (m, mode) for m in ("dense (cpu kernel)", "radar+ (budget 64)", "quest (budget 64)") for mode in ("generate", "loop")
+    }
+    assert all(r["tokens_equal_generate"] for r in report["loop_rows"])  # the loop decodes model.generate's tokens
     assert all(t["met"] is not None for t in report["targets"])  # every target measured (at toy sizes)
     text = (tmp_path / "report.md").read_text()
     assert "| target | measured | met |" in text and "| radar+ (budget 4096) | 1 | 12288 |" in text
@@ -45,7 +49,7 @@ def test_the_gpu_check_runs_every_step_on_the_cpu_and_writes_its_report(tmp_path
 
 def test_the_gpu_check_refuses_unknown_steps_with_the_choices():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--steps", "speed"], capture_output=True, text=True)
-    assert done.returncode == 2 and "unknown --steps ['speed']; choose from kernels, contract, attention, generate" in done.stderr
+    assert done.returncode == 2 and "unknown --steps ['speed']; choose from kernels, contract, attention, generate, loop" in done.stderr
 
 
 def test_a_segment_search_cache_built_from_a_dense_prefill_is_its_own_prefills_cache():

@@ -3,6 +3,8 @@
 from sparseattn.hf.apply import SparseAttention, apply, cache_kwargs, check_model
 from sparseattn.hf.attention import ATTENTION_NAME, register
 from sparseattn.hf.cache import SparseCache, SparseLayer
+from sparseattn.hf.loop import LoopResult, generate
+from sparseattn.hf.static_cache import StaticSparseCache
 from sparseattn.hf.models import (
     DEFAULT_MODEL,
     ModelSourceError,
@@ -16,15 +18,18 @@ from sparseattn.hf.models import (
 __all__ = [
     "ATTENTION_NAME",
     "DEFAULT_MODEL",
+    "LoopResult",
     "ModelSourceError",
     "SparseAttention",
     "SparseCache",
     "SparseLayer",
+    "StaticSparseCache",
     "apply",
     "cache_kwargs",
     "check_model",
     "default_model_available",
     "default_model_unavailable_reason",
+    "generate",
     "load_model",
     "local_model_dir",
     "register",

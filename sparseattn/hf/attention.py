@@ -28,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sparseattn.methods.base import LayerSpec
 from sparseattn.hf.cache import RowwiseState, SparseLayer
+from sparseattn.hf.static_cache import StaticSparseLayer
 from sparseattn.ops.attention import soft_cap
 
 ATTENTION_NAME = "sparseattn"
@@ -113,16 +114,16 @@ def unlink_caches(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
-def sparse_layer_of(module: torch.nn.Module, key: torch.Tensor) -> SparseLayer | None:
-    """The :class:`SparseLayer` ``module`` is attending with: layer ``module.layer_idx`` of the cache the
-    module was called with, when it is one (it then checks ``key`` is what it returned); None otherwise."""
+def sparse_layer_of(module: torch.nn.Module, key: torch.Tensor) -> SparseLayer | StaticSparseLayer | None:
+    """The :class:`SparseLayer` (or :class:`StaticSparseLayer`) ``module`` is attending with: layer ``module.layer_idx``
+    of the cache the module was called with, when it is one (it then checks ``key`` is what it returned); None otherwise."""
     cache = module.__dict__.get(CALL_CACHE)
     layers = getattr(cache, "layers", None)
     index = getattr(module, "layer_idx", None)
     if layers is None or not isinstance(index, int) or not 0 <= index < len(layers):
         return None
     layer = layers[index]
-    if not isinstance(layer, SparseLayer):
+    if not isinstance(layer, (SparseLayer, StaticSparseLayer)):
         return None
     layer.claim(key)
     return layer
@@ -202,6 +203,8 @@ def sparse_attention_forward(
         raise NotImplementedError(f"{model}: layer {layer.layer_idx} has a sliding window but holds a sparse state")
     if dropout and module.training:
         raise NotImplementedError(f"{model}: sparseattn is for inference; call model.eval() (attention dropout is on)")
+    if isinstance(layer, StaticSparseLayer):  # a fixed-shape step: its state knows the scale and soft-cap already
+        return layer.attend(query), None
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     T = query.shape[2]
     if layer.state is None:

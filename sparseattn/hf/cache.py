@@ -184,6 +184,45 @@ class RowwiseState:
         return sum_nbytes(self.states)
 
 
+class KeysHandOver:
+    """The hand-over between a cache layer's ``update`` and the sparseattn attention function.
+
+    ``update`` returns keys (remembered in ``_returned``); the attention function :meth:`claim` s them. A layer
+    updated again before its keys were claimed was attended by another implementation, and keys that reach the
+    attention function changed on the way: both raise, so a step never runs silently dense or on other tokens.
+    """
+
+    layer_idx: int | None
+    cache_name: str = "cache"  #: the cache class, as messages name it
+    _returned: torch.Tensor | None = None
+
+    def _check_claimed(self) -> None:
+        if self._returned is not None:
+            # The previous tokens were attended by another implementation: never silently dense (or wrong).
+            self._returned = None
+            raise RuntimeError(
+                f"layer {self.layer_idx} of a {self.cache_name} was updated twice without its attention running through "
+                "sparseattn: the model's attention implementation is not 'sparseattn', or it was set without "
+                "sparseattn.apply (which links each attention module to the cache it is called with). Use "
+                f"sparseattn.apply(model, method) before passing a {self.cache_name}."
+            )
+
+    def claim(self, key: torch.Tensor) -> None:
+        """Called by the attention function with the ``key`` it received: the one :meth:`update` just returned.
+
+        Raises a RuntimeError when it is not (the model changed the keys between the cache and the
+        attention function, or called the attention without updating this layer): the state would
+        answer a query about tokens it never stored.
+        """
+        returned, self._returned = self._returned, None
+        if returned is None or returned is not key:
+            raise RuntimeError(
+                f"layer {self.layer_idx} of a {self.cache_name}: the keys reaching the sparseattn attention function are "
+                f"not the ones this layer's update() returned ({'no update' if returned is None else 'another tensor'}); "
+                "the model transforms or shares keys between the cache and the attention, which sparseattn does not support"
+            )
+
+
 def _state_tensor(which: int, name: str) -> property:
     """A :class:`SparseLayer` attribute ``name`` (``keys``: ``which=0``, ``values``: 1) read from the decode
     state, or from the first block while it waits for the state; setting it to anything but None is refused."""
@@ -202,7 +241,7 @@ def _state_tensor(which: int, name: str) -> property:
     return property(get, accept_none)
 
 
-class SparseLayer(DynamicLayer):
+class SparseLayer(KeysHandOver, DynamicLayer):
     """A full-attention cache layer backed by a :class:`~sparseattn.methods.base.DecodeState`.
 
     The state is created lazily by the attention function on this layer's first call, when the
@@ -211,6 +250,7 @@ class SparseLayer(DynamicLayer):
 
     is_croppable = False
     supports_early_init = False
+    cache_name = "SparseCache"
 
     def __init__(self, method: SparseMethod, layer_idx: int | None = None) -> None:
         self._keys_view: torch.Tensor | None = None
@@ -233,15 +273,7 @@ class SparseLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens ``[B, H_kv, T, D]``; return what the attention function will receive."""
-        if self._returned is not None:
-            # The previous tokens were attended by another implementation: never silently dense (or wrong).
-            self._returned = None
-            raise RuntimeError(
-                f"layer {self.layer_idx} of a SparseCache was updated twice without its attention running through "
-                "sparseattn: the model's attention implementation is not 'sparseattn', or it was set without "
-                "sparseattn.apply (which links each attention module to the cache it is called with). Use "
-                "sparseattn.apply(model, method) before passing a SparseCache."
-            )
+        self._check_claimed()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.state is None:  # the first block waits for the attention function to make the state
@@ -256,21 +288,6 @@ class SparseLayer(DynamicLayer):
         self.seen += key_states.shape[2]  # counted once stored: a block the state refused is not seen
         self._returned = keys
         return keys, values
-
-    def claim(self, key: torch.Tensor) -> None:
-        """Called by the attention function with the ``key`` it received: the one :meth:`update` just returned.
-
-        Raises a RuntimeError when it is not (the model changed the keys between the cache and the
-        attention function, or called the attention without updating this layer): the state would
-        answer a query about tokens it never stored.
-        """
-        returned, self._returned = self._returned, None
-        if returned is None or returned is not key:
-            raise RuntimeError(
-                f"layer {self.layer_idx} of a SparseCache: the keys reaching the sparseattn attention function are "
-                f"not the ones this layer's update() returned ({'no update' if returned is None else 'another tensor'}); "
-                "the model transforms or shares keys between the cache and the attention, which sparseattn does not support"
-            )
 
     def record_step(self, info: StepInfo) -> None:
         """Count one decode step: ``info.attended`` and the tokens stored per row."""

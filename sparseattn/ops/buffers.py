@@ -77,6 +77,39 @@ class GrowableBuffer:
             raise ValueError(f"cannot truncate a buffer of length {self._length} to {length}")
         self._length = length
 
+    def reserve(self, capacity: int) -> None:
+        """Hold at least ``capacity`` entries from now on (one copy if it grows; zeros past the filled part): appends up
+        to it keep the storage in place.
+
+        What a loop of fixed shapes needs (:mod:`sparseattn.methods.static_step`): its steps write the new
+        tokens into :attr:`storage` themselves, at positions held in a device tensor, and the storage
+        must not move under a captured graph.
+        """
+        if self._data is None:
+            raise ValueError("GrowableBuffer.reserve: the buffer is empty; append a first block (its shape) first")
+        if capacity > self.capacity:
+            shape = list(self._data.shape)
+            shape[self.dim] = capacity
+            grown = self._data.new_empty(shape)
+            grown.narrow(self.dim, 0, self._length).copy_(self._data.narrow(self.dim, 0, self._length))
+            self._data = grown
+        # Zeros where nothing is written yet: a fixed-shape step reads positions past the length with weight 0,
+        # and 0 x an uninitialised NaN would be NaN.
+        self._data.narrow(self.dim, self._length, self.capacity - self._length).zero_()
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The whole storage, filled or not (its size along ``dim`` is :attr:`capacity`)."""
+        if self._data is None:
+            raise ValueError("the buffer is empty and has no storage yet")
+        return self._data
+
+    def fill_to(self, length: int) -> None:
+        """Count the first ``length`` entries as filled: entries past the old length were written into :attr:`storage` by the caller."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"GrowableBuffer.fill_to: length must be in [0, {self.capacity}] (the capacity), got {length}")
+        self._length = length
+
     def view(self) -> torch.Tensor:
         """The filled part, as a view (no copy)."""
         if self._data is None:

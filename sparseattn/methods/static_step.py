@@ -1,0 +1,418 @@
+"""Decode steps of fixed shapes: a layer's step as a CUDA graph captures it and a compiler specialises it.
+
+A decode state's own step (:meth:`SegmentSearchState.attend`) reads its layout as Python numbers that change
+with every token (the length, the tail, the segments the budget buys), and its storage grows. A captured
+graph replays fixed kernels on fixed addresses with fixed arguments, so here the same policy runs in another
+form:
+
+* the storage is **reserved** up front (``capacity`` tokens: the prompt and every token to generate) and the
+  step writes its token in place, at ``position``, a device tensor the loop advances (nothing is read back to
+  the host, no Python number is written into a device tensor while decoding);
+* the shapes are fixed while a segment grid lasts: a :class:`Phase` is the run of steps over which the
+  schedule keeps its grid (a seal or a rebuild starts the next one). Its numbers per step (the segments the
+  budget buys, the shortlist's size) are computed on the host by the method's own functions
+  (:meth:`SegmentSearch.segments_for`, :meth:`Rerank.shortlist_size`), once per phase, and uploaded as
+  small tables the step indexes with ``position``; the widest of them sets the shapes, narrower steps mask;
+* the structure is the decode state's own: at a phase's start the host advances the state's length and
+  calls its restructure, so the grid and the summaries are the ones the eager step builds (same code).
+
+A step attends two parts joined by their log-sum-exps: the **region** (the sinks and the selected segments,
+fixed for the phase, so the state's own backend kernel reads it in place: the C kernel on the CPU, Triton on
+a GPU; a torch gather for a backend without the log-sum-exp op) and the **tail** after the grid (a few hundred
+tokens at most, torch, masked past the length). The rerank's exact masses run on the state's own kernel too.
+
+What runs: :class:`~sparseattn.methods.dense.Dense` (the prompt is its region) and a :class:`SegmentSearch`
+whose summary scores from its summaries alone, or a :class:`~sparseattn.summaries.Rerank` over such a summary;
+the ``TopK`` selector; an even split; no ``always``, ``rest`` or ``refine`` part (:func:`static_refusal` says
+why otherwise). tests/test_static_loop.py checks every step against the state's own (float64 and float32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sparseattn.allocations.uniform import Uniform
+from sparseattn.backends.base import SegmentAttentionLSE
+from sparseattn.backends.registry import select_backend
+from sparseattn.methods.dense import Dense, DenseState
+from sparseattn.methods.layers import layer_method
+from sparseattn.methods.segment_search import SegmentSearch
+from sparseattn.methods.segment_state import SegmentSearchState
+from sparseattn.ops.attention import soft_cap
+from sparseattn.ops.layout import SegmentLayout
+from sparseattn.schedules.base import SegmentGrid
+from sparseattn.selectors.topk import TopK
+from sparseattn.summaries.base import SegmentKeys, segment_log_mass
+from sparseattn.summaries.rerank import Rerank
+
+
+def _segment_refusal(method: SegmentSearch) -> str | None:
+    summary = method.summary
+    if isinstance(summary, Rerank):
+        if summary.prefilter or summary.unit:
+            return "Rerank's prefilter and unit options are not in the fixed-shape step"
+        if method.shared_kv_selection:
+            return "a shared KV-group selection over a Rerank is not in the fixed-shape step"
+        summary = summary.coarse
+    if summary.reads_keys:
+        return f"{summary!r} reads the segments' keys to score them (O(t) a step, no fixed shape)"
+    if type(method.selector) is not TopK:
+        return f"the selector {method.selector!r}: the fixed-shape step keeps the top-k (TopK)"
+    if not isinstance(method.allocation, Uniform):
+        return f"the split {method.allocation!r}: the fixed-shape step gives every head k segments (Uniform)"
+    for name in ("always", "rest", "refine"):
+        if getattr(method, name) is not None:
+            return f"its {name} part {getattr(method, name)!r} is not in the fixed-shape step"
+    return None
+
+
+def static_refusal(method, n_layers: int | None = None) -> str | None:
+    """Why ``method`` cannot decode through fixed-shape steps (in any of ``n_layers`` layers), or None.
+
+    Asked before any work: a loop that cannot run a method says so at its start.
+
+    >>> from sparseattn import registry
+    >>> static_refusal(registry.build("radar+", budget=512)) is None
+    True
+    >>> static_refusal(registry.build("radar+adaptive", budget=512), n_layers=30)
+    'layer 0: the split PooledMass(cap=2.0, floor=0.25): the fixed-shape step gives every head k segments (Uniform)'
+    """
+    layers = range(n_layers) if n_layers else [0]
+    for idx in layers:
+        plain = layer_method(method, idx, n_layers)
+        if isinstance(plain, Dense):
+            continue
+        if not isinstance(plain, SegmentSearch):
+            return f"layer {idx}: {type(plain).__name__} has no fixed-shape step (Dense and SegmentSearch have)"
+        reason = _segment_refusal(plain)
+        if reason is not None:
+            return f"layer {idx}: {reason}"
+    return None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """The steps over which a layer's segment grid stays as it is: one set of shapes.
+
+    ``first`` is the length (tokens stored, the step's own included) at the phase's first step; step ``i``
+    of the phase has length ``first + i`` and attends ``k[i]`` segments after reranking ``shortlist[i]``
+    (0 without a :class:`Rerank`). ``tail_start`` is where the always-attended tail begins (the grid's end).
+    """
+
+    grid: SegmentGrid
+    first: int
+    sink_end: int
+    tail_start: int
+    k: tuple[int, ...]
+    shortlist: tuple[int, ...]
+
+    @property
+    def steps(self) -> int:
+        return len(self.k)
+
+    @property
+    def last(self) -> int:
+        """The length at the phase's last step."""
+        return self.first + self.steps - 1
+
+    @property
+    def tail(self) -> int:
+        """The widest tail of the phase's steps (its last step's)."""
+        return self.last - self.tail_start
+
+    def attended(self, step: int) -> int:
+        """Tokens a query head attends at step ``step`` of the phase."""
+        return self.sink_end + self.k[step] * self.grid.segment_size + self.first + step - self.tail_start
+
+
+def _layout(method: SegmentSearch, grid: SegmentGrid, length: int) -> SegmentLayout:
+    return SegmentLayout(length=length, sinks=method.sinks, segment_size=grid.segment_size, n_segments=grid.n_segments, window=method.window)
+
+
+def _segmentable(method: SegmentSearch, length: int) -> int:
+    """As :meth:`SegmentSearchState._segmentable`, for a length the state has not reached yet."""
+    return max(0, length - min(method.sinks, length) - method.held_back)
+
+
+def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last: int) -> Phase:
+    """The phase that starts at length ``first`` (the grid ``grid`` before it) and runs while the schedule keeps
+    the grid it plans there, up to length ``last``. The host's work, on numbers it knows: no device read."""
+    if last < first:
+        raise ValueError(f"plan_phase: last ({last}) must be >= first ({first})")
+    start = method.schedule.plan(_segmentable(method, first), grid)
+    ks, shortlists = [], []
+    summary = method.summary
+    layout = _layout(method, start, first)
+    for length in range(first, last + 1):
+        if length > first and method.schedule.plan(_segmentable(method, length), start) != start:
+            break
+        layout = _layout(method, start, length)
+        k = method.segments_for(layout)
+        m = summary.shortlist_size(method.reach(k, start.n_segments), start.n_segments) if isinstance(summary, Rerank) else 0
+        if isinstance(summary, Rerank) and summary.shortlist and m < k:
+            raise ValueError(
+                f"{summary!r} shortlists {m} segments at t={length}, fewer than the {k} the step attends: the fixed-shape "
+                "step reads the selection off the shortlist; use factor >= 1 or a larger shortlist"
+            )
+        ks.append(k)
+        shortlists.append(m)
+    return Phase(start, first, layout.sink_end, layout.tail_start, tuple(ks), tuple(shortlists))
+
+
+@torch.compiler.disable
+def _untraced(op, *args):
+    """``op(*args)`` run as it is when a compiled step calls it: a backend's kernel (C through ctypes, or a Triton
+    launch with its own workspace) is not for the compiler to trace; the graph breaks around it."""
+    return op(*args)
+
+
+def _softmax_parts(
+    logits: torch.Tensor, valid: torch.Tensor, values: torch.Tensor, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(logits) @ values, logsumexp(logits))`` over the ``valid`` entries: logits ``[B, H, G, N]``, values
+    ``[B, H, N, D]`` (one set for the group's query heads) or ``[B, H, G, N, D]``. A row with none valid gets output 0
+    and log-sum-exp -inf: it weighs nothing when joined to another part."""
+    if softcap is not None:
+        logits = soft_cap(logits, softcap)
+    logits = logits.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    weights = torch.exp(logits - lse.clamp(min=torch.finfo(logits.dtype).min).unsqueeze(-1))
+    if values.dim() == 4:
+        return weights @ values, lse
+    return (weights.unsqueeze(-2) @ values).squeeze(-2), lse
+
+
+class _Reserved:
+    """A prefilled state's storage reserved for ``capacity`` tokens (``[B, H_kv, capacity, D]`` views at fixed
+    addresses), and what a fixed-shape step does with it: store the token at a device position, attend."""
+
+    def __init__(self, state: SegmentSearchState | DenseState, capacity: int) -> None:
+        if capacity <= state.length:
+            raise ValueError(f"{type(self).__name__}: capacity must exceed the {state.length} tokens stored, got {capacity}")
+        self.state = state
+        self.capacity = capacity
+        state._keys.reserve(capacity)
+        state._values.reserve(capacity)
+
+    def finish(self, length: int) -> None:
+        """After the loop: the state counts the ``length`` tokens the steps stored (it can be read or stepped again)."""
+        self.state._keys.fill_to(length)
+        self.state._values.fill_to(length)
+
+    def _reserved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.state._keys.storage.narrow(2, 0, self.capacity), self.state._values.storage.narrow(2, 0, self.capacity)
+
+    def _store(self, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
+        keys, values = self._reserved()
+        keys.index_copy_(2, position, key.unsqueeze(2))
+        values.index_copy_(2, position, value.unsqueeze(2))
+
+    def _attend(
+        self, grouped: torch.Tensor, region: SegmentLayout, segments: torch.Tensor | None, kept: torch.Tensor | None,
+        length: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention ``[B, H_kv, G, D]`` (compute dtype) of ``grouped`` over two parts joined by their log-sum-exps:
+        the ``region`` (its sinks and the listed ``segments`` whose ``kept`` is set; fixed for the phase, so the
+        backend's kernel reads it in place), and the tail ``[region.length, length)`` (torch, over the phase's
+        widest tail ``self._tail_width``, the positions not yet reached masked)."""
+        parts = []
+        if region.sink_end or segments is not None:
+            parts.append(self._region(grouped, region, segments, kept))
+        if self._tail_width:
+            parts.append(self._tail(grouped, region.length, length))
+        if len(parts) == 1:
+            return parts[0][0]
+        (out_a, lse_a), (out_b, lse_b) = parts
+        top = torch.maximum(lse_a, lse_b)
+        w_a, w_b = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
+        return (w_a * out_a + w_b * out_b) / (w_a + w_b)
+
+    def _region(
+        self, grouped: torch.Tensor, region: SegmentLayout, segments: torch.Tensor | None, kept: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` over the region: the state's backend kernel when it returns log-sum-exps
+        (:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the C kernel, Triton), else a torch gather."""
+        state = self.state
+        B, H, G, D = grouped.shape
+        keys, values = self._reserved()
+        if segments is None:
+            segments = torch.zeros(B, H, 1, 0, dtype=torch.long, device=grouped.device)
+        backend = self._lse_backend(grouped)
+        if backend is not None:
+            out, lse = _untraced(backend.segment_attention_lse, grouped, keys, values, region, segments, kept, state.scale, state.softcap)
+            return out.to(state.compute_dtype), lse.to(state.compute_dtype)
+        cd = state.compute_dtype
+        q = grouped.to(cd)
+        n = region.sink_end
+        logits = [q @ keys.narrow(2, 0, n).to(cd).transpose(-1, -2)]
+        vals = [values.narrow(2, 0, n).to(cd).unsqueeze(2).expand(B, H, G, n, D)]
+        valid = [torch.ones(B, H, G, n, dtype=torch.bool, device=grouped.device)]
+        k = segments.shape[-1]
+        if k:  # the listed segments' tokens, gathered per query head
+            c = region.segment_size
+            index = (n + segments.expand(B, H, G, k).unsqueeze(-1) * c + torch.arange(c, device=grouped.device)).flatten(-2)
+            gather = index.unsqueeze(-1).expand(*index.shape, D)
+            k_sel = keys.unsqueeze(2).expand(B, H, G, self.capacity, D).gather(3, gather).to(cd)
+            logits.append((q.unsqueeze(-2) @ k_sel.transpose(-1, -2)).squeeze(-2))
+            vals.append(values.unsqueeze(2).expand(B, H, G, self.capacity, D).gather(3, gather).to(cd))
+            valid.append(kept.expand(B, H, G, k).unsqueeze(-1).expand(B, H, G, k, c).flatten(-2))
+        return _softmax_parts(torch.cat(logits, -1) * state.scale, torch.cat(valid, -1), torch.cat(vals, -2), state.softcap)
+
+    def _tail(self, grouped: torch.Tensor, start: int, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` over the tail: positions ``start .. start + width - 1``, those from ``length`` on masked."""
+        state = self.state
+        cd = state.compute_dtype
+        keys, values = self._reserved()
+        width = self._tail_width
+        positions = start + torch.arange(width, device=grouped.device)
+        # Copied whole (a few hundred tokens): a batched product over strided slices of the storage runs ~10x slower.
+        k_tail = keys.narrow(2, start, width).to(cd).contiguous()
+        v_tail = values.narrow(2, start, width).to(cd).contiguous()
+        logits = grouped.to(cd) @ k_tail.transpose(-1, -2) * state.scale  # [B, H, G, width]: the group's heads as rows
+        return _softmax_parts(logits, positions < length, v_tail, state.softcap)
+
+    def _lse_backend(self, grouped: torch.Tensor):
+        """The backend with the log-sum-exp op this step reads its region with, or None (a torch gather)."""
+        raise NotImplementedError
+
+
+class StaticSegmentStep(_Reserved):
+    """A :class:`SegmentSearchState`'s decode step in fixed shapes (see the module's description).
+
+    Args:
+        state: a prefilled state (its prompt stored, its structure built).
+        capacity: tokens the storage is reserved for: the prompt and every token to be generated.
+    """
+
+    def __init__(self, state: SegmentSearchState, capacity: int) -> None:
+        reason = _segment_refusal(state.method)
+        if reason is not None:
+            raise ValueError(f"StaticSegmentStep: {reason}")
+        super().__init__(state, capacity)
+        self.phase: Phase | None = None
+
+    def plan(self, first: int, last: int) -> Phase:
+        """The phase that starts at length ``first`` (from the state's present grid)."""
+        return plan_phase(self.state.method, self.state.grid, first, last)
+
+    def begin(self, phase: Phase) -> None:
+        """Host side, outside any graph: the state's structure at ``phase.first`` (as its own append would build
+        it: the step's token is not written yet, and never segmented at its own step) and the phase's tables."""
+        state = self.state
+        if phase.last > self.capacity:
+            raise ValueError(f"the phase reaches length {phase.last}, past the reserved capacity {self.capacity}")
+        state._keys.fill_to(phase.first)
+        state._values.fill_to(phase.first)
+        state._restructure()
+        if state.grid != phase.grid:
+            raise RuntimeError(f"the state restructured to {state.grid}, its plan said {phase.grid}")
+        self.phase = phase
+        device = state.device
+        self._summaries = tuple(buf.view() for buf in state._summaries) if phase.grid.n_segments else ()
+        self._k = torch.tensor(phase.k, dtype=torch.long, device=device)
+        self._m = torch.tensor(phase.shortlist, dtype=torch.long, device=device)
+        self._k_max, self._m_max = max(phase.k), max(phase.shortlist)
+        grid = phase.grid
+        # The region the backend's kernel reads in place (sinks and segments), the same all phase; the tail after it.
+        self._region_layout = SegmentLayout(length=phase.tail_start, sinks=phase.sink_end, segment_size=grid.segment_size, n_segments=grid.n_segments)
+        self._tail_width = phase.tail
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Store ``key, value: [B, H_kv, D]`` at ``position`` (int64 ``[1]``, on the state's device) and attend with
+        ``query: [B, H_q, D]``: ``[B, H_q, D]`` in the query's dtype. Fixed shapes within the phase, no host read."""
+        state, phase = self.state, self.phase
+        B, H, D = state.batch, state.kv_heads, state.head_dim
+        self._store(key, value, position)
+        state._nonfinite |= ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))
+        length = position + 1
+        grouped = query.reshape(B, H, -1, D)
+        segments, kept = self._select(grouped, length - phase.first) if self._k_max else (None, None)
+        out = self._attend(grouped, self._region_layout, segments, kept, length)
+        out = out.masked_fill(state._nonfinite[:, :, None, None], float("nan"))
+        return out.reshape(B, -1, D).to(query.dtype)
+
+    def _select(self, grouped: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The phase's widest selection ``[B, H, G, k_max]``, best first, and which entries this step keeps
+        (the first ``k[row]``): the summary's scores, or a :class:`Rerank`'s exact masses over its shortlist."""
+        state, phase = self.state, self.phase
+        method, summary = state.method, state.method.summary
+        B, H, G, D = grouped.shape
+        c = phase.grid.segment_size
+        queries = state.scaled(grouped)
+        device = grouped.device
+        if isinstance(summary, Rerank) and summary.shortlist:
+            coarse = summary.coarse.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
+            ranked = torch.logsumexp(coarse, dim=2, keepdim=True) if summary.per_group else coarse
+            short = ranked.topk(self._m_max, dim=-1, sorted=True).indices  # [B, H, G', m_max], best first
+            exact = self._log_mass(queries, short)  # [B, H, G, m_max]
+            listed = torch.arange(self._m_max, device=device) < self._m[row]
+            best = exact.masked_fill(~listed, float("-inf")).topk(self._k_max, dim=-1, sorted=True).indices
+            segments = short.expand(B, H, G, self._m_max).gather(-1, best)
+        else:
+            scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
+            if method.shared_kv_selection:
+                scores = torch.logsumexp(scores, dim=2, keepdim=True)
+            segments = scores.topk(self._k_max, dim=-1, sorted=True).indices.expand(B, H, G, self._k_max)
+        kept = (torch.arange(self._k_max, device=device) < self._k[row]).expand(B, H, G, self._k_max)
+        return segments, kept
+
+    def _log_mass(self, queries: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
+        """Exact log masses ``[B, H, G, m]`` of the shortlisted segments ``short: [B, H, G', m]``, by the kernel the
+        state's own step runs (:func:`~sparseattn.summaries.base.segment_log_mass`: keys read in place, once per list)."""
+        state, phase = self.state, self.phase
+        B, H, D = state.batch, state.kv_heads, state.head_dim
+        c, S = phase.grid.segment_size, phase.grid.n_segments
+        raw = self._reserved()[0].narrow(2, phase.sink_end, S * c).view(B, H, S, c, D)
+        if state._mass_backend is None:  # as the state's step chooses it, once
+            state._mass_backend = select_backend("auto", "segment_log_mass", q=queries, keys=raw)
+        keys = SegmentKeys(raw, math.sqrt(state.scale), state.compute_dtype, state._workspace, state._mass_backend)
+        return _untraced(segment_log_mass, keys, queries, short)
+
+    def _lse_backend(self, grouped: torch.Tensor):
+        state = self.state
+        state._select_backend(grouped)  # as the state's own step chooses it, once
+        return state._backend if "lse" in state._kernels else None
+
+
+class StaticDenseStep(_Reserved):
+    """A :class:`DenseState`'s decode step in fixed shapes: the prompt as one fixed region (the backend's kernel, every
+    prompt token a sink, when it returns log-sum-exps), the generated tokens as the tail, joined by log-sum-exp."""
+
+    def __init__(self, state: DenseState, capacity: int) -> None:
+        super().__init__(state, capacity)
+        prompt = state.length
+        self._region_layout = SegmentLayout(length=prompt, sinks=prompt, segment_size=1, n_segments=0)
+        self._tail_width = capacity - prompt
+        self.phase = None
+
+    def plan(self, first: int, last: int) -> None:
+        return None  # one phase: nothing changes shape
+
+    def begin(self, phase: None) -> None:
+        pass
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        B, H, D = state.batch, state.kv_heads, state.head_dim
+        self._store(key, value, position)
+        out = self._attend(query.reshape(B, H, -1, D), self._region_layout, None, None, position + 1)
+        return out.reshape(B, -1, D).to(query.dtype)
+
+    def _lse_backend(self, grouped: torch.Tensor):
+        backend = self.state._backend
+        return backend if isinstance(backend, SegmentAttentionLSE) else None
+
+
+def static_step(state, capacity: int) -> StaticSegmentStep | StaticDenseStep:
+    """The fixed-shape step of a prefilled decode state, its storage reserved for ``capacity`` tokens."""
+    if isinstance(state, SegmentSearchState):
+        return StaticSegmentStep(state, capacity)
+    if isinstance(state, DenseState):
+        return StaticDenseStep(state, capacity)
+    raise ValueError(f"{type(state).__name__} has no fixed-shape step (DenseState and SegmentSearchState have)")
+
+
+__all__ = ["Phase", "StaticDenseStep", "StaticSegmentStep", "plan_phase", "static_refusal", "static_step"]
