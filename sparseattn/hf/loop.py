@@ -71,9 +71,9 @@ def check_loop(model, input_ids, method, max_new_tokens, *, graphs: bool, compil
     if graphs and device.type != "cuda":
         raise ValueError(f"generate: graphs=True captures CUDA graphs; the inputs are on {device} (use compile=True or neither there)")
     n_layers = getattr(model.config, "num_hidden_layers", None)
-    reason = static_refusal(method, n_layers)
+    reason = static_refusal(method, n_layers, capture=graphs)
     if reason is not None:
-        raise ValueError(f"generate: {method!r} cannot decode in fixed shapes: {reason}")
+        raise ValueError(f"generate: {method!r} cannot decode in fixed shapes{' captured as CUDA graphs' if graphs else ''}: {reason}")
     plain = [type(layer).__name__ for layer in SparseCache(method, config=model.config).layers if not isinstance(layer, SparseLayer)]
     if plain:
         raise ValueError(f"generate: the model has layers the fixed-shape loop does not hold ({sorted(set(plain))}: sliding-window or other)")
@@ -96,8 +96,10 @@ def generate(
         input_ids: ``[B, P]`` prompt token ids, one length per row.
         method: a method with a fixed-shape step in every layer (:func:`~sparseattn.methods.static_step.static_refusal`).
         max_new_tokens: tokens to generate per row (all of them: no early stop).
-        graphs: capture each phase's step as a CUDA graph and replay it (CUDA only).
-        compile: run the step through ``torch.compile`` (CPU or GPU).
+        graphs: capture each phase's step as a CUDA graph and replay it (CUDA only; a summary that reads a value back
+            to the host when it scores, Radar's random features, is refused).
+        compile: run the step through ``torch.compile`` (CPU or GPU): compiled anew when a phase changes the shapes,
+            so past torch's recompile limit (8 by default) the later phases run eagerly.
     """
     check_loop(model, input_ids, method, max_new_tokens, graphs=graphs, compile=compile)
     B, P = input_ids.shape
@@ -132,6 +134,7 @@ def generate(
         while length <= last:
             steps = static.begin(length, last)
             phases += 1
+            replay = None  # the last phase's graph goes before the next is captured: one memory pool held at a time
             if graphs and steps > 1:
                 replay = _captured(step, device)  # the phase's first step, then its graph
                 captures += 1

@@ -49,7 +49,7 @@ from sparseattn.summaries.base import SegmentKeys, segment_log_mass
 from sparseattn.summaries.rerank import Rerank
 
 
-def _segment_refusal(method: SegmentSearch) -> str | None:
+def _segment_refusal(method: SegmentSearch, capture: bool = False) -> str | None:
     summary = method.summary
     if isinstance(summary, Rerank):
         if summary.prefilter or summary.unit:
@@ -59,6 +59,8 @@ def _segment_refusal(method: SegmentSearch) -> str | None:
         summary = summary.coarse
     if summary.reads_keys:
         return f"{summary!r} reads the segments' keys to score them (O(t) a step, no fixed shape)"
+    if capture and getattr(summary, "reads_back", False):
+        return f"{summary!r} reads a value back to the host when it scores, which no CUDA graph captures"
     if type(method.selector) is not TopK:
         return f"the selector {method.selector!r}: the fixed-shape step keeps the top-k (TopK)"
     if not isinstance(method.allocation, Uniform):
@@ -69,10 +71,9 @@ def _segment_refusal(method: SegmentSearch) -> str | None:
     return None
 
 
-def static_refusal(method, n_layers: int | None = None) -> str | None:
-    """Why ``method`` cannot decode through fixed-shape steps (in any of ``n_layers`` layers), or None.
-
-    Asked before any work: a loop that cannot run a method says so at its start.
+def static_refusal(method, n_layers: int | None = None, *, capture: bool = False) -> str | None:
+    """Why ``method`` cannot decode through fixed-shape steps (in any of ``n_layers`` layers; with ``capture``, steps
+    a CUDA graph captures), or None. Asked before any work: a loop that cannot run a method says so at its start.
 
     >>> from sparseattn import registry
     >>> static_refusal(registry.build("radar+", budget=512)) is None
@@ -87,7 +88,7 @@ def static_refusal(method, n_layers: int | None = None) -> str | None:
             continue
         if not isinstance(plain, SegmentSearch):
             return f"layer {idx}: {type(plain).__name__} has no fixed-shape step (Dense and SegmentSearch have)"
-        reason = _segment_refusal(plain)
+        reason = _segment_refusal(plain, capture)
         if reason is not None:
             return f"layer {idx}: {reason}"
     return None
@@ -139,17 +140,21 @@ def _segmentable(method: SegmentSearch, length: int) -> int:
 
 def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last: int) -> Phase:
     """The phase that starts at length ``first`` (the grid ``grid`` before it) and runs while the schedule keeps
-    the grid it plans there, up to length ``last``. The host's work, on numbers it knows: no device read."""
+    the grid it plans there and the sinks and tail start where they do (they move only while the length is below
+    the sinks), up to length ``last``. The host's work, on numbers it knows: no device read."""
     if last < first:
         raise ValueError(f"plan_phase: last ({last}) must be >= first ({first})")
     start = method.schedule.plan(_segmentable(method, first), grid)
     ks, shortlists = [], []
     summary = method.summary
     layout = _layout(method, start, first)
+    opening = _layout(method, start, first)
     for length in range(first, last + 1):
         if length > first and method.schedule.plan(_segmentable(method, length), start) != start:
             break
         layout = _layout(method, start, length)
+        if (layout.sink_end, layout.tail_start) != (opening.sink_end, opening.tail_start):
+            break  # the region moved (a prompt shorter than the sinks): the next phase reads it
         k = method.segments_for(layout)
         m = summary.shortlist_size(method.reach(k, start.n_segments), start.n_segments) if isinstance(summary, Rerank) else 0
         if isinstance(summary, Rerank) and summary.shortlist and m < k:
@@ -159,7 +164,7 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
             )
         ks.append(k)
         shortlists.append(m)
-    return Phase(start, first, layout.sink_end, layout.tail_start, tuple(ks), tuple(shortlists))
+    return Phase(start, first, opening.sink_end, opening.tail_start, tuple(ks), tuple(shortlists))
 
 
 @torch.compiler.disable
@@ -220,21 +225,21 @@ class _Reserved:
         widest tail ``self._tail_width``, the positions not yet reached masked)."""
         parts = []
         if region.sink_end or segments is not None:
-            parts.append(self._region(grouped, region, segments, kept))
+            parts += self._region(grouped, region, segments, kept)
         if self._tail_width:
             parts.append(self._tail(grouped, region.length, length))
         if len(parts) == 1:
             return parts[0][0]
-        (out_a, lse_a), (out_b, lse_b) = parts
-        top = torch.maximum(lse_a, lse_b)
-        w_a, w_b = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
-        return (w_a * out_a + w_b * out_b) / (w_a + w_b)
+        lse = torch.stack([part[1] for part in parts])  # [parts, B, H_kv, G]
+        weights = torch.exp(lse - lse.amax(dim=0)).unsqueeze(-1)
+        return sum(w * out for w, (out, _) in zip(weights, parts)) / weights.sum(dim=0)
 
     def _region(
         self, grouped: torch.Tensor, region: SegmentLayout, segments: torch.Tensor | None, kept: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` over the region: the state's backend kernel when it returns log-sum-exps
-        (:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the C kernel, Triton), else a torch gather."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(out, lse)`` parts over the region: one, by the state's backend kernel when it returns log-sum-exps
+        (:class:`~sparseattn.backends.base.SegmentAttentionLSE`: the C kernel, Triton), else two in torch: the
+        sinks (read in place for the group's query heads) and the listed segments' tokens (gathered per head)."""
         state = self.state
         B, H, G, D = grouped.shape
         keys, values = self._reserved()
@@ -243,23 +248,25 @@ class _Reserved:
         backend = self._lse_backend(grouped)
         if backend is not None:
             out, lse = _untraced(backend.segment_attention_lse, grouped, keys, values, region, segments, kept, state.scale, state.softcap)
-            return out.to(state.compute_dtype), lse.to(state.compute_dtype)
+            return [(out.to(state.compute_dtype), lse.to(state.compute_dtype))]
         cd = state.compute_dtype
         q = grouped.to(cd)
-        n = region.sink_end
-        logits = [q @ keys.narrow(2, 0, n).to(cd).transpose(-1, -2)]
-        vals = [values.narrow(2, 0, n).to(cd).unsqueeze(2).expand(B, H, G, n, D)]
-        valid = [torch.ones(B, H, G, n, dtype=torch.bool, device=grouped.device)]
-        k = segments.shape[-1]
-        if k:  # the listed segments' tokens, gathered per query head
+        parts = []
+        n, k = region.sink_end, segments.shape[-1]
+        if n:
+            sinks = torch.ones(n, dtype=torch.bool, device=grouped.device)
+            logits = q @ keys.narrow(2, 0, n).to(cd).transpose(-1, -2) * state.scale
+            parts.append(_softmax_parts(logits, sinks, values.narrow(2, 0, n).to(cd), state.softcap))
+        if k:
             c = region.segment_size
             index = (n + segments.expand(B, H, G, k).unsqueeze(-1) * c + torch.arange(c, device=grouped.device)).flatten(-2)
             gather = index.unsqueeze(-1).expand(*index.shape, D)
             k_sel = keys.unsqueeze(2).expand(B, H, G, self.capacity, D).gather(3, gather).to(cd)
-            logits.append((q.unsqueeze(-2) @ k_sel.transpose(-1, -2)).squeeze(-2))
-            vals.append(values.unsqueeze(2).expand(B, H, G, self.capacity, D).gather(3, gather).to(cd))
-            valid.append(kept.expand(B, H, G, k).unsqueeze(-1).expand(B, H, G, k, c).flatten(-2))
-        return _softmax_parts(torch.cat(logits, -1) * state.scale, torch.cat(valid, -1), torch.cat(vals, -2), state.softcap)
+            v_sel = values.unsqueeze(2).expand(B, H, G, self.capacity, D).gather(3, gather).to(cd)
+            logits = (q.unsqueeze(-2) @ k_sel.transpose(-1, -2)).squeeze(-2) * state.scale
+            valid = kept.expand(B, H, G, k).unsqueeze(-1).expand(B, H, G, k, c).flatten(-2)
+            parts.append(_softmax_parts(logits, valid, v_sel, state.softcap))
+        return parts
 
     def _tail(self, grouped: torch.Tensor, start: int, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` over the tail: positions ``start .. start + width - 1``, those from ``length`` on masked."""
@@ -352,9 +359,10 @@ class StaticSegmentStep(_Reserved):
             best = exact.masked_fill(~listed, float("-inf")).topk(self._k_max, dim=-1, sorted=True).indices
             segments = short.expand(B, H, G, self._m_max).gather(-1, best)
         else:
-            scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
-            if method.shared_kv_selection:
-                scores = torch.logsumexp(scores, dim=2, keepdim=True)
+            if method.shared_kv_selection:  # the group's summed masses, as the state's own step sums them
+                scores = state.group_scores(grouped)  # [B, H, 1, S]
+            else:
+                scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
             segments = scores.topk(self._k_max, dim=-1, sorted=True).indices.expand(B, H, G, self._k_max)
         kept = (torch.arange(self._k_max, device=device) < self._k[row]).expand(B, H, G, self._k_max)
         return segments, kept

@@ -61,6 +61,9 @@ class PerformerFeatures:
     feature_dtype: torch.dtype = torch.float32
 
     reads_keys = False
+    #: Its score reads one flag back to the host (whether the underflow fallback is needed): a step that scores
+    #: with it synchronises, and no CUDA graph captures it (:func:`~sparseattn.methods.static_step.static_refusal`).
+    reads_back = True
 
     def __post_init__(self) -> None:
         check_int("PerformerFeatures", "n_features", self.n_features, 1)
