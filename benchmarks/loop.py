@@ -92,7 +92,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_row(model, methods: dict, modes: list[str], batch: int, length: int, new_tokens: int, rounds: int, device) -> list[dict]:
+def run_row(
+    model, methods: dict, modes: list[str], batch: int, length: int, new_tokens: int, rounds: int, device, chunk: int = 0
+) -> list[dict]:  # fmt: skip
     gen = torch.Generator().manual_seed(length + batch)
     prompt = torch.randint(1, model.config.vocab_size, (batch, length), generator=gen).to(device)
     results: dict[tuple[str, str], dict] = {}
@@ -106,7 +108,7 @@ def run_row(model, methods: dict, modes: list[str], batch: int, length: int, new
                     steady = ms
                     row.update(phases=None, captures=None)
                 else:
-                    out = generate(model, prompt, method, new_tokens, graphs=mode == "graphs", compile=mode == "compile")
+                    out = generate(model, prompt, method, new_tokens, graphs=mode == "graphs", compile=mode == "compile", prefill_chunk=chunk)
                     tokens, prefill_s, ms, steady = out.tokens, out.prefill_s, 1e3 * out.decode_s / out.steps, out.steady_ms
                     row.update(phases=out.phases, captures=out.captures, attended=out.attended)
                 row["ms"].append(ms)
@@ -145,6 +147,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="calls per method and mode, interleaved (the median is reported)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=None, help="default: generate loop graphs on CUDA, generate loop on the CPU")
     parser.add_argument("--methods", nargs="+", default=None, help="row names to run (dense always runs: speedups need it)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill pass of the loop's rows "
+                        "(0: one pass; default: 8192 on CUDA, 0 on the CPU)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -152,6 +156,9 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA device is available")
     shape = args.shape or ("llama-3.1-8b" if cuda else "smollm")
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else (8192 if cuda else 0)
+    if chunk < 0:
+        parser.error(f"--prefill-chunk must be >= 0 (0: one pass), got {chunk}")
     lengths = args.lengths or ([32768, 131072 - 64] if cuda else [4096])
     batches = args.batches or ([1, 4] if cuda else [8])
     budget = args.budget or (4096 if cuda else 1024)
@@ -182,7 +189,7 @@ def main() -> None:
     rows = []
     for length in lengths:
         for batch in batches:
-            for row in run_row(model, methods, modes, batch, length, args.new_tokens, args.rounds, device):
+            for row in run_row(model, methods, modes, batch, length, args.new_tokens, args.rounds, device, chunk):
                 rows.append(row)
                 same = row["tokens_equal_" + modes[0]]
                 print(f"{row['method']:<26}{row['mode']:>9}{batch:>6}{length:>9}{row['ms_per_step']:>9.2f}{row['steady_ms_per_step']:>8.2f}"

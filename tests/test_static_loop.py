@@ -141,6 +141,15 @@ def test_the_loop_gives_model_generate_s_greedy_tokens(architecture, name):
     assert model.config._attn_implementation == "sdpa"  # the loop removed what it applied
 
 
+@pytest.mark.parametrize("name", ["radar+", "quest"])
+def test_a_chunked_prefill_gives_the_one_pass_tokens(name):
+    """The prompt in passes of 128 (and a last short one) builds the cache one pass builds: the same tokens."""
+    model = _model()
+    ids = torch.randint(3, 97, (2, 300), generator=torch.Generator().manual_seed(6))
+    method = _method(STEPPED[name])
+    assert torch.equal(generate(model, ids, method, 20, prefill_chunk=128).tokens, generate(model, ids, method, 20).tokens)
+
+
 def test_a_decode_step_reads_nothing_back_to_the_host():
     """Every layer's step, through the model: no read of a device tensor on the host, no Python number written in."""
     model = _model()
@@ -177,6 +186,7 @@ def test_the_spy_finds_a_host_read():
         ("radar+:budget=96", {"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
         ("radar+:budget=96", {"input_ids": torch.arange(5)}, "input_ids must be a \\[batch, prompt\\]"),
         ("radar+:budget=96", {"max_new_tokens": 900}, "exceeds the model's max_position_embeddings 1024"),
+        ("radar+:budget=96", {"prefill_chunk": -1}, "prefill_chunk must be an int >= 0"),
     ],
 )
 def test_what_the_loop_cannot_run_is_refused_before_any_work(spec, options, message):

@@ -58,8 +58,10 @@ class LoopResult:
         return 1e3 * self.steady_s / self.steady_steps if self.steady_steps else float("nan")
 
 
-def check_loop(model, input_ids, method, max_new_tokens, *, graphs: bool, compile: bool) -> None:
+def check_loop(model, input_ids, method, max_new_tokens, *, graphs: bool, compile: bool, prefill_chunk: int = 0) -> None:
     """Raise a ValueError naming the option and the value when :func:`generate` cannot run them, before any work."""
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+        raise ValueError(f"generate: prefill_chunk must be an int >= 0 (0: the prompt in one pass), got {prefill_chunk!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.is_floating_point():
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"generate: input_ids must be a [batch, prompt] tensor of token ids (one length per row), got {shape}")
@@ -87,8 +89,9 @@ def check_loop(model, input_ids, method, max_new_tokens, *, graphs: bool, compil
 
 @torch.no_grad()
 def generate(
-    model, input_ids: torch.Tensor, method, max_new_tokens: int, *, graphs: bool = False, compile: bool = False
-) -> LoopResult:
+    model, input_ids: torch.Tensor, method, max_new_tokens: int, *, graphs: bool = False, compile: bool = False,
+    prefill_chunk: int = 0,
+) -> LoopResult:  # fmt: skip
     """Greedy decoding of ``max_new_tokens`` tokens with ``method``, in fixed-shape steps (see the module).
 
     Args:
@@ -100,14 +103,19 @@ def generate(
             to the host when it scores, Radar's random features, is refused).
         compile: run the step through ``torch.compile`` (CPU or GPU): compiled anew when a phase changes the shapes,
             so past torch's recompile limit (8 by default) the later phases run eagerly.
+        prefill_chunk: prompt tokens per prefill pass (0: one pass); a long prompt's peak memory is its passes' MLP
+            activations (128k tokens x 4 rows of an 8B model in one pass do not fit beside their cache on a 141 GB GPU).
     """
-    check_loop(model, input_ids, method, max_new_tokens, graphs=graphs, compile=compile)
+    check_loop(model, input_ids, method, max_new_tokens, graphs=graphs, compile=compile, prefill_chunk=prefill_chunk)
     B, P = input_ids.shape
     device = input_ids.device
     with apply(model, method) as sparse:
         start = time.perf_counter()
         cache = sparse.new_cache()
-        logits = model(input_ids=input_ids, logits_to_keep=1, use_cache=True, **cache_kwargs(model, cache)).logits
+        per_pass = prefill_chunk or P
+        for begin in range(0, P, per_pass):  # the sparse cache takes a chunked prefill as one (tests/test_static_loop.py)
+            chunk = input_ids[:, begin : begin + per_pass]
+            logits = model(input_ids=chunk, logits_to_keep=1, use_cache=True, **cache_kwargs(model, cache)).logits
         token = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]: the loop's input, updated in place by each step
         del logits
         _synchronize(device)
