@@ -273,8 +273,7 @@ class _Reserved:
         state = self.state
         cd = state.compute_dtype
         keys, values = self._reserved()
-        width = self._tail_width
-        positions = start + torch.arange(width, device=grouped.device)
+        width, positions = self._tail_width, self._tail_positions  # positions: made once per phase
         # Copied whole (a few hundred tokens): a batched product over strided slices of the storage runs ~10x slower.
         k_tail = keys.narrow(2, start, width).to(cd).contiguous()
         v_tail = values.narrow(2, start, width).to(cd).contiguous()
@@ -326,6 +325,9 @@ class StaticSegmentStep(_Reserved):
         # The region the backend's kernel reads in place (sinks and segments), the same all phase; the tail after it.
         self._region_layout = SegmentLayout(length=phase.tail_start, sinks=phase.sink_end, segment_size=grid.segment_size, n_segments=grid.n_segments)
         self._tail_width = phase.tail
+        # Made once per phase, not per step: the tail's positions and the ranks its tables are compared with.
+        self._tail_positions = phase.tail_start + torch.arange(phase.tail, device=device)
+        self._ranks = torch.arange(max(self._k_max, self._m_max), device=device)
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Store ``key, value: [B, H_kv, D]`` at ``position`` (int64 ``[1]``, on the state's device) and attend with
@@ -349,13 +351,12 @@ class StaticSegmentStep(_Reserved):
         B, H, G, D = grouped.shape
         c = phase.grid.segment_size
         queries = state.scaled(grouped)
-        device = grouped.device
         if isinstance(summary, Rerank) and summary.shortlist:
             coarse = summary.coarse.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
             ranked = torch.logsumexp(coarse, dim=2, keepdim=True) if summary.per_group else coarse
             short = ranked.topk(self._m_max, dim=-1, sorted=True).indices  # [B, H, G', m_max], best first
             exact = self._log_mass(queries, short)  # [B, H, G, m_max]
-            listed = torch.arange(self._m_max, device=device) < self._m[row]
+            listed = self._ranks[: self._m_max] < self._m[row]
             best = exact.masked_fill(~listed, float("-inf")).topk(self._k_max, dim=-1, sorted=True).indices
             segments = short.expand(B, H, G, self._m_max).gather(-1, best)
         else:
@@ -364,7 +365,7 @@ class StaticSegmentStep(_Reserved):
             else:
                 scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
             segments = scores.topk(self._k_max, dim=-1, sorted=True).indices.expand(B, H, G, self._k_max)
-        kept = (torch.arange(self._k_max, device=device) < self._k[row]).expand(B, H, G, self._k_max)
+        kept = (self._ranks[: self._k_max] < self._k[row]).expand(B, H, G, self._k_max)
         return segments, kept
 
     def _log_mass(self, queries: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
@@ -394,6 +395,7 @@ class StaticDenseStep(_Reserved):
         prompt = state.length
         self._region_layout = SegmentLayout(length=prompt, sinks=prompt, segment_size=1, n_segments=0)
         self._tail_width = capacity - prompt
+        self._tail_positions = prompt + torch.arange(self._tail_width, device=state.device)
         self.phase = None
 
     def plan(self, first: int, last: int) -> None:
