@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from e2e_generate import random_model, weight_bytes  # noqa: E402
 
-from sparseattn import Dense, Quest, RadarPlus, apply  # noqa: E402
+from sparseattn import Dense, Quest, RadarPlus, RadarPlusAdaptive, apply  # noqa: E402
 from sparseattn.hf import cache_kwargs  # noqa: E402
 from sparseattn.hf.loop import generate  # noqa: E402
 
@@ -63,6 +63,7 @@ def methods_for(device: torch.device, budget: int) -> dict:
     return {
         f"dense ({kernel} kernel)": Dense(backend=kernel),
         f"radar+ (budget {budget})": RadarPlus(budget=budget),
+        f"radar+adaptive (budget {budget})": RadarPlusAdaptive(budget=budget),
         f"quest (budget {budget})": Quest(budget=budget),
     }
 

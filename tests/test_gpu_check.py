@@ -39,7 +39,8 @@ def test_the_gpu_check_runs_every_step_on_the_cpu_and_writes_its_report(tmp_path
     assert all(r["correct"] for r in report["attention_rows"])  # every row checked against its float64 reference
     assert {r["method"] for r in report["generate_rows"]} == {"dense (transformers sdpa)", "dense (sparseattn Dense)", "radar+ (budget 64)", "quest (budget 64)"}
     assert {(r["method"], r["mode"]) for r in report["loop_rows"]} == {
-        (m, mode) for m in ("dense (cpu kernel)", "radar+ (budget 64)", "quest (budget 64)") for mode in ("generate", "loop")
+        (m, mode) for m in ("dense (cpu kernel)", "radar+ (budget 64)", "radar+adaptive (budget 64)", "quest (budget 64)")
+        for mode in ("generate", "loop")
     }
     assert all(r["tokens_equal_generate"] for r in report["loop_rows"])  # the loop decodes model.generate's tokens
     assert all(t["met"] is not None for t in report["targets"])  # every target measured (at toy sizes)

@@ -24,15 +24,19 @@ from sparseattn import registry  # noqa: E402
 from sparseattn.hf import cache_kwargs  # noqa: E402
 from sparseattn.hf.loop import generate  # noqa: E402
 from sparseattn.hf.static_cache import StaticSparseCache  # noqa: E402
+from sparseattn.methods.layers import layer_method  # noqa: E402
+from sparseattn.methods.rest import MergedRest  # noqa: E402
 from sparseattn.methods.static_step import plan_phase, static_refusal, static_step  # noqa: E402
 from sparseattn.ops.buffers import GrowableBuffer  # noqa: E402
 from sparseattn.schedules import AspectSchedule, FixedSchedule, SqrtSchedule  # noqa: E402
 from sparseattn.summaries import Centroid  # noqa: E402
 
-#: Methods with a fixed-shape step: radar+ (its rerank per group and per head), Quest's bounds on pages sealed
-#: every 16 tokens, Radar's random features (AspectSchedule, a window), a shared selection, dense.
+#: Methods with a fixed-shape step: radar+ (its rerank per group and per head), the preset (a pooled split, layer 0
+#: dropping the rest and the others merging it), Quest's bounds on pages sealed every 16 tokens, Radar's random
+#: features (AspectSchedule, a window), dense. The state test steps a per-layer method's layer 1.
 STEPPED = {
     "radar+": "radar+:budget=96",
+    "radar+adaptive": "radar+adaptive:budget=96",
     "radar+ per head, factor 1": lambda: sa.RadarPlus(budget=96, factor=1.0, per_group=False),
     "quest": "quest:budget=64",
     "radar": "radar:budget=96",
@@ -52,14 +56,29 @@ def _shared_features():  # a summary with its own group score (PerformerFeatures
     return sa.SegmentSearch(sa.PerformerFeatures(64), sa.TopK(), SqrtSchedule(), budget=48, sinks=4, shared_kv_selection=True)
 
 
+def _pooled_shared():  # a pooled split of a shared selection, no rerank, the rest merged per 3 segments
+    method = sa.SegmentSearch(Centroid(), sa.TopK(), FixedSchedule(4), budget=48, sinks=2, window=5, shared_kv_selection=True)
+    return dataclasses.replace(method, allocation=sa.PooledMass(cap=3.0, floor=0.5), rest=MergedRest(3))
+
+
+#: The state test's methods beyond STEPPED's.
+EXTRA = {
+    "shared selection": _shared_centroids,
+    "shared random features": _shared_features,
+    "pooled shared selection, merged rest": _pooled_shared,
+    "radar+ pooled, dropped rest": lambda: sa.RadarPlus(budget=96, aspect=16.0, split="pooled"),
+    "radar+ merged rest, one block": lambda: sa.RadarPlus(budget=96, rest="merged", merge=0),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64 (torch gather)", "float32 (the C kernel)"])
-@pytest.mark.parametrize("name", [*STEPPED, "shared selection", "shared random features"])
+@pytest.mark.parametrize("name", [*STEPPED, *EXTRA])
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), prompt=st.one_of(st.integers(1, 6), st.integers(40, 260)), new=st.integers(1, 45))
 def test_the_fixed_shape_step_attends_as_the_decode_state(name, dtype, seed, prompt, new):
     """Step for step, across seals and rebuilds, the output equals the state's own step: in float64 the step's
     region is a torch gather (no backend kernel runs float64), in float32 the kernel the state's step runs."""
-    method = {"shared selection": _shared_centroids, "shared random features": _shared_features}.get(name, lambda: _method(STEPPED[name]))()
+    method = layer_method(EXTRA[name]() if name in EXTRA else _method(STEPPED[name]), 1, 2)
     if name == "dense" and dtype == torch.float32:
         method = sa.Dense(backend="cpu")  # the kernel's dense: the prompt read as the region by its kernel
     B, H, G, D = 2, 2, 3, 8
@@ -69,6 +88,8 @@ def test_the_fixed_shape_step_attends_as_the_decode_state(name, dtype, seed, pro
     queries = 2 * torch.randn(new, B, H * G, D, dtype=dtype, generator=gen)
     eager, fixed = method.new_state(B, H, D, dtype=dtype), method.new_state(B, H, D, dtype=dtype)
     tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    if dtype == torch.float64 and getattr(method, "rest", None) is not None:
+        tolerance = 1e-6  # the state keeps each segment's sums in float32 (the eager float64 step gathers the keys instead)
     eager.append(keys[:, :, :prompt], values[:, :, :prompt])
     fixed.append(keys[:, :, :prompt], values[:, :, :prompt])
     step = static_step(fixed, prompt + new)
@@ -150,10 +171,11 @@ def test_a_chunked_prefill_gives_the_one_pass_tokens(name):
     assert torch.equal(generate(model, ids, method, 20, prefill_chunk=128).tokens, generate(model, ids, method, 20).tokens)
 
 
-def test_a_decode_step_reads_nothing_back_to_the_host():
+@pytest.mark.parametrize("name", ["radar+", "radar+adaptive"])
+def test_a_decode_step_reads_nothing_back_to_the_host(name):
     """Every layer's step, through the model: no read of a device tensor on the host, no Python number written in."""
     model = _model()
-    method = _method(STEPPED["radar+"])
+    method = _method(STEPPED[name])
     ids = torch.randint(3, 97, (2, 300), generator=torch.Generator().manual_seed(2))
     with sa.apply(model, method) as sparse, torch.no_grad():
         cache = sparse.new_cache()
@@ -179,7 +201,7 @@ def test_the_spy_finds_a_host_read():
 @pytest.mark.parametrize(
     "spec, options, message",
     [
-        ("radar+adaptive:budget=96", {}, "layer 0: the split PooledMass"),
+        ("radar+:budget=96,rest=sampled", {}, "layer 0: its rest part SampledRest"),
         ("streamingllm:budget=96", {}, "EvictingState|has no fixed-shape step"),
         ("radar+:budget=96", {"graphs": True}, "graphs=True captures CUDA graphs"),
         ("radar+:budget=96", {"graphs": True, "compile": True}, "graphs=True and compile=True"),
@@ -211,7 +233,9 @@ def test_static_refusal_names_the_part():
     assert static_refusal(_method("radar+:budget=96")) is None
     assert "Rerank's prefilter" in static_refusal(_method("radar+:budget=96,prefilter=4"))
     assert "TopK" in static_refusal(dataclasses.replace(_method("quest:budget=64"), selector=sa.Random(0)))
-    assert "rest part" in static_refusal(_method("radar+:budget=96,rest=merged"))
+    assert "rest part" in static_refusal(_method("radar+:budget=96,rest=sampled"))
+    assert "TopP" in static_refusal(_method("radar+:budget=96,split=topp"))
+    assert static_refusal(_method("radar+adaptive:budget=96"), n_layers=30) is None
     # Radar's random features step in fixed shapes, but their score reads a flag back to the host: not for a graph.
     assert static_refusal(_method("radar:budget=96")) is None
     assert "reads a value back to the host" in static_refusal(_method("radar:budget=96"), capture=True)
@@ -245,7 +269,7 @@ def test_the_compiled_loop_gives_the_eager_loop_s_tokens(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["radar+", "quest", "dense"])
+@pytest.mark.parametrize("name", ["radar+", "radar+adaptive", "quest", "dense"])
 def test_the_captured_loop_gives_the_eager_loop_s_tokens(name):
     model = _model().cuda()
     ids = torch.randint(3, 97, (2, 300), generator=torch.Generator().manual_seed(4)).cuda()
@@ -274,11 +298,12 @@ def _triton_runs() -> bool:
 
 
 @pytest.mark.skipif(not _triton_runs(), reason="needs triton (its interpreter on the CPU: TRITON_INTERPRET=1 before it is imported)")
-@pytest.mark.parametrize("name", ["radar+", "quest", "dense"])
+@pytest.mark.parametrize("name", ["radar+", "radar+adaptive", "quest", "dense"])
 def test_the_fixed_shape_step_runs_the_triton_kernels(name):
     """What a GPU runs (in Triton's interpreter here): the region by the Triton kernel, the rerank's masses by its
     log-mass kernel; step for step as the state's own Triton step."""
-    method = sa.Dense(backend="triton") if name == "dense" else dataclasses.replace(_method(STEPPED[name]), backend="triton")
+    layer_1 = layer_method(_method(STEPPED[name]), 1, 2)  # the preset's: pooled, its rest merged
+    method = sa.Dense(backend="triton") if name == "dense" else dataclasses.replace(layer_1, backend="triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, H, G, D, prompt, new = 1, 2, 2, 16, 300, 20
     gen = torch.Generator().manual_seed(5)

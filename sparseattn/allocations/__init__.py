@@ -11,6 +11,7 @@ An allocation is a segment search's select stage (:class:`SelectStage`): the dec
 
 from sparseattn.allocations.base import (
     Allocation,
+    FixedShapePlan,
     SelectStage,
     Selection,
     listed_estimates,
@@ -24,6 +25,7 @@ from sparseattn.allocations.uniform import Uniform
 
 __all__ = [
     "Allocation",
+    "FixedShapePlan",
     "PooledMass",
     "SelectStage",
     "TopP",

@@ -168,6 +168,17 @@ class Allocation(SelectStage, Protocol):
     def plan(self, estimates: torch.Tensor, log_total: torch.Tensor, k: int) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class FixedShapePlan(Protocol):
+    """An allocation whose ``plan`` also runs in fixed shapes (:mod:`sparseattn.methods.static_step`: a decode step
+    a CUDA graph captures). ``plan_fixed(estimates, log_total, k, listed)`` is ``plan`` with ``k`` a 0-d long device
+    tensor (the step's, read off a table, not a Python number) and ``estimates: [B, H_kv, G', w]`` a phase's widest
+    listing, of which the columns ``listed: [w]`` (bool) are the step's own; it flags only listed columns, what
+    ``plan`` flags over them, and reads nothing back to the host."""
+
+    def plan_fixed(self, estimates: torch.Tensor, log_total: torch.Tensor, k: torch.Tensor, listed: torch.Tensor) -> torch.Tensor: ...
+
+
 def within_budget(plan):
     """Mark an allocation's ``plan`` as keeping the layer's budget by construction (see :class:`Allocation`)."""
     plan.within_budget = True

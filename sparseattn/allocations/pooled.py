@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparseattn.allocations.base import Selection, split_segments, within_budget
+from sparseattn.ops.ranking import ranks
 from sparseattn.validation import check_real
 
 if TYPE_CHECKING:
@@ -81,3 +82,18 @@ class PooledMass:
         taken = torch.zeros(B, H * G * w, dtype=torch.bool, device=estimates.device)
         taken.scatter_(1, share.reshape(B, -1).topk(total, dim=-1, sorted=False).indices, True)
         return taken.view(B, H, G, w)
+
+    def plan_fixed(self, estimates: torch.Tensor, log_total: torch.Tensor, k: torch.Tensor, listed: torch.Tensor) -> torch.Tensor:
+        """:meth:`plan` in fixed shapes (:class:`~sparseattn.allocations.base.FixedShapePlan`): ``k`` a 0-d long device
+        tensor, and only the columns ``listed: [w]`` (bool) are the step's own listing. The same shares, floors and
+        total, taken by rank instead of a top-n whose size would change with ``k``; nothing is read back to the host.
+        Flags what :meth:`plan` flags over the listed columns (tests/test_allocation.py)."""
+        B, H, G, w = estimates.shape
+        share = estimates.float() - log_total.float()[..., None]
+        # A non-finite share ranks last as in plan, but above the columns not listed, which are never taken.
+        low = torch.finfo(share.dtype).min
+        share = share.nan_to_num(nan=low, posinf=low, neginf=low).masked_fill(~listed, float("-inf"))
+        floor = torch.minimum(k, torch.ceil(self.floor * k.double()).long())  # floor_count(k), on the device
+        share = share.masked_fill(ranks(share) < floor, float("inf"))  # each head's best `floor` first
+        taken = ranks(share.reshape(B, -1)) < H * G * k  # the row's H G k largest shares (k <= the listed width)
+        return taken.view(B, H, G, w) & listed

@@ -21,10 +21,18 @@ fixed for the phase, so the state's own backend kernel reads it in place: the C 
 a GPU; a torch gather for a backend without the log-sum-exp op) and the **tail** after the grid (a few hundred
 tokens at most, torch, masked past the length). The rerank's exact masses run on the state's own kernel too.
 
+A split between heads (:class:`~sparseattn.allocations.PooledMass`) lists the phase's widest ``cap x k`` per
+head and flags, by rank against the step's ``k`` read off the table, what its plan takes
+(:class:`~sparseattn.allocations.base.FixedShapePlan`); its shares need the mass of the sinks and the tail, which
+the step has anyway (the tail's logits are computed once for both). A merged rest
+(:class:`~sparseattn.methods.rest.MergedRest`) joins the region and the tail by :func:`add_merged_rest`, from the
+sums the state keeps (fixed while the grid is): so the preset ``radar+adaptive`` runs here.
+
 What runs: :class:`~sparseattn.methods.dense.Dense` (the prompt is its region) and a :class:`SegmentSearch`
 whose summary scores from its summaries alone, or a :class:`~sparseattn.summaries.Rerank` over such a summary;
-the ``TopK`` selector; an even split; no ``always``, ``rest`` or ``refine`` part (:func:`static_refusal` says
-why otherwise). tests/test_static_loop.py checks every step against the state's own (float64 and float32).
+the ``TopK`` selector; an even split or one with a fixed-shape plan; no ``always`` or ``refine`` part; no rest
+or a merged one (:func:`static_refusal` says why otherwise). tests/test_static_loop.py checks every step
+against the state's own (float64 and float32).
 """
 
 from __future__ import annotations
@@ -34,15 +42,18 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseattn.allocations.base import FixedShapePlan, log_total_mass
 from sparseattn.allocations.uniform import Uniform
 from sparseattn.backends.base import SegmentAttentionLSE
 from sparseattn.backends.registry import select_backend
 from sparseattn.methods.dense import Dense, DenseState
 from sparseattn.methods.layers import layer_method
+from sparseattn.methods.rest import MergedRest, add_merged_rest
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.methods.segment_state import SegmentSearchState
 from sparseattn.ops.attention import soft_cap
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.segments import RestSums
 from sparseattn.schedules.base import SegmentGrid
 from sparseattn.selectors.topk import TopK
 from sparseattn.summaries.base import SegmentKeys, segment_log_mass
@@ -63,9 +74,11 @@ def _segment_refusal(method: SegmentSearch, capture: bool = False) -> str | None
         return f"{summary!r} reads a value back to the host when it scores, which no CUDA graph captures"
     if type(method.selector) is not TopK:
         return f"the selector {method.selector!r}: the fixed-shape step keeps the top-k (TopK)"
-    if not isinstance(method.allocation, Uniform):
-        return f"the split {method.allocation!r}: the fixed-shape step gives every head k segments (Uniform)"
-    for name in ("always", "rest", "refine"):
+    if not isinstance(method.allocation, (Uniform, FixedShapePlan)):
+        return f"the split {method.allocation!r} has no plan in fixed shapes (Uniform and PooledMass have: plan_fixed)"
+    if method.rest is not None and not isinstance(method.rest, MergedRest):
+        return f"its rest part {method.rest!r}: the fixed-shape step merges the rest (MergedRest) or drops it"
+    for name in ("always", "refine"):
         if getattr(method, name) is not None:
             return f"its {name} part {getattr(method, name)!r} is not in the fixed-shape step"
     return None
@@ -78,8 +91,10 @@ def static_refusal(method, n_layers: int | None = None, *, capture: bool = False
     >>> from sparseattn import registry
     >>> static_refusal(registry.build("radar+", budget=512)) is None
     True
-    >>> static_refusal(registry.build("radar+adaptive", budget=512), n_layers=30)
-    'layer 0: the split PooledMass(cap=2.0, floor=0.25): the fixed-shape step gives every head k segments (Uniform)'
+    >>> static_refusal(registry.build("radar+adaptive", budget=512), n_layers=30) is None
+    True
+    >>> static_refusal(registry.build("radar+", budget=512, rest="sampled"))
+    'layer 0: its rest part SampledRest(samples=32, delta=0.05, seed=0): the fixed-shape step merges the rest (MergedRest) or drops it'
     """
     layers = range(n_layers) if n_layers else [0]
     for idx in layers:
@@ -99,8 +114,10 @@ class Phase:
     """The steps over which a layer's segment grid stays as it is: one set of shapes.
 
     ``first`` is the length (tokens stored, the step's own included) at the phase's first step; step ``i``
-    of the phase has length ``first + i`` and attends ``k[i]`` segments after reranking ``shortlist[i]``
-    (0 without a :class:`Rerank`). ``tail_start`` is where the always-attended tail begins (the grid's end).
+    of the phase has length ``first + i`` and its budget buys ``k[i]`` segments per head, of its ``width[i]``
+    best listed (``k[i]`` under an even split, up to ``cap x k[i]`` under a pooled one: :meth:`SegmentSearch.reach`)
+    after reranking ``shortlist[i]`` (0 without a :class:`Rerank`). ``tail_start`` is where the always-attended
+    tail begins (the grid's end); ``merged``: the rest's merged tokens at a step that leaves segments out.
     """
 
     grid: SegmentGrid
@@ -109,6 +126,8 @@ class Phase:
     tail_start: int
     k: tuple[int, ...]
     shortlist: tuple[int, ...]
+    width: tuple[int, ...]
+    merged: int
 
     @property
     def steps(self) -> int:
@@ -125,8 +144,9 @@ class Phase:
         return self.last - self.tail_start
 
     def attended(self, step: int) -> int:
-        """Tokens a query head attends at step ``step`` of the phase."""
-        return self.sink_end + self.k[step] * self.grid.segment_size + self.first + step - self.tail_start
+        """Tokens a query head attends at step ``step`` of the phase (on average over a layer's heads under a split)."""
+        merged = self.merged if self.k[step] < self.grid.n_segments else 0
+        return self.sink_end + self.k[step] * self.grid.segment_size + self.first + step - self.tail_start + merged
 
 
 def _layout(method: SegmentSearch, grid: SegmentGrid, length: int) -> SegmentLayout:
@@ -145,7 +165,7 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
     if last < first:
         raise ValueError(f"plan_phase: last ({last}) must be >= first ({first})")
     start = method.schedule.plan(_segmentable(method, first), grid)
-    ks, shortlists = [], []
+    ks, shortlists, widths = [], [], []
     summary = method.summary
     layout = _layout(method, start, first)
     opening = _layout(method, start, first)
@@ -156,15 +176,18 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
         if (layout.sink_end, layout.tail_start) != (opening.sink_end, opening.tail_start):
             break  # the region moved (a prompt shorter than the sinks): the next phase reads it
         k = method.segments_for(layout)
-        m = summary.shortlist_size(method.reach(k, start.n_segments), start.n_segments) if isinstance(summary, Rerank) else 0
-        if isinstance(summary, Rerank) and summary.shortlist and m < k:
+        width = method.reach(k, start.n_segments)
+        m = summary.shortlist_size(width, start.n_segments) if isinstance(summary, Rerank) else 0
+        if isinstance(summary, Rerank) and summary.shortlist and m < width:
             raise ValueError(
-                f"{summary!r} shortlists {m} segments at t={length}, fewer than the {k} the step attends: the fixed-shape "
-                "step reads the selection off the shortlist; use factor >= 1 or a larger shortlist"
+                f"{summary!r} shortlists {m} segments at t={length}, fewer than the {width} a head may attend: the "
+                "fixed-shape step reads the selection off the shortlist; use factor >= 1 or a larger shortlist"
             )
         ks.append(k)
         shortlists.append(m)
-    return Phase(start, first, opening.sink_end, opening.tail_start, tuple(ks), tuple(shortlists))
+        widths.append(width)
+    merged = method.rest.blocks(start.n_segments) if method.rest is not None else 0
+    return Phase(start, first, opening.sink_end, opening.tail_start, tuple(ks), tuple(shortlists), tuple(widths), merged)
 
 
 @torch.compiler.disable
@@ -188,6 +211,15 @@ def _softmax_parts(
     if values.dim() == 4:
         return weights @ values, lse
     return (weights.unsqueeze(-2) @ values).squeeze(-2), lse
+
+
+def _shortlisted(coarse: torch.Tensor, short: torch.Tensor, exact: torch.Tensor, listed: torch.Tensor) -> torch.Tensor:
+    """A :class:`~sparseattn.summaries.base.Shortlist`'s ``scores`` when only the ``listed`` columns of a phase's
+    widest shortlist ``short: [B, H, G, m]`` are this step's: the coarse scores ``[B, H, G, S]`` shifted below
+    the least listed exact mass, the listed exact masses in place (what a split's total mass sums)."""
+    least = exact.masked_fill(~listed, float("inf")).amin(-1, keepdim=True)
+    shifted = coarse - ((coarse.amax(-1, keepdim=True) - least).clamp(min=0) + 1.0)
+    return shifted.scatter(-1, short, torch.where(listed, exact, shifted.gather(-1, short)))
 
 
 class _Reserved:
@@ -217,22 +249,33 @@ class _Reserved:
 
     def _attend(
         self, grouped: torch.Tensor, region: SegmentLayout, segments: torch.Tensor | None, kept: torch.Tensor | None,
-        length: torch.Tensor,
+        tail: tuple[torch.Tensor, torch.Tensor] | None, rest: RestSums | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Attention ``[B, H_kv, G, D]`` (compute dtype) of ``grouped`` over two parts joined by their log-sum-exps:
         the ``region`` (its sinks and the listed ``segments`` whose ``kept`` is set; fixed for the phase, so the
-        backend's kernel reads it in place), and the tail ``[region.length, length)`` (torch, over the phase's
-        widest tail ``self._tail_width``, the positions not yet reached masked)."""
+        backend's kernel reads it in place), and the ``tail`` (its logits and which are reached,
+        :meth:`_tail_logits`); with ``rest``, the merged tokens of the region's segments left out join the same
+        softmax (:func:`add_merged_rest`: the tail lies after every block)."""
         parts = []
         if region.sink_end or segments is not None:
             parts += self._region(grouped, region, segments, kept)
-        if self._tail_width:
-            parts.append(self._tail(grouped, region.length, length))
-        if len(parts) == 1:
+        if tail is not None:
+            parts.append(self._tail(tail))
+        if len(parts) == 1 and rest is None:
             return parts[0][0]
         lse = torch.stack([part[1] for part in parts])  # [parts, B, H_kv, G]
-        weights = torch.exp(lse - lse.amax(dim=0)).unsqueeze(-1)
-        return sum(w * out for w, (out, _) in zip(weights, parts)) / weights.sum(dim=0)
+        top = lse.amax(dim=0)
+        weights = torch.exp(lse - top.clamp(min=torch.finfo(lse.dtype).min)).unsqueeze(-1)
+        total = weights.sum(dim=0)
+        out = sum(w * out for w, (out, _) in zip(weights, parts)) / total
+        if rest is None:
+            return out
+        state = self.state
+        keys, values = self._reserved()
+        lse = top + total.squeeze(-1).log()
+        return add_merged_rest(
+            out, lse, grouped, keys, values, region, segments, kept, rest, state.scale, state.softcap, state._workspace
+        ).to(out.dtype)  # fmt: skip
 
     def _region(
         self, grouped: torch.Tensor, region: SegmentLayout, segments: torch.Tensor | None, kept: torch.Tensor | None
@@ -268,17 +311,25 @@ class _Reserved:
             parts.append(_softmax_parts(logits, valid, v_sel, state.softcap))
         return parts
 
-    def _tail(self, grouped: torch.Tensor, start: int, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` over the tail: positions ``start .. start + width - 1``, those from ``length`` on masked."""
+    def _tail_logits(self, grouped: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The tail's logits ``[B, H_kv, G, width]`` (``scale q . k``, not soft-capped) over the phase's widest tail
+        (positions ``tail_start .. tail_start + width - 1``) and which of them are reached (``< length``); None
+        without a tail. Computed once a step: the attention over the tail and a split's always-attended mass read them."""
+        if not self._tail_width:
+            return None
         state = self.state
-        cd = state.compute_dtype
-        keys, values = self._reserved()
-        width, positions = self._tail_width, self._tail_positions  # positions: made once per phase
+        keys = self._reserved()[0]
         # Copied whole (a few hundred tokens): a batched product over strided slices of the storage runs ~10x slower.
-        k_tail = keys.narrow(2, start, width).to(cd).contiguous()
-        v_tail = values.narrow(2, start, width).to(cd).contiguous()
-        logits = grouped.to(cd) @ k_tail.transpose(-1, -2) * state.scale  # [B, H, G, width]: the group's heads as rows
-        return _softmax_parts(logits, positions < length, v_tail, state.softcap)
+        k_tail = keys.narrow(2, self._tail_start, self._tail_width).to(state.compute_dtype).contiguous()
+        logits = grouped.to(state.compute_dtype) @ k_tail.transpose(-1, -2) * state.scale  # the group's heads as rows
+        return logits, self._tail_positions < length  # positions: made once per phase
+
+    def _tail(self, tail: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` over the tail, from its logits (:meth:`_tail_logits`)."""
+        state = self.state
+        logits, reached = tail
+        v_tail = self._reserved()[1].narrow(2, self._tail_start, self._tail_width).to(state.compute_dtype).contiguous()
+        return _softmax_parts(logits, reached, v_tail, state.softcap)
 
     def _lse_backend(self, grouped: torch.Tensor):
         """The backend with the log-sum-exp op this step reads its region with, or None (a torch gather)."""
@@ -320,14 +371,18 @@ class StaticSegmentStep(_Reserved):
         self._summaries = tuple(buf.view() for buf in state._summaries) if phase.grid.n_segments else ()
         self._k = torch.tensor(phase.k, dtype=torch.long, device=device)
         self._m = torch.tensor(phase.shortlist, dtype=torch.long, device=device)
-        self._k_max, self._m_max = max(phase.k), max(phase.shortlist)
+        self._w = torch.tensor(phase.width, dtype=torch.long, device=device)
+        self._k_max, self._m_max, self._w_max = max(phase.k), max(phase.shortlist), max(phase.width)
+        rest = state.method.rest
+        # A merged rest reads the sums the state keeps of its segments and blocks: fixed while the grid is.
+        self._rest = RestSums(state.segment_sums(), *state.block_sums(), rest.per_block) if rest is not None and self._k_max else None
         grid = phase.grid
         # The region the backend's kernel reads in place (sinks and segments), the same all phase; the tail after it.
         self._region_layout = SegmentLayout(length=phase.tail_start, sinks=phase.sink_end, segment_size=grid.segment_size, n_segments=grid.n_segments)
-        self._tail_width = phase.tail
+        self._tail_start, self._tail_width = phase.tail_start, phase.tail
         # Made once per phase, not per step: the tail's positions and the ranks its tables are compared with.
         self._tail_positions = phase.tail_start + torch.arange(phase.tail, device=device)
-        self._ranks = torch.arange(max(self._k_max, self._m_max), device=device)
+        self._ranks = torch.arange(max(self._w_max, self._m_max), device=device)
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Store ``key, value: [B, H_kv, D]`` at ``position`` (int64 ``[1]``, on the state's device) and attend with
@@ -338,35 +393,66 @@ class StaticSegmentStep(_Reserved):
         state._nonfinite |= ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))
         length = position + 1
         grouped = query.reshape(B, H, -1, D)
-        segments, kept = self._select(grouped, length - phase.first) if self._k_max else (None, None)
-        out = self._attend(grouped, self._region_layout, segments, kept, length)
+        tail = self._tail_logits(grouped, length)
+        segments, kept = self._select(grouped, length - phase.first, tail) if self._k_max else (None, None)
+        out = self._attend(grouped, self._region_layout, segments, kept, tail, self._rest)
         out = out.masked_fill(state._nonfinite[:, :, None, None], float("nan"))
         return out.reshape(B, -1, D).to(query.dtype)
 
-    def _select(self, grouped: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The phase's widest selection ``[B, H, G, k_max]``, best first, and which entries this step keeps
-        (the first ``k[row]``): the summary's scores, or a :class:`Rerank`'s exact masses over its shortlist."""
+    def _select(
+        self, grouped: torch.Tensor, row: torch.Tensor, tail: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The phase's widest listing ``[B, H, G, w_max]``, best first, and which entries this step attends: the
+        first ``k[row]`` under an even split; under a split with a fixed-shape plan, what it flags among the first
+        ``width[row]`` (the summary's scores, or a :class:`Rerank`'s exact masses over its shortlist)."""
         state, phase = self.state, self.phase
         method, summary = state.method, state.method.summary
         B, H, G, D = grouped.shape
         c = phase.grid.segment_size
+        split = not isinstance(method.allocation, Uniform)
+        width = self._w_max if split else self._k_max
         queries = state.scaled(grouped)
+        scores = None  # every segment's, [B, H, G', S]: what a split's total mass sums
         if isinstance(summary, Rerank) and summary.shortlist:
             coarse = summary.coarse.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
             ranked = torch.logsumexp(coarse, dim=2, keepdim=True) if summary.per_group else coarse
             short = ranked.topk(self._m_max, dim=-1, sorted=True).indices  # [B, H, G', m_max], best first
-            exact = self._log_mass(queries, short)  # [B, H, G, m_max]
             listed = self._ranks[: self._m_max] < self._m[row]
-            best = exact.masked_fill(~listed, float("-inf")).topk(self._k_max, dim=-1, sorted=True).indices
-            segments = short.expand(B, H, G, self._m_max).gather(-1, best)
+            exact = self._log_mass(queries, short).masked_fill(~listed, float("-inf"))  # [B, H, G, m_max]
+            best = exact.topk(width, dim=-1, sorted=True)
+            segments = short.expand(B, H, G, self._m_max).gather(-1, best.indices)
+            if split:
+                scores = _shortlisted(coarse, short.expand(B, H, G, self._m_max), exact, listed)
         else:
             if method.shared_kv_selection:  # the group's summed masses, as the state's own step sums them
                 scores = state.group_scores(grouped)  # [B, H, 1, S]
             else:
                 scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
-            segments = scores.topk(self._k_max, dim=-1, sorted=True).indices.expand(B, H, G, self._k_max)
-        kept = (self._ranks[: self._k_max] < self._k[row]).expand(B, H, G, self._k_max)
-        return segments, kept
+            best = scores.topk(width, dim=-1, sorted=True)
+            segments = best.indices
+        if not split:
+            kept = self._ranks[:width] < self._k[row]
+        else:
+            always = self._always_log_mass(grouped, tail)  # [B, H, G]
+            if scores.shape[2] == 1:  # a shared selection: its group's summed mass
+                always = torch.logsumexp(always, dim=2, keepdim=True)
+            listed = self._ranks[:width] < self._w[row]
+            kept = method.allocation.plan_fixed(best.values, log_total_mass(scores, always), self._k[row], listed)
+        return segments.expand(B, H, G, width), kept.expand(B, H, G, width)
+
+    def _always_log_mass(self, grouped: torch.Tensor, tail: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``[B, H_kv, G]`` the log mass of the sinks and the tail reached, on the scale of the segment scores (not
+        soft-capped): as :meth:`SegmentSearchState.always_log_mass`, from the tail's logits the step has anyway."""
+        state = self.state
+        cd = state.compute_dtype
+        mass = torch.full(grouped.shape[:3], float("-inf"), dtype=cd, device=grouped.device)
+        if self.phase.sink_end:
+            sinks = self._reserved()[0].narrow(2, 0, self.phase.sink_end).to(cd)
+            mass = torch.logsumexp(grouped.to(cd) @ sinks.transpose(-1, -2) * state.scale, dim=-1)
+        if tail is not None:
+            logits, reached = tail
+            mass = torch.logaddexp(mass, torch.logsumexp(logits.masked_fill(~reached, float("-inf")), dim=-1))
+        return mass
 
     def _log_mass(self, queries: torch.Tensor, short: torch.Tensor) -> torch.Tensor:
         """Exact log masses ``[B, H, G, m]`` of the shortlisted segments ``short: [B, H, G', m]``, by the kernel the
@@ -394,7 +480,7 @@ class StaticDenseStep(_Reserved):
         super().__init__(state, capacity)
         prompt = state.length
         self._region_layout = SegmentLayout(length=prompt, sinks=prompt, segment_size=1, n_segments=0)
-        self._tail_width = capacity - prompt
+        self._tail_start, self._tail_width = prompt, capacity - prompt
         self._tail_positions = prompt + torch.arange(self._tail_width, device=state.device)
         self.phase = None
 
@@ -408,7 +494,8 @@ class StaticDenseStep(_Reserved):
         state = self.state
         B, H, D = state.batch, state.kv_heads, state.head_dim
         self._store(key, value, position)
-        out = self._attend(query.reshape(B, H, -1, D), self._region_layout, None, None, position + 1)
+        grouped = query.reshape(B, H, -1, D)
+        out = self._attend(grouped, self._region_layout, None, None, self._tail_logits(grouped, position + 1))
         return out.reshape(B, -1, D).to(query.dtype)
 
     def _lse_backend(self, grouped: torch.Tensor):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from sparseattn.ops.ranking import ranks
 from sparseattn.validation import check_bool, check_int, check_real
 from sparseattn.summaries.base import Shortlist, Summary, segment_log_mass
 from sparseattn.summaries.centroid import Centroid
@@ -177,14 +178,7 @@ def unit_order(ranked: torch.Tensor, unit: int) -> torch.Tensor:
     padded = torch.nn.functional.pad(ranked.float(), (0, n_units * unit - S), value=float("-inf"))
     grouped = padded.unflatten(-1, (n_units, unit))  # [..., U, unit]
     mass = torch.logsumexp(grouped, dim=-1).nan_to_num(nan=float("-inf"))  # [..., U]
-    unit_rank = _ranks(mass)  # 0: the best unit
-    within = _ranks(grouped.nan_to_num(nan=float("-inf")))  # each segment's place in its unit
+    unit_rank = ranks(mass)  # 0: the best unit
+    within = ranks(grouped.nan_to_num(nan=float("-inf")))  # each segment's place in its unit
     place = (unit_rank.unsqueeze(-1) * unit + within).flatten(-2)[..., :S]
     return -place.to(torch.float32)
-
-
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    """Each entry's place along the last dim, 0 for the largest; ties to the earlier."""
-    order = x.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    return ranks.scatter_(-1, order, torch.arange(x.shape[-1], device=x.device).expand_as(order))
