@@ -108,13 +108,13 @@ def test_a_pooled_plan_never_exceeds_the_layers_budget(shape, k, cap, floor, see
 @settings(max_examples=60, deadline=None)
 @given(
     shape=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(1, 24)),
-    k=st.integers(1, 8), wider=st.integers(0, 6), cap=st.floats(1.0, 8.0), floor=st.floats(0.0, 1.0),
-    seed=st.integers(0, 2**16), odd=st.sampled_from([None, float("nan"), float("inf")]),
+    k=st.integers(1, 8), wider=st.integers(0, 6), below=st.integers(0, 8), above=st.integers(0, 6), cap=st.floats(1.0, 8.0),
+    floor=st.floats(0.0, 1.0), seed=st.integers(0, 2**16), odd=st.sampled_from([None, float("nan"), float("inf")]),
 )  # fmt: skip
-def test_the_fixed_shape_plan_flags_what_the_plan_flags(shape, k, wider, cap, floor, seed, odd):
-    """``plan_fixed`` (a decode step of fixed shapes: ``k`` a device tensor, a phase's wider listing of which the
-    first ``width(k)`` columns are the step's) flags exactly what ``plan`` flags over the step's own listing, and
-    no column past it, whatever the columns past it hold."""
+def test_the_fixed_shape_plan_flags_what_the_plan_flags(shape, k, wider, below, above, cap, floor, seed, odd):
+    """``plan_fixed`` (a decode step of fixed shapes: ``k`` a device tensor within a phase's bounds, a phase's wider
+    listing of which the first ``width(k)`` columns are the step's) flags exactly what ``plan`` flags over the
+    step's own listing, and no column past it, whatever the columns past it hold."""
     B, H, G, S = shape
     gen = torch.Generator().manual_seed(seed)
     allocation = PooledMass(cap=cap, floor=floor)
@@ -126,7 +126,8 @@ def test_the_fixed_shape_plan_flags_what_the_plan_flags(shape, k, wider, cap, fl
     if odd is not None:  # one head's estimate not finite: it ranks last, as in plan
         estimates[0, 0, 0, 0] = odd
     listed = torch.arange(w + wider) < w
-    fixed = allocation.plan_fixed(estimates, log_total, torch.tensor(k), listed)
+    bounds = (max(1, k - below), min(k + above, w + wider))  # the phase's narrowest and widest k around this step's
+    fixed = allocation.plan_fixed(estimates, log_total, torch.tensor(k), listed, bounds)
     assert torch.equal(fixed[..., :w], allocation.plan(estimates[..., :w], log_total, k))
     assert not fixed[..., w:].any()
 

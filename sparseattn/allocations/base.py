@@ -171,12 +171,15 @@ class Allocation(SelectStage, Protocol):
 @runtime_checkable
 class FixedShapePlan(Protocol):
     """An allocation whose ``plan`` also runs in fixed shapes (:mod:`sparseattn.methods.static_step`: a decode step
-    a CUDA graph captures). ``plan_fixed(estimates, log_total, k, listed)`` is ``plan`` with ``k`` a 0-d long device
-    tensor (the step's, read off a table, not a Python number) and ``estimates: [B, H_kv, G', w]`` a phase's widest
-    listing, of which the columns ``listed: [w]`` (bool) are the step's own; it flags only listed columns, what
-    ``plan`` flags over them, and reads nothing back to the host."""
+    a CUDA graph captures). ``plan_fixed(estimates, log_total, k, listed, k_bounds)`` is ``plan`` with ``k`` a 0-d
+    long device tensor (the step's, read off a table, not a Python number) within ``k_bounds = (least, most)`` (the
+    phase's, which size its work), and ``estimates: [B, H_kv, G', w]`` a phase's widest listing, of which the
+    entries ``listed`` flags (bool, ``[w]`` or the estimates' shape) are the step's own; it flags only listed
+    entries, what ``plan`` flags over them, and reads nothing back to the host."""
 
-    def plan_fixed(self, estimates: torch.Tensor, log_total: torch.Tensor, k: torch.Tensor, listed: torch.Tensor) -> torch.Tensor: ...
+    def plan_fixed(
+        self, estimates: torch.Tensor, log_total: torch.Tensor, k: torch.Tensor, listed: torch.Tensor, k_bounds: tuple[int, int]
+    ) -> torch.Tensor: ...
 
 
 def within_budget(plan):

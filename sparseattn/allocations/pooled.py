@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparseattn.allocations.base import Selection, split_segments, within_budget
-from sparseattn.ops.ranking import ranks
+from sparseattn.ops.ranking import top_within
 from sparseattn.validation import check_real
 
 if TYPE_CHECKING:
@@ -83,17 +83,26 @@ class PooledMass:
         taken.scatter_(1, share.reshape(B, -1).topk(total, dim=-1, sorted=False).indices, True)
         return taken.view(B, H, G, w)
 
-    def plan_fixed(self, estimates: torch.Tensor, log_total: torch.Tensor, k: torch.Tensor, listed: torch.Tensor) -> torch.Tensor:
+    def plan_fixed(
+        self, estimates: torch.Tensor, log_total: torch.Tensor, k: torch.Tensor, listed: torch.Tensor, k_bounds: tuple[int, int]
+    ) -> torch.Tensor:  # fmt: skip
         """:meth:`plan` in fixed shapes (:class:`~sparseattn.allocations.base.FixedShapePlan`): ``k`` a 0-d long device
-        tensor, and only the columns ``listed: [w]`` (bool) are the step's own listing. The same shares, floors and
-        total, taken by rank instead of a top-n whose size would change with ``k``; nothing is read back to the host.
-        Flags what :meth:`plan` flags over the listed columns (tests/test_allocation.py)."""
+        tensor within ``k_bounds = (least, most)``, and only the columns ``listed`` flags (bool, ``[w]`` or the
+        estimates' shape) are the step's own listing. The same shares, floors and total, each a top-n of the widest
+        size the bounds allow of which the least are dropped (:func:`~sparseattn.ops.ranking.top_within`); nothing
+        is read back to the host. Flags what :meth:`plan` flags over the listed columns (tests/test_allocation.py)."""
         B, H, G, w = estimates.shape
+        least, most = k_bounds
         share = estimates.float() - log_total.float()[..., None]
         # A non-finite share ranks last as in plan, but above the columns not listed, which are never taken.
         low = torch.finfo(share.dtype).min
         share = share.nan_to_num(nan=low, posinf=low, neginf=low).masked_fill(~listed, float("-inf"))
-        floor = torch.minimum(k, torch.ceil(self.floor * k.double()).long())  # floor_count(k), on the device
-        share = share.masked_fill(ranks(share) < floor, float("inf"))  # each head's best `floor` first
-        taken = ranks(share.reshape(B, -1)) < H * G * k  # the row's H G k largest shares (k <= the listed width)
+        widest = min(self.floor_count(most), w)
+        if widest:  # each head's best floor_count(k) first
+            floor = torch.minimum(k, torch.ceil(self.floor * k.double()).long())  # floor_count(k), on the device
+            _, best, among = top_within(share, widest, min(self.floor_count(least), w), floor)
+            share = share.masked_fill(torch.zeros_like(share, dtype=torch.bool).scatter_(-1, best, among), float("inf"))
+        # The row's H G k largest shares (k <= the listed width: only listed columns are taken).
+        _, best, among = top_within(share.reshape(B, -1), H * G * most, H * G * least, H * G * k)
+        taken = torch.zeros(B, H * G * w, dtype=torch.bool, device=share.device).scatter_(-1, best, among)
         return taken.view(B, H, G, w) & listed

@@ -53,6 +53,7 @@ from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.methods.segment_state import SegmentSearchState
 from sparseattn.ops.attention import soft_cap
 from sparseattn.ops.layout import SegmentLayout
+from sparseattn.ops.ranking import top_within
 from sparseattn.ops.segments import RestSums
 from sparseattn.schedules.base import SegmentGrid
 from sparseattn.selectors.topk import TopK
@@ -250,12 +251,14 @@ class _Reserved:
     def _attend(
         self, grouped: torch.Tensor, region: SegmentLayout, segments: torch.Tensor | None, kept: torch.Tensor | None,
         tail: tuple[torch.Tensor, torch.Tensor] | None, rest: RestSums | None = None,
+        listing: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Attention ``[B, H_kv, G, D]`` (compute dtype) of ``grouped`` over two parts joined by their log-sum-exps:
         the ``region`` (its sinks and the listed ``segments`` whose ``kept`` is set; fixed for the phase, so the
         backend's kernel reads it in place), and the ``tail`` (its logits and which are reached,
         :meth:`_tail_logits`); with ``rest``, the merged tokens of the region's segments left out join the same
-        softmax (:func:`add_merged_rest`: the tail lies after every block)."""
+        softmax (:func:`add_merged_rest`: the tail lies after every block), reading the selection as ``listing``
+        (segments and flags) when given."""
         parts = []
         if region.sink_end or segments is not None:
             parts += self._region(grouped, region, segments, kept)
@@ -273,8 +276,9 @@ class _Reserved:
         state = self.state
         keys, values = self._reserved()
         lse = top + total.squeeze(-1).log()
+        listed, flags = listing if listing is not None else (segments, kept)
         return add_merged_rest(
-            out, lse, grouped, keys, values, region, segments, kept, rest, state.scale, state.softcap, state._workspace
+            out, lse, grouped, keys, values, region, listed, flags, rest, state.scale, state.softcap, state._workspace
         ).to(out.dtype)  # fmt: skip
 
     def _region(
@@ -383,6 +387,9 @@ class StaticSegmentStep(_Reserved):
         # Made once per phase, not per step: the tail's positions and the ranks its tables are compared with.
         self._tail_positions = phase.tail_start + torch.arange(phase.tail, device=device)
         self._ranks = torch.arange(max(self._w_max, self._m_max), device=device)
+        # The narrowest sizes too: a step's top-n is the phase's widest top-n, of which the least are ranked.
+        split = not isinstance(state.method.allocation, Uniform)
+        self._m_min, self._best_min = min(phase.shortlist), min(phase.width if split else phase.k)
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Store ``key, value: [B, H_kv, D]`` at ``position`` (int64 ``[1]``, on the state's device) and attend with
@@ -394,51 +401,52 @@ class StaticSegmentStep(_Reserved):
         length = position + 1
         grouped = query.reshape(B, H, -1, D)
         tail = self._tail_logits(grouped, length)
-        segments, kept = self._select(grouped, length - phase.first, tail) if self._k_max else (None, None)
-        out = self._attend(grouped, self._region_layout, segments, kept, tail, self._rest)
+        segments, kept, listing = self._select(grouped, length - phase.first, tail) if self._k_max else (None, None, None)
+        out = self._attend(grouped, self._region_layout, segments, kept, tail, self._rest, listing)
         out = out.masked_fill(state._nonfinite[:, :, None, None], float("nan"))
         return out.reshape(B, -1, D).to(query.dtype)
 
     def _select(
         self, grouped: torch.Tensor, row: torch.Tensor, tail: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The phase's widest listing ``[B, H, G, w_max]``, best first, and which entries this step attends: the
-        first ``k[row]`` under an even split; under a split with a fixed-shape plan, what it flags among the first
-        ``width[row]`` (the summary's scores, or a :class:`Rerank`'s exact masses over its shortlist)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The phase's widest listing ``[B, H, G, n]`` (in no order) and which entries this step attends: its best
+        ``k[row]`` under an even split; under a split with a fixed-shape plan, what the plan flags among its best
+        ``width[row]`` (ranked by the summary's scores, or a :class:`Rerank`'s exact masses over its shortlist).
+        Third, for a merged rest, the same selection as a KV group's shortlist ``[B, H, 1, m]`` and each head's flags
+        ``[B, H, G, m]`` (the rest then reads each shortlisted segment's sums once for the group), or None."""
         state, phase = self.state, self.phase
         method, summary = state.method, state.method.summary
         B, H, G, D = grouped.shape
         c = phase.grid.segment_size
         split = not isinstance(method.allocation, Uniform)
-        width = self._w_max if split else self._k_max
+        widest, n = (self._w_max, self._w[row]) if split else (self._k_max, self._k[row])
         queries = state.scaled(grouped)
-        scores = None  # every segment's, [B, H, G', S]: what a split's total mass sums
         if isinstance(summary, Rerank) and summary.shortlist:
             coarse = summary.coarse.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
             ranked = torch.logsumexp(coarse, dim=2, keepdim=True) if summary.per_group else coarse
-            short = ranked.topk(self._m_max, dim=-1, sorted=True).indices  # [B, H, G', m_max], best first
-            listed = self._ranks[: self._m_max] < self._m[row]
-            exact = self._log_mass(queries, short).masked_fill(~listed, float("-inf"))  # [B, H, G, m_max]
-            best = exact.topk(width, dim=-1, sorted=True)
-            segments = short.expand(B, H, G, self._m_max).gather(-1, best.indices)
-            if split:
-                scores = _shortlisted(coarse, short.expand(B, H, G, self._m_max), exact, listed)
+            _, short, listed = top_within(ranked, self._m_max, self._m_min, self._m[row])  # [B, H, G', m_max]
+            short, listed = short.expand(B, H, G, self._m_max), listed.expand(B, H, G, self._m_max)
+            exact = self._log_mass(queries, short[:, :, : ranked.shape[2]]).masked_fill(~listed, float("-inf"))
+            values, best, attends = top_within(exact, widest, self._best_min, n)
+            segments = short.gather(-1, best)
+            scores = _shortlisted(coarse, short, exact, listed) if split else None  # what a split's total mass sums
         else:
             if method.shared_kv_selection:  # the group's summed masses, as the state's own step sums them
                 scores = state.group_scores(grouped)  # [B, H, 1, S]
             else:
                 scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
-            best = scores.topk(width, dim=-1, sorted=True)
-            segments = best.indices
-        if not split:
-            kept = self._ranks[:width] < self._k[row]
-        else:
+            values, segments, attends = top_within(scores, widest, self._best_min, n)
+        if split:
             always = self._always_log_mass(grouped, tail)  # [B, H, G]
             if scores.shape[2] == 1:  # a shared selection: its group's summed mass
                 always = torch.logsumexp(always, dim=2, keepdim=True)
-            listed = self._ranks[:width] < self._w[row]
-            kept = method.allocation.plan_fixed(best.values, log_total_mass(scores, always), self._k[row], listed)
-        return segments.expand(B, H, G, width), kept.expand(B, H, G, width)
+            bounds = (min(phase.k), self._k_max)
+            attends = method.allocation.plan_fixed(values, log_total_mass(scores, always), self._k[row], attends, bounds)
+        listing = None
+        if self._rest is not None and isinstance(summary, Rerank) and summary.shortlist and summary.per_group:
+            flags = torch.zeros(B, H, G, self._m_max, dtype=torch.bool, device=grouped.device).scatter_(-1, best, attends)
+            listing = (short[:, :, :1], flags)
+        return segments.expand(B, H, G, widest), attends.expand(B, H, G, widest), listing
 
     def _always_log_mass(self, grouped: torch.Tensor, tail: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """``[B, H_kv, G]`` the log mass of the sinks and the tail reached, on the scale of the segment scores (not
