@@ -26,7 +26,7 @@ from sparseattn.hf.loop import generate  # noqa: E402
 from sparseattn.hf.static_cache import StaticSparseCache  # noqa: E402
 from sparseattn.methods.layers import layer_method  # noqa: E402
 from sparseattn.methods.rest import MergedRest  # noqa: E402
-from sparseattn.methods.static_step import plan_phase, static_refusal, static_step  # noqa: E402
+from sparseattn.methods.static_step import _segmentable, plan_phase, static_refusal, static_step  # noqa: E402
 from sparseattn.ops.buffers import GrowableBuffer  # noqa: E402
 from sparseattn.schedules import AspectSchedule, FixedSchedule, SqrtSchedule  # noqa: E402
 from sparseattn.summaries import Centroid  # noqa: E402
@@ -94,22 +94,29 @@ def test_the_fixed_shape_step_attends_as_the_decode_state(name, dtype, seed, pro
     fixed.append(keys[:, :, :prompt], values[:, :, :prompt])
     step = static_step(fixed, prompt + new)
     position = torch.tensor([prompt])
-    length, phases = prompt + 1, 0
+    length, phases, sealed = prompt + 1, 0, 0
     while length <= prompt + new:
         phase = step.plan(length, prompt + new)
         step.begin(phase)
         phases += 1
-        for _ in range(prompt + new - length + 1 if phase is None else phase.steps):  # dense: one phase
+        for i in range(prompt + new - length + 1 if phase is None else phase.steps):  # dense: one phase
             t = length - 1
             want, _ = eager.step(queries[t - prompt], keys[:, :, t], values[:, :, t])
             got = step.step(queries[t - prompt], keys[:, :, t], values[:, :, t], position)
             position += 1
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-            if phase is not None:  # the grid the phase was planned for is the one the state built
-                assert eager.grid == phase.grid
+            if phase is not None:  # the grid the phase planned for the step is the one the state built
+                assert eager.grid == phase.grid_at(i)
+                sealed += phase.segments[i] - phase.segments[max(i - 1, 0)]
             length += 1
     step.finish(prompt + new)
     assert fixed.length == eager.length and torch.equal(fixed.keys, eager.keys)
+    if phase is not None:  # what the steps sealed on the device is the state's: its grid, summaries and sums
+        assert fixed.grid == eager.grid
+        for mine, theirs in zip(fixed._summaries + fixed._segment_sums + fixed._rest_sums, eager._summaries + eager._segment_sums + eager._rest_sums):
+            assert len(mine) == len(theirs)
+            if len(theirs):
+                torch.testing.assert_close(mine.view(), theirs.view(), rtol=tolerance, atol=tolerance)
 
 
 @settings(max_examples=60, deadline=None)
@@ -133,12 +140,29 @@ def test_phases_cover_the_steps_and_keep_the_grid_the_schedule_plans(schedule, s
         for i in range(phase.steps):
             n = length + i
             grid = schedule.plan(max(0, n - min(sinks, n) - max(window, 1)), grid)
-            assert grid == phase.grid
-            assert phase.attended(i) <= max(budget, phase.sink_end + phase.grid.segment_size + n - phase.tail_start)
+            assert grid == phase.grid_at(i)
+            assert phase.tail_starts[i] == phase.sink_end + grid.covered
+            assert phase.attended(i) <= max(budget, phase.sink_end + grid.segment_size + n - phase.tail_starts[i])
         length += phase.steps
-        if length <= last:  # the schedule plans another grid at the next phase's first step
+        if length <= last:  # the next phase starts where the schedule rebuilds, or its grid had no segment to grow
             n = length
-            assert schedule.plan(max(0, n - min(sinks, n) - max(window, 1)), grid) != grid
+            after = schedule.plan(max(0, n - min(sinks, n) - max(window, 1)), grid)
+            assert after.is_rebuild_of(grid) or after.n_segments > grid.n_segments + 1 or phase.grid.n_segments == 0 or (
+                min(sinks, n) != phase.sink_end)
+
+
+def test_a_phase_seals_segments_until_the_schedule_rebuilds():
+    """A phase spans the seals of a grid (each step seals at most one segment, on the device) and ends where the
+    schedule rebuilds: Quest's pages (sealed every 16 tokens, never rebuilt) make one phase of any length; radar+'s
+    grid (rebuilt at every perfect square, nothing sealed between) one per ~2 sqrt(t) tokens."""
+    quest = _method("quest:budget=1024")
+    phase = plan_phase(quest, quest.schedule.plan(_segmentable(quest, 4000), None), 4001, 5000)
+    assert phase.steps == 1000 and phase.segments[-1] - phase.segments[0] == 62
+    assert all(b - a in (0, 1) for a, b in zip(phase.segments, phase.segments[1:]))
+    plus = _method("radar+:budget=1024")
+    phase = plan_phase(plus, plus.schedule.plan(_segmentable(plus, 4000), None), 4001, 5000)
+    after = plus.schedule.plan(_segmentable(plus, phase.last + 1), phase.grid_at(phase.steps - 1))
+    assert phase.steps == 100 and after.is_rebuild_of(phase.grid_at(phase.steps - 1))
 
 
 def _model(name: str = "llama"):
@@ -158,7 +182,9 @@ def test_the_loop_gives_model_generate_s_greedy_tokens(architecture, name):
         want = model.generate(ids, max_new_tokens=40, do_sample=False, **cache_kwargs(model, sparse.new_cache()))[:, 300:]
     got = generate(model, ids, method, 40)
     assert torch.equal(got.tokens, want)
-    assert got.phases >= (1 if name == "dense" else 2)
+    # radar+'s grid is rebuilt within the 40 steps (a new phase); Quest's pages and Radar's grid seal segments
+    # on the device within one phase; dense has one.
+    assert got.phases >= (2 if name.startswith("radar+") else 1)
     assert model.config._attn_implementation == "sdpa"  # the loop removed what it applied
 
 
@@ -171,7 +197,7 @@ def test_a_chunked_prefill_gives_the_one_pass_tokens(name):
     assert torch.equal(generate(model, ids, method, 20, prefill_chunk=128).tokens, generate(model, ids, method, 20).tokens)
 
 
-@pytest.mark.parametrize("name", ["radar+", "radar+adaptive"])
+@pytest.mark.parametrize("name", ["radar+", "radar+adaptive", "quest"])  # quest: steps that seal pages on the device
 def test_a_decode_step_reads_nothing_back_to_the_host(name):
     """Every layer's step, through the model: no read of a device tensor on the host, no Python number written in."""
     model = _model()

@@ -280,6 +280,7 @@ def add_merged_rest(
     scale: float,
     softcap: float | None = None,
     workspace: Workspace | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a segment selection, ``out [B, H_kv, G, D]`` with log-sum-exp ``lse [B, H_kv, G]`` (the
     kernel's), with the merged tokens of what it leaves out added to its softmax: no token is gathered.
@@ -303,6 +304,10 @@ def add_merged_rest(
     no sync, and a step a CUDA graph captures); the choice is made from the listing's shape and strides,
     never its values. The two paths agree to float32 rounding.
 
+    ``seg_kv`` may hold more rows than the layout's segments (a fixed-shape step passes its reserved storage:
+    rows at a fixed stride, no copy); ``counts: [n]`` (float64), each block's tokens, when they are not the
+    layout's (:func:`block_counts`: a fixed-shape step's grid grows within its widest layout).
+
     Returns ``[B, H_kv, G, D]`` float32 (float64 for float64 ``q``). ``workspace``: where the segment rows
     are copied (a fresh multi-megabyte tensor per step costs page faults, see
     :class:`~sparseattn.ops.buffers.Workspace`). Reference: :func:`~sparseattn.ops.merged.merged_attention_ref`.
@@ -316,7 +321,7 @@ def add_merged_rest(
     sd = seg_kv.dtype
     attended = torch.ones(B, H, G, w, dtype=torch.bool, device=q.device) if valid is None else valid.expand(B, H, G, w)
     flat_kv = seg_kv.reshape(-1, 2 * D)
-    base = (torch.arange(B * H, device=q.device) * S).view(B, H, 1)  # each (b, h)'s first row of the sums
+    base = (torch.arange(B * H, device=q.device) * seg_kv.shape[2]).view(B, H, 1)  # each (b, h)'s first row of the sums
     # A listing expanded from one row per KV head (a pooled split read off the group's shortlist: Shortlist.top)
     # says so by its stride, with no comparison read back to the host (on a GPU: no sync, and a capturable step).
     shared = segments.shape[2] == 1 or segments.stride(2) == 0
@@ -355,7 +360,7 @@ def add_merged_rest(
         q_taken.scatter_add_(3, reach_block, unchosen * torch.einsum("bhgd,bhod->bhgo", q.double(), part_k))
         taken.scatter_add_(3, reach_block, unchosen * tail_n)
         extra = (reach_block, unchosen, part_v)
-    rest_n = block_counts(S, c, per_block, q.device) - taken  # [B, H, G, n]
+    rest_n = (block_counts(S, c, per_block, q.device) if counts is None else counts) - taken  # [B, H, G, n]
     left = rest_n > 0.5  # whole numbers: the float64 difference is exact
     m = rest_n.clamp_min(1.0)
     q_rest = torch.einsum("bhgd,bhnd->bhgn", q.double(), block_k) - q_taken  # q . (K_b - A_b), float64

@@ -313,13 +313,20 @@ class SegmentSearchState(KVState):
         top = scores.topk(n, dim=-1, sorted=sorted)
         return scores, top.values, top.indices
 
-    def group_scores(self, grouped_query: torch.Tensor, top_k: int = 0) -> torch.Tensor:
+    def group_scores(self, grouped_query: torch.Tensor, top_k: int = 0, summaries: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Log of each KV group's summed estimated masses ``[B, H_kv, 1, S]`` (the shared selection's scores).
 
         A summary with a ``score_group`` method computes it directly (cheaper: PerformerFeatures adds
         the heads' features first); otherwise it is the logsumexp of :meth:`scores` over the group.
+        ``summaries``: others than the state's own, of a summary that reads no keys (a fixed-shape step's wider
+        grid, :mod:`sparseattn.methods.static_step`).
         """
         summary = self.method.summary
+        if summaries is not None:
+            queries, size = self.scaled(grouped_query), self.layout.segment_size
+            if self._group_scoring:
+                return summary.score_group(self._params, summaries, queries, None, size)
+            return torch.logsumexp(summary.score(self._params, summaries, queries, None, size), dim=2, keepdim=True)
         if not self._group_scoring or self.layout.n_segments == 0:
             return torch.logsumexp(self.scores(grouped_query, top_k), dim=2, keepdim=True)
         summaries = tuple(buf.view() for buf in self._summaries)

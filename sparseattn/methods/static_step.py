@@ -8,13 +8,16 @@ form:
 * the storage is **reserved** up front (``capacity`` tokens: the prompt and every token to generate) and the
   step writes its token in place, at ``position``, a device tensor the loop advances (nothing is read back to
   the host, no Python number is written into a device tensor while decoding);
-* the shapes are fixed while a segment grid lasts: a :class:`Phase` is the run of steps over which the
-  schedule keeps its grid (a seal or a rebuild starts the next one). Its numbers per step (the segments the
-  budget buys, the shortlist's size) are computed on the host by the method's own functions
-  (:meth:`SegmentSearch.segments_for`, :meth:`Rerank.shortlist_size`), once per phase, and uploaded as
-  small tables the step indexes with ``position``; the widest of them sets the shapes, narrower steps mask;
+* the shapes are fixed while a segment size lasts: a :class:`Phase` is the run of steps over which the
+  schedule seals at most one segment a step onto its grid and does not rebuild (a rebuild starts the next
+  one). Its numbers per step (the grid, the segments the budget buys, the shortlist's size) are computed on
+  the host by the method's own functions (:meth:`SegmentSearch.segments_for`, :meth:`Rerank.shortlist_size`),
+  once per phase, and uploaded as small tables the step indexes with ``position``; the widest of them sets
+  the shapes, narrower steps mask;
 * the structure is the decode state's own: at a phase's start the host advances the state's length and
-  calls its restructure, so the grid and the summaries are the ones the eager step builds (same code).
+  calls its restructure, so the grid and the summaries are the ones the eager step builds (same code); a
+  step that seals a segment summarises it on the device with the summary's own ``summarize`` (and a merged
+  rest's sums), into storage reserved for the phase's widest grid.
 
 A step attends two parts joined by their log-sum-exps: the **region** (the sinks and the selected segments,
 fixed for the phase, so the state's own backend kernel reads it in place: the C kernel on the CPU, Triton on
@@ -37,6 +40,7 @@ against the state's own (float64 and float32).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,7 +52,7 @@ from sparseattn.backends.base import SegmentAttentionLSE
 from sparseattn.backends.registry import select_backend
 from sparseattn.methods.dense import Dense, DenseState
 from sparseattn.methods.layers import layer_method
-from sparseattn.methods.rest import MergedRest, add_merged_rest
+from sparseattn.methods.rest import MergedRest, add_merged_rest, segment_sums
 from sparseattn.methods.segment_search import SegmentSearch
 from sparseattn.methods.segment_state import SegmentSearchState
 from sparseattn.ops.attention import soft_cap
@@ -112,23 +116,25 @@ def static_refusal(method, n_layers: int | None = None, *, capture: bool = False
 
 @dataclass(frozen=True)
 class Phase:
-    """The steps over which a layer's segment grid stays as it is: one set of shapes.
+    """The steps over which a layer's shapes hold: its segment size and the region's start stay, and the grid grows
+    by at most one segment a step (sealed by the step itself, on the device), until a rebuild.
 
     ``first`` is the length (tokens stored, the step's own included) at the phase's first step; step ``i``
-    of the phase has length ``first + i`` and its budget buys ``k[i]`` segments per head, of its ``width[i]``
-    best listed (``k[i]`` under an even split, up to ``cap x k[i]`` under a pooled one: :meth:`SegmentSearch.reach`)
-    after reranking ``shortlist[i]`` (0 without a :class:`Rerank`). ``tail_start`` is where the always-attended
-    tail begins (the grid's end); ``merged``: the rest's merged tokens at a step that leaves segments out.
+    of the phase has length ``first + i``, a grid of ``segments[i]`` segments (``grid`` is the first step's) and
+    a tail from ``tail_starts[i]``; its budget buys ``k[i]`` segments per head, of its ``width[i]`` best listed
+    (``k[i]`` under an even split, up to ``cap x k[i]`` under a pooled one: :meth:`SegmentSearch.reach`) after
+    reranking ``shortlist[i]`` (0 without a :class:`Rerank`); ``merged[i]``: the rest's merged tokens.
     """
 
     grid: SegmentGrid
     first: int
     sink_end: int
-    tail_start: int
     k: tuple[int, ...]
     shortlist: tuple[int, ...]
     width: tuple[int, ...]
-    merged: int
+    merged: tuple[int, ...]
+    segments: tuple[int, ...]
+    tail_starts: tuple[int, ...]
 
     @property
     def steps(self) -> int:
@@ -140,14 +146,28 @@ class Phase:
         return self.first + self.steps - 1
 
     @property
+    def tail_start(self) -> int:
+        """Where the first step's tail starts: the widest tail's start."""
+        return self.tail_starts[0]
+
+    @property
     def tail(self) -> int:
-        """The widest tail of the phase's steps (its last step's)."""
+        """The widest tail of the phase's steps: from the first step's start to the last step's length."""
         return self.last - self.tail_start
+
+    @property
+    def n_segments(self) -> int:
+        """The most segments a step of the phase has (its last step's)."""
+        return self.segments[-1]
+
+    def grid_at(self, step: int) -> SegmentGrid:
+        """The grid at step ``step`` of the phase."""
+        return dataclasses.replace(self.grid, n_segments=self.segments[step])
 
     def attended(self, step: int) -> int:
         """Tokens a query head attends at step ``step`` of the phase (on average over a layer's heads under a split)."""
-        merged = self.merged if self.k[step] < self.grid.n_segments else 0
-        return self.sink_end + self.k[step] * self.grid.segment_size + self.first + step - self.tail_start + merged
+        merged = self.merged[step] if self.k[step] < self.segments[step] else 0
+        return self.sink_end + self.k[step] * self.grid.segment_size + self.first + step - self.tail_starts[step] + merged
 
 
 def _layout(method: SegmentSearch, grid: SegmentGrid, length: int) -> SegmentLayout:
@@ -160,25 +180,30 @@ def _segmentable(method: SegmentSearch, length: int) -> int:
 
 
 def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last: int) -> Phase:
-    """The phase that starts at length ``first`` (the grid ``grid`` before it) and runs while the schedule keeps
-    the grid it plans there and the sinks and tail start where they do (they move only while the length is below
-    the sinks), up to length ``last``. The host's work, on numbers it knows: no device read."""
+    """The phase that starts at length ``first`` (the grid ``grid`` before it), up to length ``last``: it runs while
+    the schedule seals at most one segment a step onto the grid it plans at ``first`` (same size, no rebuild; a grid
+    of none yet seals nothing within a phase) and the region's start stays (it moves only while the length is below
+    the sinks). The host's work, on numbers it knows: no device read."""
     if last < first:
         raise ValueError(f"plan_phase: last ({last}) must be >= first ({first})")
     start = method.schedule.plan(_segmentable(method, first), grid)
-    ks, shortlists, widths = [], [], []
-    summary = method.summary
-    layout = _layout(method, start, first)
+    ks, shortlists, widths, merged, segments, tails = [], [], [], [], [], []
+    summary, rest = method.summary, method.rest
     opening = _layout(method, start, first)
+    now = start
     for length in range(first, last + 1):
-        if length > first and method.schedule.plan(_segmentable(method, length), start) != start:
-            break
-        layout = _layout(method, start, length)
-        if (layout.sink_end, layout.tail_start) != (opening.sink_end, opening.tail_start):
-            break  # the region moved (a prompt shorter than the sinks): the next phase reads it
+        if length > first:
+            planned = method.schedule.plan(_segmentable(method, length), now)
+            if planned != now and (planned.is_rebuild_of(now) or planned.n_segments != now.n_segments + 1 or not start.n_segments):
+                break
+            now = planned
+        layout = _layout(method, now, length)
+        if layout.sink_end != opening.sink_end or layout.tail_start != layout.segment_end:
+            break  # the region moved (a prompt shorter than the sinks), or a window reaches into it: the next phase
+        S = now.n_segments
         k = method.segments_for(layout)
-        width = method.reach(k, start.n_segments)
-        m = summary.shortlist_size(width, start.n_segments) if isinstance(summary, Rerank) else 0
+        width = method.reach(k, S)
+        m = summary.shortlist_size(width, S) if isinstance(summary, Rerank) else 0
         if isinstance(summary, Rerank) and summary.shortlist and m < width:
             raise ValueError(
                 f"{summary!r} shortlists {m} segments at t={length}, fewer than the {width} a head may attend: the "
@@ -187,8 +212,10 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
         ks.append(k)
         shortlists.append(m)
         widths.append(width)
-    merged = method.rest.blocks(start.n_segments) if method.rest is not None else 0
-    return Phase(start, first, opening.sink_end, opening.tail_start, tuple(ks), tuple(shortlists), tuple(widths), merged)
+        merged.append(rest.blocks(S) if rest is not None else 0)
+        segments.append(S)
+        tails.append(layout.tail_start)
+    return Phase(start, first, opening.sink_end, *map(tuple, (ks, shortlists, widths, merged, segments, tails)))
 
 
 @torch.compiler.disable
@@ -251,14 +278,14 @@ class _Reserved:
     def _attend(
         self, grouped: torch.Tensor, region: SegmentLayout, segments: torch.Tensor | None, kept: torch.Tensor | None,
         tail: tuple[torch.Tensor, torch.Tensor] | None, rest: RestSums | None = None,
-        listing: tuple[torch.Tensor, torch.Tensor] | None = None,
+        listing: tuple[torch.Tensor, torch.Tensor] | None = None, counts: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Attention ``[B, H_kv, G, D]`` (compute dtype) of ``grouped`` over two parts joined by their log-sum-exps:
         the ``region`` (its sinks and the listed ``segments`` whose ``kept`` is set; fixed for the phase, so the
         backend's kernel reads it in place), and the ``tail`` (its logits and which are reached,
         :meth:`_tail_logits`); with ``rest``, the merged tokens of the region's segments left out join the same
         softmax (:func:`add_merged_rest`: the tail lies after every block), reading the selection as ``listing``
-        (segments and flags) when given."""
+        (segments and flags) when given, each block holding ``counts`` tokens."""
         parts = []
         if region.sink_end or segments is not None:
             parts += self._region(grouped, region, segments, kept)
@@ -278,7 +305,7 @@ class _Reserved:
         lse = top + total.squeeze(-1).log()
         listed, flags = listing if listing is not None else (segments, kept)
         return add_merged_rest(
-            out, lse, grouped, keys, values, region, listed, flags, rest, state.scale, state.softcap, state._workspace
+            out, lse, grouped, keys, values, region, listed, flags, rest, state.scale, state.softcap, state._workspace, counts
         ).to(out.dtype)  # fmt: skip
 
     def _region(
@@ -315,10 +342,13 @@ class _Reserved:
             parts.append(_softmax_parts(logits, valid, v_sel, state.softcap))
         return parts
 
-    def _tail_logits(self, grouped: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _tail_logits(
+        self, grouped: torch.Tensor, length: torch.Tensor, start: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The tail's logits ``[B, H_kv, G, width]`` (``scale q . k``, not soft-capped) over the phase's widest tail
-        (positions ``tail_start .. tail_start + width - 1``) and which of them are reached (``< length``); None
-        without a tail. Computed once a step: the attention over the tail and a split's always-attended mass read them."""
+        (positions ``tail_start .. tail_start + width - 1``) and which of them are this step's (``< length``, and from
+        ``start`` on: the step's own tail, after what its grid has sealed); None without a tail. Computed once a
+        step: the attention over the tail and a split's always-attended mass read them."""
         if not self._tail_width:
             return None
         state = self.state
@@ -326,7 +356,8 @@ class _Reserved:
         # Copied whole (a few hundred tokens): a batched product over strided slices of the storage runs ~10x slower.
         k_tail = keys.narrow(2, self._tail_start, self._tail_width).to(state.compute_dtype).contiguous()
         logits = grouped.to(state.compute_dtype) @ k_tail.transpose(-1, -2) * state.scale  # the group's heads as rows
-        return logits, self._tail_positions < length  # positions: made once per phase
+        reached = self._tail_positions < length  # positions: made once per phase
+        return logits, reached if start is None else reached & (self._tail_positions >= start)
 
     def _tail(self, tail: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` over the tail, from its logits (:meth:`_tail_logits`)."""
@@ -361,10 +392,12 @@ class StaticSegmentStep(_Reserved):
 
     def begin(self, phase: Phase) -> None:
         """Host side, outside any graph: the state's structure at ``phase.first`` (as its own append would build
-        it: the step's token is not written yet, and never segmented at its own step) and the phase's tables."""
+        it: the step's token is not written yet, and never segmented at its own step), its buffers reserved for the
+        segments the phase seals, and the phase's tables."""
         state = self.state
         if phase.last > self.capacity:
             raise ValueError(f"the phase reaches length {phase.last}, past the reserved capacity {self.capacity}")
+        self._commit(phase.first - 1)
         state._keys.fill_to(phase.first)
         state._values.fill_to(phase.first)
         state._restructure()
@@ -372,17 +405,34 @@ class StaticSegmentStep(_Reserved):
             raise RuntimeError(f"the state restructured to {state.grid}, its plan said {phase.grid}")
         self.phase = phase
         device = state.device
-        self._summaries = tuple(buf.view() for buf in state._summaries) if phase.grid.n_segments else ()
-        self._k = torch.tensor(phase.k, dtype=torch.long, device=device)
-        self._m = torch.tensor(phase.shortlist, dtype=torch.long, device=device)
-        self._w = torch.tensor(phase.width, dtype=torch.long, device=device)
-        self._k_max, self._m_max, self._w_max = max(phase.k), max(phase.shortlist), max(phase.width)
+        S, c = phase.n_segments, phase.grid.segment_size
         rest = state.method.rest
-        # A merged rest reads the sums the state keeps of its segments and blocks: fixed while the grid is.
-        self._rest = RestSums(state.segment_sums(), *state.block_sums(), rest.per_block) if rest is not None and self._k_max else None
-        grid = phase.grid
-        # The region the backend's kernel reads in place (sinks and segments), the same all phase; the tail after it.
-        self._region_layout = SegmentLayout(length=phase.tail_start, sinks=phase.sink_end, segment_size=grid.segment_size, n_segments=grid.n_segments)
+        if phase.grid.n_segments:
+            # The segments the phase seals are summarised by its steps, into storage reserved now (it must not move
+            # under a graph): each summary's, and a merged rest's segment sums and block sums (new blocks from zero).
+            for buf in [*state._summaries, *state._segment_sums]:
+                buf.reserve(S)
+            if state._rest_sums:
+                blocks, grown = rest.blocks(phase.grid.n_segments), rest.blocks(S)
+                for buf in state._rest_sums:
+                    buf.reserve(grown)
+                    buf.storage.narrow(2, blocks, grown - blocks).zero_()
+        self._summaries = tuple(buf.storage.narrow(2, 0, S) for buf in state._summaries) if S else ()
+        table = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        self._k, self._m, self._w = table(phase.k), table(phase.shortlist), table(phase.width)
+        self._segments, self._tail_starts = table(phase.segments), table(phase.tail_starts)
+        self._seals = S > phase.grid.n_segments  # the steps seal segments themselves
+        self._sealed = torch.tensor([False] + [b > a for a, b in zip(phase.segments, phase.segments[1:])], device=device)
+        self._segment_ids = torch.arange(S, device=device)
+        self._k_max, self._m_max, self._w_max = max(phase.k), max(phase.shortlist), max(phase.width)
+        # A merged rest reads the sums the state keeps of its segments (the whole storage: rows at a fixed stride)
+        # and blocks, and counts each block's tokens at the step's grid.
+        self._rest = None
+        if rest is not None and self._k_max:
+            self._rest = RestSums(state._segment_sums[0].storage, *(b.storage.narrow(2, 0, rest.blocks(S)) for b in state._rest_sums), rest.per_block)
+        # The region the backend's kernel reads in place (sinks and the phase's widest grid); the tail after the
+        # first step's grid, each step masking what its own grid has sealed since.
+        self._region_layout = SegmentLayout(length=phase.sink_end + S * c, sinks=phase.sink_end, segment_size=c, n_segments=S)
         self._tail_start, self._tail_width = phase.tail_start, phase.tail
         # Made once per phase, not per step: the tail's positions and the ranks its tables are compared with.
         self._tail_positions = phase.tail_start + torch.arange(phase.tail, device=device)
@@ -390,6 +440,24 @@ class StaticSegmentStep(_Reserved):
         # The narrowest sizes too: a step's top-n is the phase's widest top-n, of which the least are ranked.
         split = not isinstance(state.method.allocation, Uniform)
         self._m_min, self._best_min = min(phase.shortlist), min(phase.width if split else phase.k)
+
+    def finish(self, length: int) -> None:
+        """After the loop: the state counts the ``length`` tokens the steps stored and the segments they sealed."""
+        self._commit(length)
+        super().finish(length)
+
+    def _commit(self, length: int) -> None:
+        """The host's count of what the phase's steps up to ``length`` sealed on the device: the state's grid and
+        its buffers' lengths (nothing to do before a phase or when its steps sealed nothing)."""
+        phase, state = self.phase, self.state
+        if phase is None or not self._seals or length < phase.first:
+            return
+        S = phase.segments[min(length, phase.last) - phase.first]
+        state._grid = phase.grid_at(min(length, phase.last) - phase.first)
+        for buf in [*state._summaries, *state._segment_sums]:
+            buf.fill_to(S)
+        for buf in state._rest_sums:
+            buf.fill_to(state.method.rest.blocks(S))
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Store ``key, value: [B, H_kv, D]`` at ``position`` (int64 ``[1]``, on the state's device) and attend with
@@ -399,12 +467,45 @@ class StaticSegmentStep(_Reserved):
         self._store(key, value, position)
         state._nonfinite |= ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))
         length = position + 1
+        row = length - phase.first
+        if self._seals:
+            self._seal(row)
         grouped = query.reshape(B, H, -1, D)
-        tail = self._tail_logits(grouped, length)
-        segments, kept, listing = self._select(grouped, length - phase.first, tail) if self._k_max else (None, None, None)
-        out = self._attend(grouped, self._region_layout, segments, kept, tail, self._rest, listing)
+        tail = self._tail_logits(grouped, length, self._tail_starts[row])
+        segments, kept, listing = self._select(grouped, row, tail) if self._k_max else (None, None, None)
+        out = self._attend(grouped, self._region_layout, segments, kept, tail, self._rest, listing, self._block_counts(row))
         out = out.masked_fill(state._nonfinite[:, :, None, None], float("nan"))
         return out.reshape(B, -1, D).to(query.dtype)
+
+    def _seal(self, row: torch.Tensor) -> None:
+        """The grid's newest segment summarised as the state's own append summarises a sealed one (its keys scaled,
+        the summary's ``summarize``; a merged rest's segment and block sums), written in place: at a step that seals
+        it, or again, unchanged, at a step that does not (the block sums then add zeros). One shape every step."""
+        state, phase = self.state, self.phase
+        c = phase.grid.segment_size
+        newest = (self._segments[row] - 1).view(1)  # the phase starts with a segment: never below 0
+        positions = phase.sink_end + newest * c + torch.arange(c, device=newest.device)
+        keys, values = self._reserved()
+        seg_keys = keys.index_select(2, positions).unsqueeze(2)  # [B, H, 1, c, D]
+        for buf, summary in zip(self._summaries, state.method.summary.summarize(state._params, state.scaled(seg_keys))):
+            buf.index_copy_(2, newest, summary.to(buf.dtype))
+        rest = state.method.rest
+        if state._rest_sums:
+            seg_values = values.index_select(2, positions).unsqueeze(2)
+            k_sum, v_sum = segment_sums(seg_keys, seg_values, torch.float64)  # [B, H, 1, D], as the state sums them
+            state._segment_sums[0].storage.index_copy_(2, newest, torch.cat([k_sum, v_sum], dim=-1).to(torch.float32))
+            sealed = self._sealed[row]
+            block = newest.div(rest.per_block, rounding_mode="floor")
+            for buf, add in zip(state._rest_sums, (k_sum, v_sum)):
+                buf.storage.index_add_(2, block, add.masked_fill(~sealed, 0.0))
+
+    def _block_counts(self, row: torch.Tensor) -> torch.Tensor | None:
+        """Tokens in each of a merged rest's blocks at the step's grid (a block not begun: 0), or None without a rest."""
+        if self._rest is None:
+            return None
+        per = self._rest.per_block
+        left = self._segments[row] - torch.arange(self._rest.block_k.shape[2], device=self._segments.device) * per
+        return (left.clamp(0, per) * self.phase.grid.segment_size).to(torch.float64)
 
     def _select(
         self, grouped: torch.Tensor, row: torch.Tensor, tail: tuple[torch.Tensor, torch.Tensor] | None
@@ -422,7 +523,7 @@ class StaticSegmentStep(_Reserved):
         widest, n = (self._w_max, self._w[row]) if split else (self._k_max, self._k[row])
         queries = state.scaled(grouped)
         if isinstance(summary, Rerank) and summary.shortlist:
-            coarse = summary.coarse.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
+            coarse = self._sealed_only(summary.coarse.score(state._params, self._summaries, queries, None, c), row)  # [B, H, G, S]
             ranked = torch.logsumexp(coarse, dim=2, keepdim=True) if summary.per_group else coarse
             _, short, listed = top_within(ranked, self._m_max, self._m_min, self._m[row])  # [B, H, G', m_max]
             short, listed = short.expand(B, H, G, self._m_max), listed.expand(B, H, G, self._m_max)
@@ -432,9 +533,10 @@ class StaticSegmentStep(_Reserved):
             scores = _shortlisted(coarse, short, exact, listed) if split else None  # what a split's total mass sums
         else:
             if method.shared_kv_selection:  # the group's summed masses, as the state's own step sums them
-                scores = state.group_scores(grouped)  # [B, H, 1, S]
+                scores = state.group_scores(grouped, summaries=self._summaries)  # [B, H, 1, S]
             else:
                 scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
+            scores = self._sealed_only(scores, row)
             values, segments, attends = top_within(scores, widest, self._best_min, n)
         if split:
             always = self._always_log_mass(grouped, tail)  # [B, H, G]
@@ -447,6 +549,12 @@ class StaticSegmentStep(_Reserved):
             flags = torch.zeros(B, H, G, self._m_max, dtype=torch.bool, device=grouped.device).scatter_(-1, best, attends)
             listing = (short[:, :, :1], flags)
         return segments.expand(B, H, G, widest), attends.expand(B, H, G, widest), listing
+
+    def _sealed_only(self, scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """``scores [..., S]`` over the phase's widest grid, the segments the step's grid has not sealed at -inf."""
+        if not self._seals:
+            return scores
+        return scores.masked_fill(self._segment_ids >= self._segments[row], float("-inf"))
 
     def _always_log_mass(self, grouped: torch.Tensor, tail: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """``[B, H_kv, G]`` the log mass of the sinks and the tail reached, on the scale of the segment scores (not
@@ -467,7 +575,7 @@ class StaticSegmentStep(_Reserved):
         state's own step runs (:func:`~sparseattn.summaries.base.segment_log_mass`: keys read in place, once per list)."""
         state, phase = self.state, self.phase
         B, H, D = state.batch, state.kv_heads, state.head_dim
-        c, S = phase.grid.segment_size, phase.grid.n_segments
+        c, S = phase.grid.segment_size, phase.n_segments
         raw = self._reserved()[0].narrow(2, phase.sink_end, S * c).view(B, H, S, c, D)
         if state._mass_backend is None:  # as the state's step chooses it, once
             state._mass_backend = select_backend("auto", "segment_log_mass", q=queries, keys=raw)
