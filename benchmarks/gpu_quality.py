@@ -41,10 +41,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# Nothing here imports transformers at import time: check installs the carried gguf wheel first (transformers
+# notes at its own import which optional packages it can use).
 from sparseattn import registry  # noqa: E402
-from sparseattn.evaluation.ppl import run_ppl_together, tokenize  # noqa: E402
 from sparseattn.evaluation.runs import RunDir  # noqa: E402
-from sparseattn.hf.loop import generate  # noqa: E402
 
 #: Two prose and two code texts (docs/evaluation.md), the budget 1/8 of the prefill.
 TEXTS = ("cymbeline", "henry-v", "difflib", "pickle")
@@ -63,6 +63,9 @@ def build(name: str, budget: int):
 def measure(model, ids: dict[str, list[int]], config: dict, device: torch.device, graphs: bool) -> dict:
     """Per text and method: ppl (prefill, then ``steps`` teacher-forced decode steps through the method's cache) and
     the greedy tokens of ``sparseattn.generate`` after the prefill (eager, and captured with ``graphs``)."""
+    from sparseattn.evaluation.ppl import run_ppl_together
+    from sparseattn.hf.loop import generate
+
     prefill, steps, new, budget = config["prefill"], config["steps"], config["new_tokens"], config["budget"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,6 +94,7 @@ def _sha256(paths: list[Path]) -> str:
 
 def prepare(args) -> None:
     from sparseattn.data.sources import load_text
+    from sparseattn.evaluation.ppl import tokenize
     from sparseattn.hf import load_model
     from sparseattn.hf.models import resolve_model_source
 

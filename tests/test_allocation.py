@@ -128,8 +128,13 @@ def test_the_fixed_shape_plan_flags_what_the_plan_flags(shape, k, wider, below, 
     listed = torch.arange(w + wider) < w
     bounds = (max(1, k - below), min(k + above, w + wider))  # the phase's narrowest and widest k around this step's
     fixed = allocation.plan_fixed(estimates, log_total, torch.tensor(k), listed, bounds)
-    assert torch.equal(fixed[..., :w], allocation.plan(estimates[..., :w], log_total, k))
+    want = allocation.plan(estimates[..., :w], log_total, k)
+    assert torch.equal(fixed[..., :w], want)
     assert not fixed[..., w:].any()
+    # The columns in another order per head (what a step passes: its listing unsorted, the flags scattered).
+    order = torch.rand(B, H, G, w + wider, generator=gen).argsort(-1)
+    scattered = allocation.plan_fixed(estimates.gather(-1, order), log_total, torch.tensor(k), order < w, bounds)
+    assert torch.equal(torch.zeros_like(scattered).scatter_(-1, order, scattered)[..., :w], want)
 
 
 def test_uniform_gives_every_head_its_best_k():

@@ -21,8 +21,8 @@ form:
 
 A step attends two parts joined by their log-sum-exps: the **region** (the sinks and the selected segments,
 fixed for the phase, so the state's own backend kernel reads it in place: the C kernel on the CPU, Triton on
-a GPU; a torch gather for a backend without the log-sum-exp op) and the **tail** after the grid (a few hundred
-tokens at most, torch, masked past the length). The rerank's exact masses run on the state's own kernel too.
+a GPU; a torch gather for a backend without the log-sum-exp op) and the **tail** after the first step's grid
+(``max(256, 2 sqrt(t))`` tokens at most, torch, masked past the length and before the step's own grid's end). The rerank's exact masses run on the state's own kernel too.
 
 A split between heads (:class:`~sparseattn.allocations.PooledMass`) lists the phase's widest ``cap x k`` per
 head and flags, by rank against the step's ``k`` read off the table, what its plan takes
@@ -114,6 +114,10 @@ def static_refusal(method, n_layers: int | None = None, *, capture: bool = False
     return None
 
 
+#: The widest tail a phase that seals segments may reach, at least (tokens; 2 sqrt(t) when larger): see plan_phase.
+SEALING_TAIL = 256
+
+
 @dataclass(frozen=True)
 class Phase:
     """The steps over which a layer's shapes hold: its segment size and the region's start stay, and the grid grows
@@ -183,7 +187,9 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
     """The phase that starts at length ``first`` (the grid ``grid`` before it), up to length ``last``: it runs while
     the schedule seals at most one segment a step onto the grid it plans at ``first`` (same size, no rebuild; a grid
     of none yet seals nothing within a phase) and the region's start stays (it moves only while the length is below
-    the sinks). The host's work, on numbers it knows: no device read."""
+    the sinks). A phase that seals ends once its widest tail (from its first step's grid) would pass
+    ``max(256, 2 sqrt(t))`` tokens: the tail every step reads stays O(sqrt t), as ``SqrtSchedule``'s buffer between
+    rebuilds. The host's work, on numbers it knows: no device read."""
     if last < first:
         raise ValueError(f"plan_phase: last ({last}) must be >= first ({first})")
     start = method.schedule.plan(_segmentable(method, first), grid)
@@ -197,6 +203,8 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
             if planned != now and (planned.is_rebuild_of(now) or planned.n_segments != now.n_segments + 1 or not start.n_segments):
                 break
             now = planned
+            if now != start and length - opening.tail_start > max(SEALING_TAIL, 2 * math.isqrt(length)):
+                break
         layout = _layout(method, now, length)
         if layout.sink_end != opening.sink_end or layout.tail_start != layout.segment_end:
             break  # the region moved (a prompt shorter than the sinks), or a window reaches into it: the next phase
@@ -353,7 +361,7 @@ class _Reserved:
             return None
         state = self.state
         keys = self._reserved()[0]
-        # Copied whole (a few hundred tokens): a batched product over strided slices of the storage runs ~10x slower.
+        # Copied whole (a few hundred tokens: SEALING_TAIL): a batched product over strided slices of the storage runs ~10x slower.
         k_tail = keys.narrow(2, self._tail_start, self._tail_width).to(state.compute_dtype).contiguous()
         logits = grouped.to(state.compute_dtype) @ k_tail.transpose(-1, -2) * state.scale  # the group's heads as rows
         reached = self._tail_positions < length  # positions: made once per phase
@@ -387,7 +395,8 @@ class StaticSegmentStep(_Reserved):
         self.phase: Phase | None = None
 
     def plan(self, first: int, last: int) -> Phase:
-        """The phase that starts at length ``first`` (from the state's present grid)."""
+        """The phase that starts at length ``first`` (from the state's grid, as the steps before left it)."""
+        self._commit(first - 1)
         return plan_phase(self.state.method, self.state.grid, first, last)
 
     def begin(self, phase: Phase) -> None:
@@ -538,6 +547,8 @@ class StaticSegmentStep(_Reserved):
                 scores = summary.score(state._params, self._summaries, queries, None, c)  # [B, H, G, S]
             scores = self._sealed_only(scores, row)
             values, segments, attends = top_within(scores, widest, self._best_min, n)
+        if self._seals:  # a segment not sealed yet is never attended, even on a tie of -inf scores
+            attends = attends & (segments < self._segments[row])
         if split:
             always = self._always_log_mass(grouped, tail)  # [B, H, G]
             if scores.shape[2] == 1:  # a shared selection: its group's summed mass
