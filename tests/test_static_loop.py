@@ -304,6 +304,7 @@ def test_the_compiled_loop_gives_the_eager_loop_s_tokens(name):
     assert torch.equal(compiled.tokens, eager.tokens)
 
 
+@pytest.mark.gpu  # scripts/gpu-check.sh's contract step runs it
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["radar+", "radar+adaptive", "quest", "dense"])
 def test_the_captured_loop_gives_the_eager_loop_s_tokens(name):
@@ -333,6 +334,7 @@ def _triton_runs() -> bool:
     return torch.cuda.is_available() or interpreting()
 
 
+@pytest.mark.gpu  # also on the CPU, in the interpreter; compiled in scripts/gpu-check.sh's contract step
 @pytest.mark.skipif(not _triton_runs(), reason="needs triton (its interpreter on the CPU: TRITON_INTERPRET=1 before it is imported)")
 @pytest.mark.parametrize("name", ["radar+", "radar+adaptive", "quest", "dense"])
 def test_the_fixed_shape_step_runs_the_triton_kernels(name):
