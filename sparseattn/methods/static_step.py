@@ -443,9 +443,8 @@ class StaticSegmentStep(_Reserved):
         # first step's grid, each step masking what its own grid has sealed since.
         self._region_layout = SegmentLayout(length=phase.sink_end + S * c, sinks=phase.sink_end, segment_size=c, n_segments=S)
         self._tail_start, self._tail_width = phase.tail_start, phase.tail
-        # Made once per phase, not per step: the tail's positions and the ranks its tables are compared with.
+        # Made once per phase, not per step: the tail's positions.
         self._tail_positions = phase.tail_start + torch.arange(phase.tail, device=device)
-        self._ranks = torch.arange(max(self._w_max, self._m_max), device=device)
         # The narrowest sizes too: a step's top-n is the phase's widest top-n, of which the least are ranked.
         split = not isinstance(state.method.allocation, Uniform)
         self._m_min, self._best_min = min(phase.shortlist), min(phase.width if split else phase.k)
