@@ -139,10 +139,7 @@ def machine() -> dict:
 def check(args) -> None:
     reference = json.loads((args.carry / "a" / "reference.json").read_text())
     ids = json.loads((args.carry / "a" / "ids.json").read_text())
-    model_path = args.model
-    if model_path is None:
-        model_path = joined_model(args.carry, reference["gguf"], Path(tempfile.gettempdir()))
-        _install_gguf(args.carry / "a")
+    model_path = args.model  # a directory or GGUF file (main joins the carried halves)
     from sparseattn.hf import load_model
 
     device = torch.device(args.device)
@@ -162,14 +159,14 @@ def check(args) -> None:
 
 def joined_model(carry: Path, gguf: dict, into: Path) -> Path:
     """The GGUF file ``prepare`` split into ``carry``'s two halves, joined in ``into`` (kept: a rerun reuses it);
-    SystemExit naming what is missing, or when the halves are not that file (sha256)."""
+    ValueError naming what is missing, or when the halves are not that file (sha256)."""
     halves = [carry / "a" / "model.gguf.0", carry / "b" / "model.gguf.1"]
     missing = [str(h) for h in halves if not h.exists()]
     if missing:
-        raise SystemExit(f"check: {', '.join(missing)} missing: carry .gpu-carry/a in one call and .gpu-carry/b in the next, "
+        raise ValueError(f"{', '.join(missing)} missing: carry .gpu-carry/a in one call and .gpu-carry/b in the next, "
                          "the machine still warm (see benchmarks/gpu_quality.py)")  # fmt: skip
     if _sha256(halves) != gguf["sha256"]:
-        raise SystemExit("check: the two halves are not the GGUF file prepare split (sha256 differs): run prepare again")
+        raise ValueError("the two halves are not the GGUF file prepare split (sha256 differs): run prepare again")
     joined = into / gguf["name"]
     if not joined.exists() or _sha256([joined]) != gguf["sha256"]:
         with joined.open("wb") as out:
@@ -257,11 +254,28 @@ def main() -> None:
         for name in ("prefill", "steps", "new_tokens", "budget"):
             if getattr(args, name) < 1:
                 parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        from sparseattn.data.sources import get_text
+
+        for name in args.texts:
+            try:
+                get_text(name)
+            except ValueError as error:
+                parser.error(f"--texts: {error}")
         prepare(args)
-    else:
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            parser.error("--device cuda but no CUDA device is available")
-        check(args)
+        return
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device is available")
+    missing = [str(args.carry / "a" / name) for name in ("reference.json", "ids.json") if not (args.carry / "a" / name).exists()]
+    if missing:
+        parser.error(f"--carry {args.carry}: {', '.join(missing)} missing (run prepare here, carry .gpu-carry/a)")
+    if args.model is None:  # the carried halves, joined before any model work
+        try:
+            reference = json.loads((args.carry / "a" / "reference.json").read_text())
+            args.model = joined_model(args.carry, reference["gguf"], Path(tempfile.gettempdir()))
+        except ValueError as error:
+            parser.error(f"--carry {args.carry}: {error}")
+        _install_gguf(args.carry / "a")
+    check(args)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,7 +73,7 @@ def test_a_reference_that_differs_misses_its_verdicts(carried, monkeypatch):
 def test_the_halves_join_only_to_the_file_they_were_cut_from(tmp_path):
     data = bytes(range(256)) * 41
     gguf = {"name": "m.gguf", "sha256": hashlib.sha256(data).hexdigest()}
-    with pytest.raises(SystemExit, match="model.gguf.0, .*model.gguf.1 missing"):
+    with pytest.raises(ValueError, match="model.gguf.0, .*model.gguf.1 missing"):
         gpu_quality.joined_model(tmp_path / "carry", gguf, tmp_path)
     (tmp_path / "carry" / "a").mkdir(parents=True)
     (tmp_path / "carry" / "b").mkdir()
@@ -79,5 +81,16 @@ def test_the_halves_join_only_to_the_file_they_were_cut_from(tmp_path):
     (tmp_path / "carry" / "b" / "model.gguf.1").write_bytes(data[5000:])
     assert gpu_quality.joined_model(tmp_path / "carry", gguf, tmp_path).read_bytes() == data
     (tmp_path / "carry" / "b" / "model.gguf.1").write_bytes(data[5001:])
-    with pytest.raises(SystemExit, match="sha256 differs"):
+    with pytest.raises(ValueError, match="sha256 differs"):
         gpu_quality.joined_model(tmp_path / "carry", gguf, tmp_path)
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    """An unknown text, or a carry folder without what prepare wrote, is refused in one line with exit 2."""
+    script = str(Path(gpu_quality.__file__))
+    for argv, message in (
+        (["prepare", "--texts", "nosuchtext"], "--texts: unknown text 'nosuchtext'"),
+        (["check", "--device", "cpu", "--carry", str(tmp_path)], "reference.json, .*ids.json missing"),
+    ):
+        done = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True)
+        assert done.returncode == 2 and re.search(message, done.stderr), done.stderr
