@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import importlib.util  # noqa: E402
+import unittest.mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -27,7 +28,8 @@ from sparseattn.hf.loop import generate  # noqa: E402
 from sparseattn.hf.static_cache import StaticSparseCache  # noqa: E402
 from sparseattn.methods.layers import SplitLayers, layer_method  # noqa: E402
 from sparseattn.methods.rest import MergedRest  # noqa: E402
-from sparseattn.methods.static_step import SEALING_TAIL, _segmentable, plan_phase, static_refusal, static_step  # noqa: E402
+import sparseattn.methods.static_step as static_step_module  # noqa: E402
+from sparseattn.methods.static_step import SEALING_TAIL, Phase, _segmentable, plan_phase, static_refusal, static_step  # noqa: E402
 from sparseattn.ops.buffers import GrowableBuffer  # noqa: E402
 from sparseattn.schedules import AspectSchedule, FixedSchedule, SqrtSchedule  # noqa: E402
 from sparseattn.summaries import Centroid  # noqa: E402
@@ -80,16 +82,15 @@ def _sealing_rerank():  # a shortlist over a grid that seals every 4 tokens (pha
     return dataclasses.replace(method, allocation=sa.PooledMass(cap=2.0, floor=0.25), rest=MergedRest(3))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64 (torch gather)", "float32 (the C kernel)"])
-@pytest.mark.parametrize("name", [*STEPPED, *EXTRA])
-@settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), prompt=st.one_of(st.integers(1, 6), st.integers(40, 260)), new=st.integers(1, 45))
-def test_the_fixed_shape_step_attends_as_the_decode_state(name, dtype, seed, prompt, new):
-    """Step for step, across seals and rebuilds, the output equals the state's own step: in float64 the step's
-    region is a torch gather (no backend kernel runs float64), in float32 the kernel the state's step runs."""
+FLOATS = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64 (torch gather)", "float32 (the C kernel)"])
+
+
+def _stepped_against_the_state(name: str, dtype: torch.dtype, seed: int, prompt: int, new: int) -> list:
+    """Step ``name``'s layer-1 method through ``new`` tokens after a ``prompt``, phase by phase, asserting each output
+    equals the decode state's own step (and the state's structure after the run); returns the phases."""
     method = layer_method(EXTRA[name]() if name in EXTRA else _method(STEPPED[name]), 1, 2)
     if name == "dense" and dtype == torch.float32:
-        method = sa.Dense(backend="cpu")  # the kernel's dense: the prompt read as the region by its kernel
+        method = sa.Dense(backend="cpu")  # the kernel's dense: the tokens before the phase read as its region by its kernel
     B, H, G, D = 2, 2, 3, 8
     gen = torch.Generator().manual_seed(seed)
     keys = 2 * torch.randn(B, H, prompt + new, D, dtype=dtype, generator=gen)
@@ -103,29 +104,58 @@ def test_the_fixed_shape_step_attends_as_the_decode_state(name, dtype, seed, pro
     fixed.append(keys[:, :, :prompt], values[:, :, :prompt])
     step = static_step(fixed, prompt + new)
     position = torch.tensor([prompt])
-    length, phases, sealed = prompt + 1, 0, 0
+    length, phases = prompt + 1, []
     while length <= prompt + new:
         phase = step.plan(length, prompt + new)
         step.begin(phase)
-        phases += 1
-        for i in range(prompt + new - length + 1 if phase is None else phase.steps):  # dense: one phase
+        phases.append(phase)
+        for i in range(phase.steps):
             t = length - 1
             want, _ = eager.step(queries[t - prompt], keys[:, :, t], values[:, :, t])
             got = step.step(queries[t - prompt], keys[:, :, t], values[:, :, t], position)
             position += 1
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-            if phase is not None:  # the grid the phase planned for the step is the one the state built
+            if isinstance(phase, Phase):  # the grid the phase planned for the step is the one the state built
                 assert eager.grid == phase.grid_at(i)
-                sealed += phase.segments[i] - phase.segments[max(i - 1, 0)]
             length += 1
     step.finish(prompt + new)
     assert fixed.length == eager.length and torch.equal(fixed.keys, eager.keys)
-    if phase is not None:  # what the steps sealed on the device is the state's: its grid, summaries and sums
+    if isinstance(phase, Phase):  # what the steps sealed on the device is the state's: its grid, summaries and sums
         assert fixed.grid == eager.grid
         for mine, theirs in zip(fixed._summaries + fixed._segment_sums + fixed._rest_sums, eager._summaries + eager._segment_sums + eager._rest_sums):
             assert len(mine) == len(theirs)
             if len(theirs):
                 torch.testing.assert_close(mine.view(), theirs.view(), rtol=tolerance, atol=tolerance)
+    return phases
+
+
+@FLOATS
+@pytest.mark.parametrize("name", [*STEPPED, *EXTRA])
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), prompt=st.one_of(st.integers(1, 6), st.integers(40, 260)), new=st.integers(1, 45))
+def test_the_fixed_shape_step_attends_as_the_decode_state(name, dtype, seed, prompt, new):
+    """Step for step, across seals and rebuilds, the output equals the state's own step: in float64 the step's
+    region is a torch gather (no backend kernel runs float64), in float32 the kernel the state's step runs."""
+    _stepped_against_the_state(name, dtype, seed, prompt, new)
+
+
+@FLOATS
+@pytest.mark.parametrize("name", ["dense", "quest", "rerank on sealed pages, pooled, merged rest"])
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), prompt=st.integers(1, 200), new=st.integers(20, 60))
+def test_a_phase_ends_where_its_tail_would_pass_its_reach(name, dtype, seed, prompt, new):
+    """The tail a step reads (copied whole) is bounded: with SEALING_TAIL at 4, a phase whose tail grows (dense's,
+    or one that seals segments) ends where it would pass max(4, 2 sqrt t), and the steps still attend as the state's
+    own across the many phases this makes (dense's region then moves at each phase: every token before it)."""
+    with unittest.mock.patch.object(static_step_module, "SEALING_TAIL", 4):
+        phases = _stepped_against_the_state(name, dtype, seed, prompt, new)
+    for phase in phases:  # (a phase that seals nothing has the schedule's own tail: a segment's worth and the window)
+        if not isinstance(phase, Phase) or phase.segments[-1] > phase.segments[0]:
+            assert phase.last - phase.tail_start <= max(4, 2 * math.isqrt(phase.last))
+    if name == "dense":  # laid end to end, each ended where one more step would pass the reach
+        assert [p.first for p in phases[1:]] == [p.last + 1 for p in phases[:-1]] and phases[-1].last == prompt + new
+        assert all(p.last + 1 - p.tail_start > max(4, 2 * math.isqrt(p.last + 1)) for p in phases[:-1])
+        assert len(phases) > 1 or new <= max(4, 2 * math.isqrt(prompt + new))
 
 
 @settings(max_examples=60, deadline=None)
@@ -196,6 +226,20 @@ def test_the_loop_gives_model_generate_s_greedy_tokens(architecture, name):
     # on the device within one phase; dense has one.
     assert got.phases >= (2 if "radar+" in name else 1)
     assert model.config._attn_implementation == "sdpa"  # the loop removed what it applied
+
+
+@pytest.mark.parametrize("name", ["dense", "quest"])
+def test_the_loop_over_many_short_phases_gives_model_generate_s_tokens(name):
+    """With SEALING_TAIL at 4, dense's and Quest's phases end every ~2 sqrt t steps (dense's region moving to
+    every token before the phase): the tokens are still ``model.generate``'s."""
+    model = _model()
+    method = _method(STEPPED[name])
+    ids = torch.randint(3, 97, (2, 100), generator=torch.Generator().manual_seed(3))
+    with sa.apply(model, method) as sparse:
+        want = model.generate(ids, max_new_tokens=60, do_sample=False, **cache_kwargs(model, sparse.new_cache()))[:, 100:]
+    with unittest.mock.patch.object(static_step_module, "SEALING_TAIL", 4):
+        got = generate(model, ids, method, 60)
+    assert torch.equal(got.tokens, want) and got.phases >= 3
 
 
 @pytest.mark.parametrize("name", ["radar+", "quest"])
@@ -356,7 +400,7 @@ def test_the_fixed_shape_step_runs_the_triton_kernels(name):
     while length <= prompt + new:
         phase = step.plan(length, prompt + new)
         step.begin(phase)
-        for _ in range(prompt + new - length + 1 if phase is None else phase.steps):
+        for _ in range(phase.steps):
             t = length - 1
             want, _ = eager.step(queries[t - prompt], keys[:, :, t], values[:, :, t])
             got = step.step(queries[t - prompt], keys[:, :, t], values[:, :, t], position)

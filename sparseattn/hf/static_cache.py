@@ -98,12 +98,12 @@ class StaticSparseCache(Cache):
         """Host side: the phase that starts at length ``first`` (the new token's own included), common to every
         layer (the shortest of theirs), at most up to length ``last``; returns its steps."""
         steps = [layer.step.plan(first, last) for layer in self.layers]
-        n = min((p.steps for p in steps if p is not None), default=last - first + 1)
+        n = min(p.steps for p in steps)
         for layer, phase in zip(self.layers, steps):
-            if phase is not None and phase.steps > n:
+            if phase.steps > n:
                 phase = layer.step.plan(first, first + n - 1)
             layer.step.begin(phase)
-            self.attended_sum += sum(phase.attended(i) for i in range(n)) if phase is not None else sum(range(first, first + n))
+            self.attended_sum += sum(phase.attended(i) for i in range(n))
         self.steps_begun += n
         return n
 

@@ -31,7 +31,7 @@ the step has anyway (the tail's logits are computed once for both). A merged res
 (:class:`~sparseattn.methods.rest.MergedRest`) joins the region and the tail by :func:`add_merged_rest`, from the
 sums the state keeps (fixed while the grid is): so the preset ``radar+adaptive`` runs here.
 
-What runs: :class:`~sparseattn.methods.dense.Dense` (the prompt is its region) and a :class:`SegmentSearch`
+What runs: :class:`~sparseattn.methods.dense.Dense` (every token before its :class:`DensePhase` is its region) and a :class:`SegmentSearch`
 whose summary scores from its summaries alone, or a :class:`~sparseattn.summaries.Rerank` over such a summary;
 the ``TopK`` selector; an even split or one with a fixed-shape plan; no ``always`` or ``refine`` part; no rest
 or a merged one (:func:`static_refusal` says why otherwise). tests/test_static_loop.py checks every step
@@ -114,8 +114,16 @@ def static_refusal(method, n_layers: int | None = None, *, capture: bool = False
     return None
 
 
-#: The widest tail a phase that seals segments may reach, at least (tokens; 2 sqrt(t) when larger): see plan_phase.
+#: The widest tail a phase may reach, at least (tokens; 2 sqrt(t) when larger): see :func:`tail_reach`.
 SEALING_TAIL = 256
+
+
+def tail_reach(length: int) -> int:
+    """The widest tail a phase may still read at length ``length``: ``max(SEALING_TAIL, 2 sqrt t)`` tokens. The tail
+    is copied whole every step (a few hundred tokens), so a phase whose tail keeps growing (one that seals segments,
+    or dense's) ends there: a step's tail stays O(sqrt t) however long the generation, as ``SqrtSchedule``'s buffer
+    between rebuilds does."""
+    return max(SEALING_TAIL, 2 * math.isqrt(length))
 
 
 @dataclass(frozen=True)
@@ -188,8 +196,7 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
     the schedule seals at most one segment a step onto the grid it plans at ``first`` (same size, no rebuild; a grid
     of none yet seals nothing within a phase) and the region's start stays (it moves only while the length is below
     the sinks). A phase that seals ends once its widest tail (from its first step's grid) would pass
-    ``max(256, 2 sqrt(t))`` tokens: the tail every step reads stays O(sqrt t), as ``SqrtSchedule``'s buffer between
-    rebuilds. The host's work, on numbers it knows: no device read."""
+    :func:`tail_reach`. The host's work, on numbers it knows: no device read."""
     if last < first:
         raise ValueError(f"plan_phase: last ({last}) must be >= first ({first})")
     start = method.schedule.plan(_segmentable(method, first), grid)
@@ -203,7 +210,7 @@ def plan_phase(method: SegmentSearch, grid: SegmentGrid | None, first: int, last
             if planned != now and (planned.is_rebuild_of(now) or planned.n_segments != now.n_segments + 1 or not start.n_segments):
                 break
             now = planned
-            if now != start and length - opening.tail_start > max(SEALING_TAIL, 2 * math.isqrt(length)):
+            if now != start and length - opening.tail_start > tail_reach(length):
                 break
         layout = _layout(method, now, length)
         if layout.sink_end != opening.sink_end or layout.tail_start != layout.segment_end:
@@ -598,23 +605,60 @@ class StaticSegmentStep(_Reserved):
         return state._backend if "lse" in state._kernels else None
 
 
+@dataclass(frozen=True)
+class DensePhase:
+    """The steps over which a dense layer's shapes hold: every token stored before the phase is its region (read in
+    place, as sinks), the tokens its steps store are the tail, up to :func:`tail_reach` of them. Step ``i`` has
+    length ``first + i`` and attends all of it."""
+
+    first: int
+    steps: int
+
+    @property
+    def last(self) -> int:
+        """The length at the phase's last step."""
+        return self.first + self.steps - 1
+
+    @property
+    def tail_start(self) -> int:
+        return self.first - 1
+
+    def attended(self, step: int) -> int:
+        return self.first + step
+
+
+def plan_dense_phase(first: int, last: int) -> DensePhase:
+    """The dense phase from length ``first`` up to length ``last``, ended where its tail would pass :func:`tail_reach`."""
+    if last < first:
+        raise ValueError(f"plan_dense_phase: last ({last}) must be >= first ({first})")
+    length = first
+    while length < last and length + 1 - (first - 1) <= tail_reach(length + 1):
+        length += 1
+    return DensePhase(first, length - first + 1)
+
+
 class StaticDenseStep(_Reserved):
-    """A :class:`DenseState`'s decode step in fixed shapes: the prompt as one fixed region (the backend's kernel, every
-    prompt token a sink, when it returns log-sum-exps), the generated tokens as the tail, joined by log-sum-exp."""
+    """A :class:`DenseState`'s decode step in fixed shapes: the tokens stored before the phase as one fixed region (the
+    backend's kernel, every token a sink, when it returns log-sum-exps), the phase's own tokens as the tail, joined by
+    log-sum-exp. Phases (:class:`DensePhase`) keep the tail, copied whole every step, O(sqrt t) wide: one phase for the
+    whole generation would read every generated token as tail, O(N^2) over N tokens."""
 
     def __init__(self, state: DenseState, capacity: int) -> None:
         super().__init__(state, capacity)
-        prompt = state.length
-        self._region_layout = SegmentLayout(length=prompt, sinks=prompt, segment_size=1, n_segments=0)
-        self._tail_start, self._tail_width = prompt, capacity - prompt
-        self._tail_positions = prompt + torch.arange(self._tail_width, device=state.device)
-        self.phase = None
+        self.phase: DensePhase | None = None
 
-    def plan(self, first: int, last: int) -> None:
-        return None  # one phase: nothing changes shape
+    def plan(self, first: int, last: int) -> DensePhase:
+        return plan_dense_phase(first, last)
 
-    def begin(self, phase: None) -> None:
-        pass
+    def begin(self, phase: DensePhase) -> None:
+        """Host side, outside any graph: the region and the tail of ``phase``."""
+        if phase.last > self.capacity:
+            raise ValueError(f"the phase reaches length {phase.last}, past the reserved capacity {self.capacity}")
+        self.phase = phase
+        n = phase.tail_start
+        self._region_layout = SegmentLayout(length=n, sinks=n, segment_size=1, n_segments=0)
+        self._tail_start, self._tail_width = n, phase.steps
+        self._tail_positions = n + torch.arange(phase.steps, device=self.state.device)
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         state = self.state
@@ -638,4 +682,7 @@ def static_step(state, capacity: int) -> StaticSegmentStep | StaticDenseStep:
     raise ValueError(f"{type(state).__name__} has no fixed-shape step (DenseState and SegmentSearchState have)")
 
 
-__all__ = ["Phase", "StaticDenseStep", "StaticSegmentStep", "plan_phase", "static_refusal", "static_step"]
+__all__ = [
+    "DensePhase", "Phase", "StaticDenseStep", "StaticSegmentStep", "plan_dense_phase", "plan_phase", "static_refusal",
+    "static_step", "tail_reach",
+]
