@@ -68,6 +68,18 @@ def test_the_top_k_of_long_lists_with_ties(n):
         assert sorted(top_k_positions(x, k).tolist()) == _sorted_reference(x, k)
 
 
+@pytest.mark.parametrize("low, high", [(-10.0, -9.0), (-20.0, 0.0), (3.0, 3.0), (1e-3, 2e-3), (7.25, 7.25 + 2**-20)])
+def test_the_top_k_of_numbers_that_share_their_top_bits(low, high):
+    """The select starts below the bits every number shares (one sign, one span of exponents: the shares a pooled
+    split ranks are all negative), down to lists of one repeated number; lengths around the 16-lane vector loops."""
+    g = torch.Generator().manual_seed(int(1e3 * abs(low)) + 7)
+    for n in (1, 15, 16, 17, 100, 944, 4248):
+        x = low + (high - low) * torch.rand(n, generator=g)
+        x[torch.randint(0, n, (n // 4,), generator=g)] = x[0].item()  # ties, some at the k-th value
+        for k in {1, max(1, n // 2), n}:
+            assert sorted(top_k_positions(x, k).tolist()) == _sorted_reference(x, k)
+
+
 def test_top_k_refuses_a_k_out_of_range():
     with pytest.raises(ValueError, match="k=0"):
         top_k_positions(torch.ones(3), 0)

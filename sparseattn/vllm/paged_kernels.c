@@ -667,17 +667,62 @@ static inline uint32_t order_key(float x) {
     if (bits == 0x80000000u) bits = 0; /* -0 is 0 */
     return bits & 0x80000000u ? ~bits : bits | 0x80000000u; /* larger number, larger key */
 }
+/* Keep the keys of cur[0..m) whose bits under hi_mask are prefix, in order, into dst; returns how many. */
+static inline int64_t keep_bucket(const uint32_t *cur, int64_t m, uint32_t hi_mask, uint32_t prefix, uint32_t *dst) {
+    int64_t kept = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512i vm = _mm512_set1_epi32((int)hi_mask), vp = _mm512_set1_epi32((int)prefix);
+    for (; i + 16 <= m; i += 16) {
+        const __m512i k = _mm512_loadu_si512(cur + i);
+        const __mmask16 in = _mm512_cmpeq_epi32_mask(_mm512_and_si512(k, vm), vp);
+        const int got = __builtin_popcount(in);
+        _mm512_mask_storeu_epi32(dst + kept, (__mmask16)((1u << got) - 1u), _mm512_maskz_compress_epi32(in, k));
+        kept += got;
+    }
+#endif
+    for (; i < m; ++i) dst[kept] = cur[i], kept += (cur[i] & hi_mask) == prefix;
+    return kept;
+}
+/* The positions i of keys[0..n) with keys[i] > kth, in order, into out; returns how many. */
+static inline int64_t above_positions(const uint32_t *keys, int64_t n, uint32_t kth, int64_t *out) {
+    int64_t have = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512i vk = _mm512_set1_epi32((int)kth);
+    const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+    for (; i + 16 <= n; i += 16) {
+        const __mmask16 above = _mm512_cmpgt_epu32_mask(_mm512_loadu_si512(keys + i), vk);
+        const __m512i base = _mm512_add_epi64(lane, _mm512_set1_epi64(i));
+        const __mmask8 lo8 = (__mmask8)(above & 0xFF), hi8 = (__mmask8)(above >> 8);
+        const int n_lo = __builtin_popcount(lo8), n_hi = __builtin_popcount(hi8);
+        _mm512_mask_storeu_epi64(out + have, (__mmask8)((1u << n_lo) - 1u), _mm512_maskz_compress_epi64(lo8, base));
+        have += n_lo;
+        _mm512_mask_storeu_epi64(out + have, (__mmask8)((1u << n_hi) - 1u),
+                                 _mm512_maskz_compress_epi64(hi8, _mm512_add_epi64(base, _mm512_set1_epi64(8))));
+        have += n_hi;
+    }
+#endif
+    for (; i < n; ++i) out[have] = i, have += keys[i] > kth;
+    return have;
+}
 static void top_k_set(const float *x, int64_t n, int64_t k, int64_t *out, float *v, float *w) {
     uint32_t *keys = (uint32_t *)v, *rest = (uint32_t *)w; /* the keys, then those still in the k-th's bucket */
+    uint32_t lo = 0xFFFFFFFFu, hi = 0;
     for (int64_t i = 0; i < n; ++i) keys[i] = order_key(x[i]);
-    uint32_t prefix = 0, known = 0; /* the k-th key's bits found so far (the top `known` bits) */
-    int64_t m = n, want = k;       /* the want-th largest of the m keys that share the prefix */
+    for (int64_t i = 0; i < n; ++i) {
+        lo = keys[i] < lo ? keys[i] : lo;
+        hi = keys[i] > hi ? keys[i] : hi;
+    }
+    /* The bits every key shares (above the highest bit where the least and the largest differ) are the k-th's too. */
+    uint32_t known = lo == hi ? 32u : (uint32_t)__builtin_clz(lo ^ hi);
+    uint32_t prefix = known >= 32 ? hi : hi & ~(0xFFFFFFFFu >> known);
+    int64_t m = n, want = k; /* the want-th largest of the m keys that share the prefix */
     const uint32_t *cur = keys;
-    const int step = n < 4096 ? 8 : 11; /* bits a pass: a histogram no longer to clear and scan than the numbers */
-    for (int shift = 32 - step; m > 1 && known < 32; shift = shift >= step ? shift - step : 0) {
-        const int bits = 32 - (int)known - shift; /* this pass's bits: [shift, 32 - known) */
-        int64_t hist[2048];
-        memset(hist, 0, sizeof(int64_t) << bits);
+    const int width = n < 4096 ? 8 : 11; /* bits a pass: a histogram no longer to clear and scan than the numbers */
+    while (m > 1 && known < 32) {
+        const int bits = 32 - (int)known < width ? 32 - (int)known : width;
+        const int shift = 32 - (int)known - bits;
+        uint32_t hist[2048];
+        memset(hist, 0, sizeof(uint32_t) << bits);
         const uint32_t mask = (uint32_t)((1u << bits) - 1u);
         for (int64_t i = 0; i < m; ++i) hist[(cur[i] >> shift) & mask]++;
         int64_t above = 0, bucket = (int64_t)mask;
@@ -685,16 +730,11 @@ static void top_k_set(const float *x, int64_t n, int64_t k, int64_t *out, float 
         want -= above;
         prefix |= (uint32_t)bucket << shift;
         known += (uint32_t)bits;
-        int64_t kept = 0; /* the keys of the k-th's bucket, for the next pass */
-        const uint32_t hi_mask = known >= 32 ? 0xFFFFFFFFu : ~((1u << (32 - known)) - 1u);
-        for (int64_t i = 0; i < m; ++i) rest[kept] = cur[i], kept += (cur[i] & hi_mask) == prefix;
-        cur = rest, m = kept;
-        if (shift == 0) break;
+        m = keep_bucket(cur, m, known >= 32 ? 0xFFFFFFFFu : ~(0xFFFFFFFFu >> known), prefix, rest);
+        cur = rest;
     }
-    uint32_t kth = prefix;
-    if (known < 32) kth = cur[0]; /* one key left in the bucket: it is the k-th */
-    int64_t have = 0;
-    for (int64_t i = 0; i < n; ++i) out[have] = i, have += keys[i] > kth; /* fewer than k: kth is the k-th */
+    const uint32_t kth = known < 32 ? cur[0] : prefix; /* one key left in the bucket: it is the k-th */
+    int64_t have = above_positions(keys, n, kth, out); /* fewer than k: kth is the k-th */
     for (int64_t i = 0; i < n && have < k; ++i)
         if (keys[i] == kth) out[have++] = i;
 }
@@ -1479,7 +1519,7 @@ static void split_pooled_row(const sa_split_args *a, int64_t b, const sa_pool_sc
             float *share_row = s->share + (h * G + g) * w;
             for (int64_t j = 0; j < w; ++j) {
                 share_row[j] = finite_or_lowest(ex[listed[j]] - log_total);
-                s->place[(h * G + g) * w + j] = sh[listed[j]];
+                s->place[(h * G + g) * w + j] = ((b * H + h) * G + g) * S_max + sh[listed[j]]; /* where chosen flags it */
             }
             if (floor_n > 0) { /* the row's floor best first: pushed above every share */
                 best_positions(share_row, w, floor_n, listed, s->v, s->spare);
@@ -1489,10 +1529,7 @@ static void split_pooled_row(const sa_split_args *a, int64_t b, const sa_pool_sc
     }
     const int64_t total = k * H * G < n_share ? k * H * G : n_share;
     best_positions(s->share, n_share, total, s->pick, s->v, s->spare);
-    for (int64_t j = 0; j < total; ++j) {
-        const int64_t at = s->pick[j], hg = at / w;
-        a->chosen[((b * H) * G + hg) * S_max + s->place[at]] = 1;
-    }
+    for (int64_t j = 0; j < total; ++j) a->chosen[s->place[s->pick[j]]] = 1;
 }
 
 /* What a run of attended segments takes out of block j's rest, for each selection that chose it (bit gs of by):
