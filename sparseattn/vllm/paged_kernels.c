@@ -1422,11 +1422,12 @@ static void split_score_item(const sa_split_args *a, const sa_pages *c, int64_t 
         }
     }
     for (int64_t i = 0; i < mm * G * seg; ++i) s->shifted[i] = expf(s->shifted[i]);
-    for (int64_t i = 0; i < mm * G; ++i) {
+    for (int64_t i = 0; i < mm * G; ++i) { /* each segment's sum, in place (row i's terms lie at i seg and after) */
         float sum = 0.f;
         for (int64_t j = 0; j < seg; ++j) sum += s->shifted[i * seg + j];
-        s->tops[i] += logf(sum);
+        s->shifted[i] = sum;
     }
+    for (int64_t i = 0; i < mm * G; ++i) s->tops[i] += logf(s->shifted[i]); /* alone: a loop of vector logarithms */
     for (int64_t i = 0; i < mm; ++i)
         for (int64_t g = 0; g < G; ++g) ex[g * M_max + i] = s->tops[i * G + g];
     prof_mark(&prof, SA_PH_RERANK, n_slots * key_bytes(c, 0, unit));
@@ -1509,7 +1510,8 @@ static void split_pooled_row(const sa_split_args *a, int64_t b, const sa_pool_sc
             /* a shortlisted candidate's term is e^-80 here (its exact mass is added below): the select goes before the
              * exponential, so the loop runs as vector exps (e^-80 beside the largest term's e^0 is nothing) */
             for (int64_t i = 0; i < n_cand; ++i) sum += expf(s->is_short[i] ? SA_EXP_FLOOR : exp_arg((cs[i] - shift) - mx));
-            for (int64_t i = 0; i < mm; ++i) sum += expf(exp_arg(ex[i] - mx)), s->is_short[sh[i]] = 0;
+            for (int64_t i = 0; i < mm; ++i) sum += expf(exp_arg(ex[i] - mx)); /* alone: a loop of vector exps */
+            for (int64_t i = 0; i < mm; ++i) s->is_short[sh[i]] = 0;
             float log_total = mx + logf(sum > 0.f ? sum : FLT_MIN);
             const float al = a->always[(b * H + h) * G + g];
             log_total = log_total > al ? log_total + log1pf(expf(al - log_total)) : al + log1pf(expf(log_total - al));
