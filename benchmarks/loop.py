@@ -57,8 +57,8 @@ def load(shape: str, device: torch.device, max_positions: int):
 
 
 def methods_for(device: torch.device, budget: int) -> dict:
-    # Dense on the kernel the sparse rows attend with (the C kernel on the CPU, Triton on CUDA): the loop reads the
-    # prompt as one fixed region through it, so dense and sparse differ in what they attend, not in how.
+    # Dense on the kernel the sparse rows attend with (the C kernel on the CPU, Triton on CUDA): the loop reads every
+    # token before a phase as one fixed region through it, so dense and sparse differ in what they attend, not in how.
     kernel = "triton" if device.type == "cuda" else "cpu"
     return {
         f"dense ({kernel} kernel)": Dense(backend=kernel),

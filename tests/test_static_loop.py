@@ -223,7 +223,7 @@ def test_the_loop_gives_model_generate_s_greedy_tokens(architecture, name):
     got = generate(model, ids, method, 40)
     assert torch.equal(got.tokens, want)
     # radar+'s grid is rebuilt within the 40 steps (a new phase); Quest's pages and Radar's grid seal segments
-    # on the device within one phase; dense has one.
+    # on the device within one phase; dense has one (its phases end every max(256, 2 sqrt t) steps).
     assert got.phases >= (2 if "radar+" in name else 1)
     assert model.config._attn_implementation == "sdpa"  # the loop removed what it applied
 

@@ -80,6 +80,22 @@ def test_the_top_k_of_numbers_that_share_their_top_bits(low, high):
             assert sorted(top_k_positions(x, k).tolist()) == _sorted_reference(x, k)
 
 
+@pytest.mark.parametrize("n, k", [(15, 7), (16, 15), (40, 3), (100, 99), (944, 472), (4248, 2124)])
+def test_the_top_k_writes_its_k_positions_in_order_and_nothing_past_them(n, k):
+    """The select's contract the split step relies on: the positions above the k-th value in ascending order, then
+    the ties at it in ascending order, and not one word written past the k it was asked for (its vector loops
+    store with masks)."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randint(-6, 6, (n,), generator=g).float() / 4  # many ties at the k-th value
+    out = torch.full((k + 32,), -7, dtype=torch.int64)
+    assert library().sa_paged_top_k(x.data_ptr(), n, k, out.data_ptr()) == 0
+    kth = x.sort(descending=True).values[k - 1]
+    above = (x > kth).nonzero().flatten()
+    ties = (x == kth).nonzero().flatten()[: k - len(above)]
+    assert out[:k].tolist() == above.tolist() + ties.tolist()
+    assert (out[k:] == -7).all()
+
+
 def test_top_k_refuses_a_k_out_of_range():
     with pytest.raises(ValueError, match="k=0"):
         top_k_positions(torch.ones(3), 0)

@@ -102,7 +102,8 @@ def generate(
         graphs: capture each phase's step as a CUDA graph and replay it (CUDA only; a summary that reads a value back
             to the host when it scores, Radar's random features, is refused).
         compile: run the step through ``torch.compile`` (CPU or GPU): compiled anew when a phase changes the shapes,
-            so past torch's recompile limit (8 by default) the later phases run eagerly.
+            so past torch's recompile limit (8 by default) the later phases run eagerly (dense's phases too: one per
+            ``max(256, 2 sqrt t)`` steps, :func:`~sparseattn.methods.static_step.tail_reach`).
         prefill_chunk: prompt tokens per prefill pass (0: one pass); a long prompt's peak memory is its passes' MLP
             activations (128k tokens x 4 rows of an 8B model in one pass do not fit beside their cache on a 141 GB GPU).
     """

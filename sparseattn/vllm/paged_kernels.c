@@ -654,12 +654,13 @@ static inline float finite_or_lowest(float x) {
     return (bits & 0x7f800000u) == 0x7f800000u ? -FLT_MAX : x;
 }
 
-/* The k (1 <= k <= n) largest of x[0..n) into out, in no particular order (ties at the k-th value: the earlier
- * indices), O(n): the k-th largest by a radix select on the numbers' order-preserving 32-bit keys (a NaN ranks
- * lowest), 8 or 11 bits a pass from the top (a histogram, then the bucket holding the k-th: a pass over the numbers
- * still in it), then one pass collects. Scratch: v, w of n 32-bit words. For a shortlist whose order nothing reads (the
- * split step's: its pages are ranked by slot, its masses by place). Replaced a quickselect (3-4x the time at n = 2000:
- * its partitions swept the numbers several times). */
+/* The k (1 <= k <= n) largest of x[0..n) into out: the positions above the k-th value ascending, then the ties at it
+ * ascending (the earlier indices), O(n): the k-th largest by a radix select on the numbers' order-preserving 32-bit
+ * keys (a NaN read as -FLT_MAX: it ties with that and ranks below every other number), starting below the bits the
+ * least and the largest key share (all keys share them: the shares a pooled split ranks are all negative), 8 or 11
+ * bits a pass (a histogram, then the bucket holding the k-th: the numbers still in it kept, by AVX-512 compresses
+ * where there are), then one pass collects. Scratch: v, w of n 32-bit words. Replaced a quickselect (3-4x the time
+ * at n = 2000: its partitions swept the numbers several times). */
 static inline uint32_t order_key(float x) {
     uint32_t bits;
     x = ranked(x);
