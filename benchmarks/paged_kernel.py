@@ -29,6 +29,13 @@ call, which a model's 30 layers never allow. ``--profile`` adds, per fused run, 
 in 64-byte lines, its GB/s and share of the machine's read bandwidth, measured at the start with
 :func:`sparseattn.bandwidth.read_bandwidth`) and the call's byte floor: its bytes over that bandwidth.
 
+``--keys text`` fills the caches with the default model's own keys and values instead of random ones: the
+serving benchmark's 8 stdlib prompts (its pass keys included), one cache per layer from ``--layer`` on, each with
+the query of its sequences' last token. Random keys scatter a shortlist over a sequence; real ones cluster, and
+a segment's keys are read by whole 32-token units, so the bytes a step reads differ (the demo's: 63% of the keys
+for the preset's rerank, ~88% with random keys). The keys are computed once (a forward pass through the layers
+needed) and kept in ``$SPARSEATTN_HOME/bench``.
+
 Methods are specs (``radar+:split=pooled,rest=merged``); a per-layer method (``radar+adaptive``) runs
 the method of layer ``--layer`` of the default model's 30.
 
@@ -79,6 +86,69 @@ def make_cache(batch: int, length: int, bs: int, H: int, D: int, dtype: torch.dt
     order = torch.randperm(n_blocks - 1, generator=g).to(torch.int32)
     table = torch.stack([order[:pages] if shared else order[i * pages : (i + 1) * pages] for i in range(batch)])
     return cache.to(dtype), table.contiguous()
+
+
+def model_keys(batch: int, length: int, layers: range, shared: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The default model's keys and values ``[B, H_kv, length, D]`` (after RoPE, as a cache holds them) and its last
+    token's queries ``[B, H_q, D]`` at each of ``layers``, over ``batch`` of the serving benchmark's prompts (one,
+    repeated, when ``shared``); float32, computed once and kept on disk."""
+    from sparseattn.paths import cache_dir
+
+    path = cache_dir("bench") / f"paged-model-keys-b{batch}-L{length}-layers{layers.start}-{layers.stop}{'-shared' if shared else ''}.pt"
+    if path.exists():
+        return torch.load(path)
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from sparseattn.evaluation.serving_workload import workload
+    from sparseattn.hf.models import load_model
+
+    model, tokenizer = load_model("default")
+    rows = workload(tokenizer, 1 if shared else batch, length, 2)
+    ids = torch.tensor([row.ids for row in rows] * (batch if shared else 1))
+    captured = {}
+
+    class Enough(Exception):  # the last layer needed is captured: the rest of the forward pass is not run
+        pass
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        if module.layer_idx in layers:
+            captured[module.layer_idx] = (key.float().clone(), value.float().clone(), query[:, :, -1].float().clone())
+        if module.layer_idx == layers[-1]:
+            raise Enough
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("sparseattn_bench_capture", capture)
+    model.set_attn_implementation("sparseattn_bench_capture")
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except Enough:
+        pass
+    out = [captured[layer] for layer in layers]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path)
+    return out
+
+
+def fill_cache(keys: torch.Tensor, values: torch.Tensor, bs: int, shared: bool, seed: int = 0):
+    """``keys, values [B, H, length, D]`` laid out as :func:`make_cache` lays out its random ones (the same table)."""
+    B, H, length, D = keys.shape
+    g = torch.Generator().manual_seed(seed)
+    pages = math.ceil(length / bs)
+    n_blocks = pages * (1 if shared else B) + 1
+    cache = torch.zeros(n_blocks, H, bs, 2 * D)
+    keys_t, vals = page_views(cache)
+    order = torch.randperm(n_blocks - 1, generator=g).to(torch.int32)
+    table = torch.stack([order[:pages] if shared else order[i * pages : (i + 1) * pages] for i in range(B)])
+    pad = pages * bs - length
+    k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(B, H, pages, bs, D)
+    v = torch.nn.functional.pad(values, (0, 0, 0, pad)).view(B, H, pages, bs, D)
+    for i in range(1 if shared else B):
+        blocks = table[i].long()
+        keys_t[blocks] = k[i].permute(1, 0, 3, 2)  # [pages, H, D, bs]
+        vals[blocks] = v[i].permute(1, 0, 2, 3)  # [pages, H, bs, D]
+    return cache, table.contiguous()
 
 
 def fp8_cache(cache: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
@@ -139,6 +209,8 @@ def main() -> None:
     parser.add_argument("--caches", type=int, default=4, help="caches read in turn (as a model's layers are), so that "
                         "each call reads from memory, not from the last-level cache")
     parser.add_argument("--profile", action="store_true", help="also time each fused run's phases and count their bytes")
+    parser.add_argument("--keys", choices=["random", "text"], default="random", help="random keys and values, or the default "
+                        "model's own over the serving benchmark's prompts (one cache per layer from --layer on)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -166,16 +238,24 @@ def main() -> None:
 
     H, G, D, bs = 3, 3, 64, args.block_size
     dtype = DTYPES[args.dtype]
-    caches = [make_cache(args.batch, args.length, bs, H, D, dtype, args.shared, seed=i) for i in range(args.caches)]
+    if args.keys == "text":
+        layers = range(args.layer, args.layer + args.caches)
+        if layers[-1] >= 30:
+            parser.error(f"--keys text: --layer {args.layer} + --caches {args.caches} pass the model's 30 layers; allowed: at most 30")
+        found = model_keys(args.batch, args.length, layers, args.shared)
+        caches = [(*fill_cache(k, v, bs, args.shared, seed=i), q) for i, (k, v, q) in enumerate(found)]
+        caches = [(cache.to(dtype), table, q.to(dtype)) for cache, table, q in caches]
+    else:
+        query = torch.randn(args.batch, H * G, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+        caches = [(*make_cache(args.batch, args.length, bs, H, D, dtype, args.shared, seed=i), query) for i in range(args.caches)]
     fmt = KVFormat(args.kv_cache_dtype)
     if fmt.fp8 is not None:
-        caches = [(fp8_cache(cache, fmt), table) for cache, table in caches]
+        caches = [(fp8_cache(cache, fmt), table, q) for cache, table, q in caches]
     if args.layout == "amx":
         if dtype != torch.bfloat16 or fmt.fp8 is not None:
             parser.error("--layout amx: the amx layout holds bfloat16 pages (--dtype bfloat16, --kv-cache-dtype auto)")
-        caches = [(amx_layout(cache), table) for cache, table in caches]
+        caches = [(amx_layout(cache), table, q) for cache, table, q in caches]
         have_vllm = have_vllm and "amx_tile" in cpu_flags().split()  # vLLM's amx kernel needs AMX
-    query = torch.randn(args.batch, H * G, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     lens = torch.full((args.batch,), args.length, dtype=torch.int32)
     scale = D**-0.5
 
@@ -184,7 +264,7 @@ def main() -> None:
     store_mib: dict[str, float] = {}
     fused_runs: set[str] = set()
     if have_vllm:
-        calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, query, scale, fmt, args.layout) for cache, table in caches]
+        calls["vllm kernel (all pages)"] = [vllm_kernel(cache, table, lens, q, scale, fmt, args.layout) for cache, table, q in caches]
     for name in args.methods:
         policy = PagedPolicy(built[name], name, segments[name]).for_layer(args.layer, 30)
         way = route(policy)
@@ -196,7 +276,7 @@ def main() -> None:
                 variants.append((f"fused {name} (segment rows)", True))
             for label, rows_layout in variants:
                 runs = []
-                for cache, table in caches:
+                for cache, table, query in caches:
                     if not way.keeps_store:
                         store = None
                     elif rows_layout:
@@ -204,8 +284,8 @@ def main() -> None:
                                           summary_dtype=way.summary_dtype, segment_sums=True)  # fmt: skip
                     else:
                         store = PageStore.for_policy(policy, cache.shape[0], H, D, bs)
-                    runs.append(lambda p=policy, m=mode, s=store, pl=plan, c=cache, t=table: fused_decode(
-                        p, m, s, c, query, t, lens, scale, plan=pl, fmt=fmt, layout=args.layout)[0])  # fmt: skip
+                    runs.append(lambda p=policy, m=mode, s=store, pl=plan, c=cache, t=table, q=query: fused_decode(
+                        p, m, s, c, q, t, lens, scale, plan=pl, fmt=fmt, layout=args.layout)[0])  # fmt: skip
                     store_mib[label] = 0.0 if store is None else store.nbytes / 2**20
                 calls[label] = runs
                 fused_runs.add(label)
@@ -215,10 +295,10 @@ def main() -> None:
 
             params, gen = policy.prepare(H, D, 0)
             runs = []
-            for cache, table in caches:
+            for cache, table, query in caches:
                 summaries = PageSummaries(cache.shape[0], bs)
 
-                def generic(p=policy, pr=params, ge=gen, su=summaries, c=cache, t=table):
+                def generic(p=policy, pr=params, ge=gen, su=summaries, c=cache, t=table, query=query):
                     chosen = choose_pages(p, pr, ge, c, query, t, lens, scale, su, fmt)
                     if chosen.merged is not None:
                         return attend_pages(query, c, t, chosen.pages, lens, scale, None, fmt, merged=chosen.merged)
@@ -269,7 +349,7 @@ def main() -> None:
     from rich.table import Table
 
     console = Console(width=160)
-    shared = "shared blocks" if args.shared else "own blocks"
+    shared = ("shared blocks" if args.shared else "own blocks") + (", the model's keys" if args.keys == "text" else ", random keys")
     kv_label = (args.dtype if fmt.fp8 is None else f"{args.kv_cache_dtype} cache, {args.dtype} queries") + f", {args.layout} layout"
     table_out = Table(title=f"one layer's decode attention: batch {args.batch} x {args.length} tokens ({shared}), {kv_label}, "
                             f"{bs}-token pages, budget {args.budget}, {args.threads} thread(s), {args.caches} caches in turn, "
