@@ -1746,7 +1746,7 @@ static void split_attend_item(const sa_split_args *a, const sa_pages *c, int64_t
     if (per_block > 0) {
         n_blocks = (n_cand + per_block - 1) / per_block;
         memset(s->total, 0, sizeof(double) * (size_t)(n_blocks * 2 * D));
-        const int64_t step = whole_pages ? r : 1, ahead = 4 * step; /* rows prefetched this many candidates ahead */
+        const int64_t step = whole_pages ? r : 1, ahead = 16 * step; /* rows prefetched this many candidates ahead */
         for (int64_t i = 0; i < n_cand; i += step) {
             const int64_t row_of = whole_pages ? page_row : i % r;
             const float *src = a->sums + ((cand_block(c, table, sink_pages, i) * H + h) * rows_s + row_of) * W;
