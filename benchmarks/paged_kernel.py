@@ -71,6 +71,13 @@ REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def block_table(batch: int, pages: int, shared: bool, g: torch.Generator) -> torch.Tensor:
+    """``[batch, pages]`` int32: each sequence's blocks, scattered over the cache's first blocks (the last one spare);
+    with ``shared`` every sequence on the same ones."""
+    order = torch.randperm(pages * (1 if shared else batch), generator=g).to(torch.int32)
+    return torch.stack([order[:pages] if shared else order[i * pages : (i + 1) * pages] for i in range(batch)]).contiguous()
+
+
 def make_cache(batch: int, length: int, bs: int, H: int, D: int, dtype: torch.dtype, shared: bool, seed: int = 0):
     """A random cache and block table: ``batch`` sequences of ``length`` tokens (shared: on the same blocks).
 
@@ -83,9 +90,7 @@ def make_cache(batch: int, length: int, bs: int, H: int, D: int, dtype: torch.dt
     cache = torch.randn(n_blocks, H, bs, 2 * D, generator=g)
     keys_t, _ = page_views(cache)
     keys_t += torch.randn(n_blocks, H, D, 1, generator=g) * 0.5
-    order = torch.randperm(n_blocks - 1, generator=g).to(torch.int32)
-    table = torch.stack([order[:pages] if shared else order[i * pages : (i + 1) * pages] for i in range(batch)])
-    return cache.to(dtype), table.contiguous()
+    return cache.to(dtype), block_table(batch, pages, shared, g)
 
 
 def model_keys(batch: int, length: int, layers: range, shared: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -139,8 +144,7 @@ def fill_cache(keys: torch.Tensor, values: torch.Tensor, bs: int, shared: bool, 
     n_blocks = pages * (1 if shared else B) + 1
     cache = torch.zeros(n_blocks, H, bs, 2 * D)
     keys_t, vals = page_views(cache)
-    order = torch.randperm(n_blocks - 1, generator=g).to(torch.int32)
-    table = torch.stack([order[:pages] if shared else order[i * pages : (i + 1) * pages] for i in range(B)])
+    table = block_table(B, pages, shared, g)
     pad = pages * bs - length
     k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(B, H, pages, bs, D)
     v = torch.nn.functional.pad(values, (0, 0, 0, pad)).view(B, H, pages, bs, D)
@@ -148,7 +152,7 @@ def fill_cache(keys: torch.Tensor, values: torch.Tensor, bs: int, shared: bool, 
         blocks = table[i].long()
         keys_t[blocks] = k[i].permute(1, 0, 3, 2)  # [pages, H, D, bs]
         vals[blocks] = v[i].permute(1, 0, 2, 3)  # [pages, H, bs, D]
-    return cache, table.contiguous()
+    return cache, table
 
 
 def fp8_cache(cache: torch.Tensor, fmt: KVFormat) -> torch.Tensor:

@@ -410,3 +410,16 @@ def test_the_fixed_shape_step_runs_the_triton_kernels(name):
     assert type(step._lse_backend(queries[0].view(B, H, G, D))).__name__ == "TritonBackend"
     last = prompt + new - 1  # the last step again, at its own position: nothing read back to the host (a graph captures it)
     assert host_reads(lambda: step.step(queries[-1], keys[:, :, last], values[:, :, last], position - 1)) == []
+
+
+@pytest.mark.parametrize("name", ["dense", "radar+"])
+def test_a_phase_past_the_reserved_capacity_is_refused_before_any_work(name):
+    method = layer_method(_method(STEPPED[name]), 1, 2)
+    state = method.new_state(1, 2, 8, dtype=torch.float64)
+    state.append(torch.randn(1, 2, 50, 8, dtype=torch.float64), torch.randn(1, 2, 50, 8, dtype=torch.float64))
+    step = static_step(state, 52)
+    phase = step.plan(51, 70)  # planned past the 52 tokens reserved
+    assert phase.last > 52
+    with pytest.raises(ValueError, match="past the reserved capacity 52"):
+        step.begin(phase)
+    assert step.phase is None and state.length == 50

@@ -282,6 +282,11 @@ class _Reserved:
         self.state._keys.fill_to(length)
         self.state._values.fill_to(length)
 
+    def _check_fits(self, phase: Phase | DensePhase) -> None:
+        """Refuse a phase whose steps would store past the reserved capacity (before any work)."""
+        if phase.last > self.capacity:
+            raise ValueError(f"the phase reaches length {phase.last}, past the reserved capacity {self.capacity}")
+
     def _reserved(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.state._keys.storage.narrow(2, 0, self.capacity), self.state._values.storage.narrow(2, 0, self.capacity)
 
@@ -411,8 +416,7 @@ class StaticSegmentStep(_Reserved):
         it: the step's token is not written yet, and never segmented at its own step), its buffers reserved for the
         segments the phase seals, and the phase's tables."""
         state = self.state
-        if phase.last > self.capacity:
-            raise ValueError(f"the phase reaches length {phase.last}, past the reserved capacity {self.capacity}")
+        self._check_fits(phase)
         self._commit(phase.first - 1)
         state._keys.fill_to(phase.first)
         state._values.fill_to(phase.first)
@@ -652,8 +656,7 @@ class StaticDenseStep(_Reserved):
 
     def begin(self, phase: DensePhase) -> None:
         """Host side, outside any graph: the region and the tail of ``phase``."""
-        if phase.last > self.capacity:
-            raise ValueError(f"the phase reaches length {phase.last}, past the reserved capacity {self.capacity}")
+        self._check_fits(phase)
         self.phase = phase
         n = phase.tail_start
         self._region_layout = SegmentLayout(length=n, sinks=n, segment_size=1, n_segments=0)
